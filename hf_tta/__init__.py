@@ -1,0 +1,36 @@
+"""hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
+
+__version__ = "0.1.0"
+
+from .config import TTAConfig
+from .metrics import retrieval_metrics
+from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
+from .objectives import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    available_objectives,
+    register_objective,
+)
+from .wrapper import GalleryCache, TTAOutput, TTAWrapper
+
+__all__ = [
+    "DualEncoderAdapter",
+    "GalleryCache",
+    "LossOutput",
+    "ModelAdapter",
+    "Objective",
+    "ObjectiveConfig",
+    "ObjectiveInputs",
+    "TTAConfig",
+    "TTAOutput",
+    "TTAWrapper",
+    "available_objectives",
+    "get_adapter",
+    "register_adapter",
+    "register_objective",
+    "retrieval_metrics",
+    "supported_architectures",
+    "__version__",
+]

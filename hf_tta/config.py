@@ -1,0 +1,100 @@
+"""``TTAConfig``: everything the wrapper needs to know, serialisable to ``tta_config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .configuration_utils import ConfigMixin, check_positive
+from .models.base import MODALITIES
+from .objectives.base import ObjectiveConfig, get_objective_class
+
+AUTOCAST_DTYPES = ("bf16", "fp16")
+RESET_POLICIES = ("never", "episodic")
+
+
+@dataclass
+class TTAConfig(ConfigMixin):
+    """Configuration of a :class:`~hf_tta.TTAWrapper`.
+
+    Defaults follow TCR's reference code (Li et al., ICLR 2025): continual adaptation, 3 AdamW steps per batch,
+    weight decay 1e-4, the learning rate of the query modality and architecture (3e-4 for image queries, 3e-5 for
+    BLIP-style text queries, 3e-4 for CLIP text), LayerNorm affine parameters of the query tower only.
+
+    Example:
+        >>> cfg = TTAConfig(objective="tcr", query_modality="image", objective_config={"tau": 0.02})
+        >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    config_file_name = "tta_config.json"
+
+    objective: str = field(default="tcr", metadata={"help": "Registered objective name (see hf_tta.available_objectives())."})
+    objective_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "Overrides of the objective's hyper-parameters (its dataclass config holds the paper defaults)."},
+    )
+    query_modality: str = field(default="image", metadata={"help": "Modality of the query stream: image, text, audio or video."})
+    gallery_modality: str | None = field(
+        default=None, metadata={"help": "Modality of the gallery; None = the model's other modality."}
+    )
+    steps: int = field(default=3, metadata={"help": "Gradient steps per incoming batch (TCR code: --tta_steps 3)."})
+    lr: float | None = field(
+        default=None, metadata={"help": "AdamW learning rate; None = the papers' default for this model and query modality."}
+    )
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (TCR code: 1e-4)."})
+    reset_policy: str = field(
+        default="never",
+        metadata={"help": "'never' = continual adaptation over the stream (TCR); 'episodic' = reset after every batch."},
+    )
+    target_modules: list[str] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Modules to adapt (PEFT semantics: a regex that full-matches, or a list of names/suffixes). "
+            "None = the normalisation layers of the query tower."
+        },
+    )
+    exclude_modules: list[str] | str | None = field(
+        default=None, metadata={"help": "Modules never to adapt (same semantics as target_modules)."}
+    )
+    gallery_batch_size: int = field(default=256, metadata={"help": "Chunk size when encoding the gallery (no grad)."})
+    autocast_dtype: str | None = field(
+        default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the wrapper's RNG (used by objectives that sample)."})
+
+    def __post_init__(self):
+        get_objective_class(self.objective)  # raises with the list of available objectives
+        if isinstance(self.objective_config, ObjectiveConfig):
+            self.objective_config = self.objective_config.to_dict()
+        if not isinstance(self.objective_config, dict):
+            raise TypeError("`objective_config` must be a dict of hyper-parameter overrides or an ObjectiveConfig.")
+        for name in ("query_modality", "gallery_modality"):
+            value = getattr(self, name)
+            if value is not None and value not in MODALITIES:
+                raise ValueError(f"`{name}` must be one of {list(MODALITIES)}, got {value!r}.")
+        if self.gallery_modality == self.query_modality:
+            raise ValueError("`gallery_modality` must differ from `query_modality` (cross-modal retrieval).")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"`steps` must be an integer >= 1, got {self.steps!r}.")
+        check_positive("lr", self.lr)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("gallery_batch_size", self.gallery_batch_size)
+        if self.reset_policy not in RESET_POLICIES:
+            raise ValueError(f"`reset_policy` must be one of {list(RESET_POLICIES)}, got {self.reset_policy!r}.")
+        if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
+            raise ValueError(f"`autocast_dtype` must be None or one of {list(AUTOCAST_DTYPES)}, got {self.autocast_dtype!r}.")
+        # Validate the overrides now, not at the first batch.
+        self.build_objective_config()
+
+    def build_objective_config(self) -> ObjectiveConfig:
+        config_class = get_objective_class(self.objective).config_class
+        known = {f.name for f in dataclasses.fields(config_class)}
+        unknown = sorted(set(self.objective_config) - known)
+        if unknown:
+            raise ValueError(
+                f"`objective_config` has keys {unknown} that {config_class.__name__} does not define; "
+                f"valid keys: {sorted(known)}."
+            )
+        return config_class(**self.objective_config)

@@ -1,0 +1,85 @@
+"""Serialisable dataclass configs, in the style of ``peft.PeftConfig``.
+
+Every config in hf_tta is a dataclass whose fields carry ``metadata={"help": ...}``. They
+serialise to sorted JSON, and loading warns about and drops unknown keys so that a checkpoint
+written by a newer version still loads (peft's forward-compatible behaviour).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound="ConfigMixin")
+
+
+class ConfigMixin:
+    """``to_dict`` / ``from_dict`` / ``save_pretrained`` / ``from_pretrained`` for dataclass configs."""
+
+    config_file_name: str = "config.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, ConfigMixin):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        known = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            logger.warning(
+                "%s: ignoring unknown keys %s (written by another version of hf_tta?)", cls.__name__, unknown
+            )
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, self.config_file_name)
+        payload = self.to_dict()
+        from . import __version__
+
+        payload["hf_tta_version"] = __version__
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls: type[T], directory: str | os.PathLike) -> T:
+        path = os.path.join(directory, cls.config_file_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No {cls.config_file_name} in {directory!r}: was it written by save_pretrained()?")
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        data.pop("hf_tta_version", None)
+        return cls.from_dict(data)
+
+
+def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    """Raise a ``ValueError`` naming the field unless ``value`` is (strictly) positive."""
+    if value is None:
+        return
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"`{name}` must be {bound}, got {value!r}.")
+
+
+def check_fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")

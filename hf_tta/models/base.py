@@ -1,0 +1,180 @@
+"""The model-adapter contract: how to embed each modality and which parameters belong to which tower.
+
+One small module per Hugging Face architecture subclasses :class:`ModelAdapter` and registers itself
+with :func:`register_adapter`. Everything architecture-specific lives there; the wrapper and the
+objectives only see L2-normalised embeddings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, ClassVar, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODALITIES = ("image", "text", "audio", "video")
+
+# Normalisation layers TTA adapts by default (TCR: "the parameters within the normalization layers").
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+class ModelAdapter:
+    """Embeds one modality of a dual encoder and describes its towers.
+
+    Subclasses set the class attributes and implement ``_embed(modality, inputs)`` returning *unnormalised*
+    projected embeddings of shape ``(B, D)`` (or ``(B, Q, D)`` for multi-vector modalities).
+
+    Class attributes:
+        architectures: Hugging Face class names this adapter serves.
+        modalities: the modalities the model embeds.
+        input_names: per modality, the accepted input keys; the first is required.
+        towers: per modality, module-name prefixes (as in ``named_modules()``) of that modality's tower.
+        shared: prefixes of modules used by more than one tower (BLIP-2's Q-Former).
+        default_lr: per query modality, the AdamW learning rate of the papers.
+        multi_vector: modalities whose embedding is a set of vectors scored by a max (BLIP-2 images).
+        excluded_norms: per modality, norm layers of the tower that the reference code does not adapt.
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+    input_names: ClassVar[dict[str, tuple[str, ...]]] = {
+        "image": ("pixel_values",),
+        "text": ("input_ids", "attention_mask", "token_type_ids", "position_ids"),
+    }
+    towers: ClassVar[dict[str, tuple[str, ...]]] = {}
+    shared: ClassVar[tuple[str, ...]] = ()
+    default_lr: ClassVar[dict[str, float]] = {"image": 3e-4, "text": 3e-4}
+    multi_vector: ClassVar[frozenset[str]] = frozenset()
+    excluded_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    # ----------------------------------------------------------------------------------- embed
+    def check_modality(self, modality: str) -> None:
+        if modality not in self.modalities:
+            raise ValueError(
+                f"{type(self.model).__name__} embeds {list(self.modalities)}; got modality {modality!r}."
+            )
+
+    def select_inputs(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keep the keys this modality's tower accepts; raise if the required one is missing."""
+        self.check_modality(modality)
+        if not isinstance(inputs, Mapping):
+            raise TypeError(
+                f"{modality} inputs must be a dict of tensors such as {{'{self.input_names[modality][0]}': ...}} "
+                f"(e.g. a processor's BatchEncoding); got {type(inputs).__name__}."
+            )
+        names = self.input_names[modality]
+        if names[0] not in inputs:
+            raise ValueError(
+                f"{modality} inputs need {names[0]!r}; got keys {sorted(inputs)}. Is the query modality right?"
+            )
+        return {k: inputs[k] for k in names if k in inputs and inputs[k] is not None}
+
+    def embed(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """L2-normalised projected embeddings ``(B, D)`` (``(B, Q, D)`` for multi-vector modalities)."""
+        emb = self._embed(modality, self.select_inputs(modality, inputs))
+        return F.normalize(emb.float(), dim=-1)
+
+    def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------- score
+    @staticmethod
+    def score(query: torch.Tensor, gallery: torch.Tensor) -> torch.Tensor:
+        """Cosine similarities ``(B, N)``; a multi-vector side is reduced by a max over its vectors."""
+        if query.dim() == 2 and gallery.dim() == 2:
+            return query @ gallery.T
+        if query.dim() == 3 and gallery.dim() == 2:
+            return torch.einsum("bqd,nd->bqn", query, gallery).amax(dim=1)
+        if query.dim() == 2 and gallery.dim() == 3:
+            return torch.einsum("bd,nqd->bnq", query, gallery).amax(dim=2)
+        raise ValueError(f"Cannot score query embeddings {tuple(query.shape)} against gallery {tuple(gallery.shape)}.")
+
+    @staticmethod
+    def single_vector(emb: torch.Tensor, scores: torch.Tensor | None = None, other: torch.Tensor | None = None):
+        """One vector per item, for objectives that need centres and distances.
+
+        Single-vector embeddings are returned as they are. A multi-vector query ``(B, Q, D)`` is reduced to the
+        vector that attains its score with its top-1 gallery item (differentiable gather). A multi-vector gallery
+        ``(N, Q, D)`` (no ``scores``) becomes the normalised mean of its vectors. Ranking always uses the exact
+        max-over-vectors :meth:`score`; this view only feeds the objectives' centre/gap statistics.
+        """
+        if emb.dim() == 2:
+            return emb
+        if scores is None or other is None:
+            return F.normalize(emb.mean(dim=1), dim=-1)
+        top = other[scores.detach().argmax(dim=1)]  # (B, D) single-vector gallery items
+        token = torch.einsum("bqd,bd->bq", emb.detach(), top).argmax(dim=1)
+        return emb[torch.arange(emb.shape[0], device=emb.device), token]
+
+    # ----------------------------------------------------------------------------------- params
+    def tower_of(self, name: str) -> set[str]:
+        """Modalities whose tower contains module ``name`` (several for shared modules)."""
+        if any(_has_prefix(name, p) for p in self.shared):
+            return set(self.modalities)
+        return {m for m, prefixes in self.towers.items() if any(_has_prefix(name, p) for p in prefixes)}
+
+    def norm_layer_names(self, modality: str) -> list[str]:
+        """Names of the normalisation layers in ``modality``'s tower (TCR's default adapted parameters)."""
+        self.check_modality(modality)
+        excluded = self.excluded_norms.get(modality, ())
+        return [
+            name
+            for name, module in self.model.named_modules()
+            if isinstance(module, NORM_TYPES)
+            and modality in self.tower_of(name)
+            and name not in excluded
+            and any(True for _ in module.parameters(recurse=False))  # skip elementwise_affine=False
+        ]
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({type(self.model).__name__}, modalities={list(self.modalities)})"
+
+
+def _has_prefix(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+ADAPTERS: dict[str, type[ModelAdapter]] = {}
+
+
+def register_adapter(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+    """Class decorator registering an adapter for each name in ``cls.architectures``."""
+    for arch in cls.architectures:
+        ADAPTERS[arch] = cls
+    return cls
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def get_adapter(model: nn.Module | ModelAdapter) -> ModelAdapter:
+    """The adapter for ``model`` (looked up by class name along its MRO), or ``model`` if it is one."""
+    if isinstance(model, ModelAdapter):
+        return model
+    for klass in type(model).__mro__:
+        if klass.__name__ in ADAPTERS:
+            return ADAPTERS[klass.__name__](model)
+    raise ValueError(
+        f"hf_tta has no adapter for {type(model).__name__}. Supported: {', '.join(supported_architectures())}. "
+        "For another dual encoder, wrap it with hf_tta.DualEncoderAdapter(model, encoders=..., towers=...)."
+    )
+
+
+def match_module_names(model: nn.Module, patterns: str | Iterable[str]) -> list[str]:
+    """PEFT semantics: a string is a regex that must full-match; a list holds names or name suffixes."""
+    names = [n for n, _ in model.named_modules() if n]
+    if isinstance(patterns, str):
+        rx = re.compile(patterns)
+        return [n for n in names if rx.fullmatch(n)]
+    wanted = list(patterns)
+    return [n for n in names if any(n == w or n.endswith("." + w) for w in wanted)]
+
+
+EncodeFn = Callable[[nn.Module, dict], torch.Tensor]

@@ -1,0 +1,48 @@
+"""Blip2ForImageTextRetrieval: ITC through the Q-Former.
+
+Images are *multi-vector*: the Q-Former's ``num_query_tokens`` outputs, each projected and normalised, and an
+image-text score is the max over them (as ``forward(use_image_text_matching_head=False)`` computes it).
+
+The Q-Former is **shared** by both modalities (text goes through the same layers with ``query_length=0``), so
+adapting its LayerNorms moves the text side too. hf_tta encodes the gallery once, with the adapters disabled
+(exactly the source model), and never re-encodes it, so the cached gallery stays the source gallery whatever the
+queries adapt. The default adapted parameters therefore include the Q-Former's norms for both directions; to
+keep the Q-Former frozen, pass ``exclude_modules=["qformer"]`` in the :class:`~hf_tta.TTAConfig`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ModelAdapter, register_adapter
+
+
+@register_adapter
+class Blip2Adapter(ModelAdapter):
+    architectures = ("Blip2ForImageTextRetrieval",)
+    towers = {
+        "image": ("vision_model", "query_tokens", "vision_projection"),
+        "text": ("embeddings", "text_projection"),
+    }
+    shared = ("qformer",)
+    multi_vector = frozenset({"image"})
+    # Not given by the papers for BLIP-2; BLIP's rates (TCR App. B.2).
+    default_lr = {"image": 3e-4, "text": 3e-5}
+
+    def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        m = self.model
+        if modality == "image":
+            image_embeds = m.vision_model(pixel_values=inputs["pixel_values"]).last_hidden_state
+            mask = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=image_embeds.device)
+            query_tokens = m.query_tokens.expand(image_embeds.shape[0], -1, -1)
+            out = m.qformer(query_embeds=query_tokens, encoder_hidden_states=image_embeds, encoder_attention_mask=mask)
+            hidden = out.last_hidden_state.to(m.vision_projection.weight.dtype)
+            return m.vision_projection(hidden)  # (B, Q, D)
+        input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
+        if m.config.image_token_index is not None:  # processor-inserted image tokens, as forward() drops them
+            input_ids = input_ids[:, m.config.num_query_tokens :]
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, m.config.num_query_tokens :]
+        out = m.qformer(query_embeds=m.embeddings(input_ids=input_ids), query_length=0, attention_mask=attention_mask)
+        hidden = out.last_hidden_state.to(m.text_projection.weight.dtype)
+        return m.text_projection(hidden[:, 0])

@@ -1,0 +1,183 @@
+"""The objective contract and its registry.
+
+An objective turns embeddings into a loss (or, for training-free methods, into new scores). It
+never touches the model: the wrapper embeds the queries, hands an :class:`ObjectiveInputs` to the
+objective, and owns backward, the optimiser, state, reset and save/load. So each objective is a
+pure function of tensors plus an explicit ``state`` dict of tensors, unit-testable without a model.
+
+Adding an objective = one file in ``hf_tta/objectives/`` with a dataclass config of paper defaults
+and a class decorated with :func:`register_objective`, plus one row in the parametrized test table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+
+from ..configuration_utils import ConfigMixin
+
+ObjectiveState = dict[str, torch.Tensor]
+
+
+@dataclass
+class ObjectiveConfig(ConfigMixin):
+    """Base class of the per-objective configs (hyper-parameters with the paper's defaults)."""
+
+
+@dataclass
+class ObjectiveInputs:
+    """What the wrapper gives an objective at each step.
+
+    Args:
+        query_emb (`torch.Tensor` of shape `(B, D)`): L2-normalised query embeddings, with grad for
+            gradient objectives. For multi-vector models (BLIP-2 images) this is the single-vector
+            view described in :meth:`hf_tta.models.ModelAdapter.single_vector`.
+        gallery_emb (`torch.Tensor` of shape `(N, D)`): cached, L2-normalised gallery embeddings (no grad),
+            single-vector view.
+        scores (`torch.Tensor` of shape `(B, N)`): exact query–gallery cosine similarities used for ranking
+            (grad flows through the queries). ``scores[:, idx]`` gives exact sub-matrices, which is how
+            refined predictions over candidate sets should be formed.
+        step (`int`): step within the current batch, ``0 .. steps - 1``.
+        batch_index (`int`): how many batches were adapted on before this one (since the last reset).
+        generator (`torch.Generator`): the wrapper's RNG (saved with the state, so resumed streams match).
+        reencode (`Callable`, *optional*): ``reencode(transform)`` re-embeds the current raw queries after
+            ``transform(inputs: dict) -> dict`` and returns ``(query_emb, scores)``; used by objectives that
+            need augmented views (DeYO).
+        source_scores (`Callable`, *optional*): returns the frozen source model's ``(B, N)`` scores for the
+            current queries (no grad); used by methods that regularise towards the source model.
+        query_modality (`str`): the modality of the queries (``"image"``, ``"text"``, ...).
+    """
+
+    query_emb: torch.Tensor
+    gallery_emb: torch.Tensor
+    scores: torch.Tensor
+    step: int = 0
+    batch_index: int = 0
+    generator: torch.Generator | None = None
+    reencode: Callable[[Callable[[dict], dict]], tuple[torch.Tensor, torch.Tensor]] | None = None
+    source_scores: Callable[[], torch.Tensor] | None = None
+    query_modality: str = "image"
+
+
+@dataclass
+class LossOutput:
+    """What an objective returns.
+
+    Args:
+        loss (`torch.Tensor`, *optional*): scalar loss; ``None`` for training-free objectives.
+        n_selected (`int`): how many queries contributed. ``0`` means "nothing selected, skip the update"
+            (the single skip rule of the library).
+        logits (`torch.Tensor` of shape `(B, C)`, *optional*): the (refined) prediction logits the loss is built
+            on, for gradient decoupling (REST Eq. 15).
+        candidates (`torch.Tensor` of shape `(B, C)`, *optional*): gallery indices of ``logits``' columns, so the
+            source model's prediction over the same candidates can be formed; ``None`` means all columns of
+            ``scores`` in order.
+        temperature (`float`, *optional*): the temperature that divides the scores in ``logits``.
+        scores (`torch.Tensor` of shape `(B, N)`, *optional*): replacement ranking scores (training-free methods).
+        logs (`dict`): scalar diagnostics (floats).
+    """
+
+    loss: torch.Tensor | None
+    n_selected: int
+    logits: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    temperature: float | None = None
+    scores: torch.Tensor | None = None
+    logs: dict[str, float] = field(default_factory=dict)
+
+
+class Objective:
+    """Base class. Subclasses set ``config_class`` and implement :meth:`__call__`.
+
+    Class attributes:
+        name: registry key (set by :func:`register_objective`).
+        config_class: the dataclass of hyper-parameters.
+        requires_grad: ``False`` for training-free objectives (no optimiser, no parameter change).
+        needs_closure: ``True`` when the optimiser must re-evaluate the loss (SAM).
+    """
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    requires_grad: ClassVar[bool] = True
+
+    def __init__(self, config: ObjectiveConfig | None = None):
+        self.config = config if config is not None else self.config_class()
+        if not isinstance(self.config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} expects a {self.config_class.__name__}, got {type(self.config).__name__}."
+            )
+
+    def init_state(self, device: torch.device | str = "cpu") -> ObjectiveState:
+        """A fresh objective state (tensors only, so it saves with safetensors)."""
+        return {}
+
+    def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:  # pragma: no cover
+        raise NotImplementedError
+
+    def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """The optimiser this objective adapts with (AdamW, as in TCR's code). SAR overrides it (SAM)."""
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def on_step_end(self, inputs: ObjectiveInputs, output: LossOutput, state: ObjectiveState) -> bool:
+        """Called after an update; return ``True`` to ask the wrapper to reset to the source (SAR's recovery)."""
+        return False
+
+
+OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register_objective(name: str, config_class: type[ObjectiveConfig]):
+    """Class decorator: register an :class:`Objective` subclass under ``name`` with its config class."""
+
+    def deco(cls: type[Objective]) -> type[Objective]:
+        if name in OBJECTIVES and OBJECTIVES[name] is not cls:
+            raise ValueError(f"An objective named {name!r} is already registered ({OBJECTIVES[name].__name__}).")
+        cls.name = name
+        cls.config_class = config_class
+        OBJECTIVES[name] = cls
+        return cls
+
+    return deco
+
+
+def available_objectives() -> list[str]:
+    return sorted(OBJECTIVES)
+
+
+def get_objective_class(name: str) -> type[Objective]:
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"Unknown objective {name!r}. Available: {', '.join(available_objectives())}.") from None
+
+
+def build_objective(name: str, config: ObjectiveConfig | Mapping[str, Any] | None = None) -> Objective:
+    """Instantiate the objective ``name`` from a config object or a dict of overrides."""
+    cls = get_objective_class(name)
+    if config is None or isinstance(config, Mapping):
+        config = cls.config_class.from_dict(dict(config or {}))
+    return cls(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared maths used by several objectives (kept here so objective files hold only their method).
+# ---------------------------------------------------------------------------------------------
+
+
+def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise entropy ``-sum_j p_ij log p_ij`` of ``softmax(logits)`` (natural log)."""
+    logp = logits.log_softmax(dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def nearest_neighbours(scores: torch.Tensor) -> torch.Tensor:
+    """Index of each query's top-1 gallery item (TCR Eq. 4)."""
+    return scores.detach().argmax(dim=1)
+
+
+def config_field(default: Any, help: str, **kwargs) -> Any:
+    """``dataclasses.field`` with peft-style help metadata."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)

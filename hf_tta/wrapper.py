@@ -1,0 +1,481 @@
+"""``TTAWrapper``: the online loop (embed, objective, backward, optimiser), state, reset and save/load."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from peft import LNTuningConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import TTAConfig
+from .models.base import ModelAdapter, get_adapter, match_module_names
+from .objectives.base import LossOutput, ObjectiveInputs, build_objective
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "tta_state.safetensors"
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class GalleryCache:
+    """Gallery embeddings computed once by the source model (no grad) and never adapted.
+
+    Args:
+        embeddings (`torch.Tensor`): ``(N, D)``, or ``(N, Q, D)`` for a multi-vector modality; L2-normalised.
+        modality (`str`): the gallery modality.
+    """
+
+    embeddings: torch.Tensor
+    modality: str
+    single: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.embeddings = self.embeddings.detach()
+        self.single = ModelAdapter.single_vector(self.embeddings)
+
+    def __len__(self) -> int:
+        return self.embeddings.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.embeddings.shape[-1]
+
+    def to(self, device) -> "GalleryCache":
+        return GalleryCache(self.embeddings.to(device), self.modality)
+
+
+@dataclass
+class TTAOutput:
+    """Result of one :meth:`TTAWrapper.adapt_step`.
+
+    Args:
+        scores (`torch.Tensor` of shape `(B, N)`): the queries' scores against the whole gallery, from the forward
+            of the last step (as TCR's reference code reports them).
+        loss (`float`, *optional*): the last step's loss (``None`` for training-free objectives).
+        num_updates (`int`): parameter updates made on this batch.
+        n_selected (`int`): queries that contributed to the last step's loss.
+        skipped (`list[str]`): why steps were skipped (nothing selected, non-finite loss or gradient).
+        logs (`dict`): the objective's diagnostics of the last step.
+    """
+
+    scores: torch.Tensor
+    loss: float | None
+    num_updates: int
+    n_selected: int
+    skipped: list[str] = field(default_factory=list)
+    logs: dict[str, float] = field(default_factory=dict)
+
+
+class TTAWrapper:
+    """Test-time adaptation of a Hugging Face dual encoder for retrieval under query shift.
+
+    The query tower's selected parameters (by default its LayerNorm affine parameters) are adapted online with
+    the chosen objective; the gallery tower and the cached gallery embeddings never change. Parameter selection,
+    exact recovery of the source model and the adapted copies use PEFT's LN-tuning mechanism: note that, as with
+    ``peft.get_peft_model``, the model passed in is modified in place (its target layers are wrapped).
+
+    Args:
+        model (`nn.Module` or `ModelAdapter`): a supported Hugging Face model (``CLIPModel``, ``SiglipModel``,
+            ``BlipForImageTextRetrieval``, ``Blip2ForImageTextRetrieval``, ``VisionTextDualEncoderModel``), or a
+            :class:`~hf_tta.DualEncoderAdapter` around a custom dual encoder.
+        config (`TTAConfig`, *optional*): objective, query modality, steps, optimiser and parameter selection.
+
+    Example:
+        >>> tta = TTAWrapper(model, TTAConfig(objective="tcr", query_modality="image"))  # doctest: +SKIP
+        >>> gallery = tta.encode_gallery(text_inputs)  # doctest: +SKIP
+        >>> out = tta.adapt_step({"pixel_values": pixels}, gallery)  # doctest: +SKIP
+        >>> out.scores.topk(10).indices  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None):
+        self.config = config if config is not None else TTAConfig()
+        if isinstance(model, PeftModel):
+            raise ValueError("Pass the base model, not a PeftModel: TTAWrapper applies its own PEFT LN-tuning adapter.")
+        self.adapter = get_adapter(model)
+        self.model = self.adapter.model
+        cfg = self.config
+        self.adapter.check_modality(cfg.query_modality)
+        self.query_modality = cfg.query_modality
+        self.gallery_modality = cfg.gallery_modality or self._other_modality()
+        self.adapter.check_modality(self.gallery_modality)
+        self.objective = build_objective(cfg.objective, cfg.build_objective_config())
+        self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
+
+        self.peft_model: PeftModel | None = None
+        self.params: dict[str, nn.Parameter] = {}
+        self.target_modules: list[str] = []
+        if self.objective.requires_grad:
+            self.target_modules = self._resolve_targets()
+            pattern = "^(" + "|".join(re.escape(n) for n in self.target_modules) + ")$"
+            with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
+                warnings.filterwarnings("ignore", message="Unsupported layer type")
+                self.peft_model = get_peft_model(self.model, LNTuningConfig(target_modules=pattern))
+            self.model.eval()
+            self.params = {n: p for n, p in self.peft_model.named_parameters() if p.requires_grad}
+            self._source = {n: p.detach().clone() for n, p in self.params.items()}
+            self.lr = cfg.lr if cfg.lr is not None else self.adapter.default_lr[self.query_modality]
+            logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
+        self.optimizer = self._make_optimizer()
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.state = self.objective.init_state(self.device)
+        self.batch_index = 0
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _other_modality(self) -> str:
+        others = [m for m in self.adapter.modalities if m != self.config.query_modality]
+        if len(others) != 1:
+            raise ValueError(f"Set `gallery_modality`: the model embeds {list(self.adapter.modalities)}.")
+        return others[0]
+
+    def _resolve_targets(self) -> list[str]:
+        cfg, m = self.config, self.model
+        if cfg.target_modules is None:
+            names = self.adapter.norm_layer_names(self.query_modality)
+        else:
+            names = match_module_names(m, cfg.target_modules)
+        if cfg.exclude_modules:
+            roots = match_module_names(m, cfg.exclude_modules)
+            names = [n for n in names if not any(n == r or n.startswith(r + ".") for r in roots)]
+        if not names:
+            raise ValueError(
+                f"No module to adapt for query modality {self.query_modality!r} "
+                f"(target_modules={cfg.target_modules!r}, exclude_modules={cfg.exclude_modules!r})."
+            )
+        gallery_only = [n for n in names if self.query_modality not in self.adapter.tower_of(n)]
+        if gallery_only:
+            raise ValueError(
+                f"target_modules selects modules outside the {self.query_modality} (query) tower: {gallery_only[:3]}"
+                f"{'...' if len(gallery_only) > 3 else ''}. The gallery tower is never adapted."
+            )
+        return names
+
+    def _make_optimizer(self) -> torch.optim.Optimizer | None:
+        if not self.params:
+            return None
+        return self.objective.make_optimizer(list(self.params.values()), self.lr, self.config.weight_decay)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def disabled(self) -> contextlib.AbstractContextManager:
+        """Context in which the model computes exactly as the source model (adapters off)."""
+        return self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.config.autocast_dtype])
+
+    # ------------------------------------------------------------------------------------------ gallery
+    @torch.no_grad()
+    def encode_gallery(
+        self,
+        inputs: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+        batch_size: int | None = None,
+        show_progress: bool | None = None,
+    ) -> GalleryCache:
+        """Encode the gallery once with the source model, in chunks, without grad.
+
+        Args:
+            inputs: a dict of tensors with one row per gallery item (e.g. a tokenizer's output), or an iterable
+                of such dicts (e.g. a DataLoader over a large gallery).
+            batch_size: chunk size for a dict input (default ``config.gallery_batch_size``).
+        """
+        if isinstance(inputs, Mapping):
+            chunks = list(self._chunk(inputs, batch_size or self.config.gallery_batch_size))
+        else:
+            chunks = inputs
+        embs = []
+        total = len(chunks) if hasattr(chunks, "__len__") else None
+        show = show_progress if show_progress is not None else (total is None or total > 4)
+        with self.disabled():
+            for chunk in tqdm(chunks, total=total, desc=f"Encoding {self.gallery_modality} gallery", disable=not show):
+                chunk = self._check_inputs(chunk, self.gallery_modality)
+                embs.append(self.adapter.embed(self.gallery_modality, chunk))
+        if not embs:
+            raise ValueError("The gallery is empty.")
+        return GalleryCache(torch.cat(embs), self.gallery_modality)
+
+    @staticmethod
+    def _chunk(inputs: Mapping[str, torch.Tensor], size: int) -> Iterator[dict[str, torch.Tensor]]:
+        n = _batch_size(inputs)
+        for start in range(0, n, size):
+            yield {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _check_inputs(self, inputs: Mapping[str, Any], modality: str) -> dict[str, torch.Tensor]:
+        selected = self.adapter.select_inputs(modality, inputs)
+        n = _batch_size(selected)
+        if n == 0:
+            raise ValueError(f"Empty {modality} batch: adapt_step needs at least one query.")
+        device = self.device
+        for key, value in selected.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{modality} input {key!r} must be a torch.Tensor, got {type(value).__name__}.")
+            if value.shape[0] != n:
+                raise ValueError(f"{modality} inputs disagree on the batch size: {key!r} has {value.shape[0]}, expected {n}.")
+            if value.device != device:
+                raise ValueError(
+                    f"{modality} input {key!r} is on {value.device} but the model is on {device}: move it with .to({str(device)!r})."
+                )
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"{modality} input {key!r} contains NaN or inf values.")
+        return selected
+
+    def _check_gallery(self, gallery: GalleryCache | torch.Tensor) -> GalleryCache:
+        if isinstance(gallery, torch.Tensor):
+            gallery = GalleryCache(gallery, self.gallery_modality)
+        if not isinstance(gallery, GalleryCache):
+            raise TypeError(f"gallery must be a GalleryCache (from encode_gallery) or a tensor, got {type(gallery).__name__}.")
+        if gallery.modality != self.gallery_modality:
+            raise ValueError(
+                f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
+                f"items for {self.query_modality} queries."
+            )
+        if len(gallery) == 0:
+            raise ValueError("The gallery is empty.")
+        if gallery.embeddings.device != self.device:
+            raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {self.device}: use gallery.to(...).")
+        if not torch.isfinite(gallery.embeddings).all():
+            raise ValueError("The gallery embeddings contain NaN or inf values.")
+        return gallery
+
+    # ------------------------------------------------------------------------------------------ the online step
+    def _embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            q = self.adapter.embed(self.query_modality, queries)
+        if q.shape[-1] != gallery.dim:
+            raise ValueError(
+                f"Query embeddings have dimension {q.shape[-1]} but the gallery has {gallery.dim}: "
+                "was the gallery encoded by another model?"
+            )
+        scores = self.adapter.score(q, gallery.embeddings)
+        return self.adapter.single_vector(q, scores, gallery.single), scores
+
+    def _inputs(self, queries: dict, gallery: GalleryCache, step: int) -> ObjectiveInputs:
+        q, scores = self._embed_and_score(queries, gallery)
+        source_cache: list[torch.Tensor] = []
+
+        def source_scores() -> torch.Tensor:
+            if not source_cache:
+                with torch.no_grad(), self.disabled():
+                    source_cache.append(self._embed_and_score(queries, gallery)[1])
+            return source_cache[0]
+
+        def reencode(transform: Callable[[dict], dict]) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._embed_and_score(transform(dict(queries)), gallery)
+
+        return ObjectiveInputs(
+            query_emb=q,
+            gallery_emb=gallery.single,
+            scores=scores,
+            step=step,
+            batch_index=self.batch_index,
+            generator=self.generator,
+            reencode=reencode,
+            source_scores=source_scores,
+            query_modality=self.query_modality,
+        )
+
+    def adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor) -> TTAOutput:
+        """Adapt on one batch of queries and return their scores against the whole gallery.
+
+        Runs ``config.steps`` steps of: embed the queries, compute the objective, update the adapted parameters.
+        A step with nothing selected, or with a non-finite loss or gradient, updates nothing and is listed in
+        ``TTAOutput.skipped``.
+        """
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "adapt_step was called under torch.inference_mode(), which no enable_grad() can undo: "
+                "call it outside inference_mode (torch.no_grad() is fine)."
+            )
+        gallery = self._check_gallery(gallery)
+        queries = self._check_inputs(queries, self.query_modality)
+        if not self.objective.requires_grad:
+            out = self._score_only(queries, gallery)
+        else:
+            with torch.enable_grad():
+                out = self._adapt(queries, gallery)
+        self.batch_index += 1
+        if self.config.reset_policy == "episodic":
+            self.reset()
+        return out
+
+    def _score_only(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
+        with torch.no_grad():
+            inputs = self._inputs(queries, gallery, step=0)
+            res = self.objective(inputs, self.state)
+        scores = res.scores if res.scores is not None else inputs.scores
+        return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=res.logs)
+
+    def _adapt(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
+        skipped: list[str] = []
+        updates, last_loss, res, scores = 0, None, None, None
+        for step in range(self.config.steps):
+            inputs = self._inputs(queries, gallery, step)
+            previous_state = dict(self.state)  # objectives replace state tensors, never write them in place
+            res = self.objective(inputs, self.state)
+            scores = (res.scores if res.scores is not None else inputs.scores).detach()
+            last_loss = None if res.loss is None else float(res.loss.detach())
+            reason = self._skip_reason(res)
+            if reason is None:
+                self.optimizer.zero_grad(set_to_none=True)
+                res.loss.backward()
+                if not all(torch.isfinite(p.grad).all() for p in self.params.values() if p.grad is not None):
+                    reason = "non-finite gradient"
+            if reason is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.state.clear()
+                self.state.update(previous_state)
+                skipped.append(f"step {step}: {reason}")
+                continue
+            closure = self._closure(queries, gallery, step) if getattr(self.optimizer, "requires_closure", False) else None
+            self.optimizer.step(closure)
+            self.optimizer.zero_grad(set_to_none=True)
+            updates += 1
+            if self.objective.on_step_end(inputs, res, self.state):
+                self._restore_parameters()
+        if skipped:
+            logger.info("adapt_step skipped %s", "; ".join(skipped))
+        return TTAOutput(
+            scores=scores, loss=last_loss, num_updates=updates, n_selected=res.n_selected, skipped=skipped, logs=res.logs
+        )
+
+    @staticmethod
+    def _skip_reason(res: LossOutput) -> str | None:
+        if res.n_selected == 0:
+            return "no query selected"
+        if res.loss is None or not torch.isfinite(res.loss.detach()).all():
+            return "non-finite loss"
+        if not res.loss.requires_grad:
+            return "loss does not depend on the adapted parameters"
+        return None
+
+    def _closure(self, queries: dict, gallery: GalleryCache, step: int) -> Callable[[], torch.Tensor]:
+        """Re-evaluates the loss at the optimiser's current point (for SAM-style optimisers)."""
+
+        def closure() -> torch.Tensor:
+            self.optimizer.zero_grad(set_to_none=True)
+            res = self.objective(self._inputs(queries, gallery, step), dict(self.state))
+            loss = res.loss if res.loss is not None and res.n_selected > 0 else None
+            if loss is None or not torch.isfinite(loss):
+                return torch.tensor(float("nan"))
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    def adapt_stream(
+        self, batches: Iterable[Mapping[str, torch.Tensor]], gallery: GalleryCache, show_progress: bool = True
+    ) -> torch.Tensor:
+        """Adapt on every batch of a stream; return the concatenated ``(num_queries, N)`` score matrix."""
+        rows = []
+        total = len(batches) if hasattr(batches, "__len__") else None
+        for batch in tqdm(batches, total=total, desc=f"TTA ({self.config.objective})", disable=not show_progress):
+            rows.append(self.adapt_step(batch, gallery).scores)
+        return torch.cat(rows)
+
+    # ------------------------------------------------------------------------------------------ state
+    @torch.no_grad()
+    def _restore_parameters(self) -> None:
+        for name, p in self.params.items():
+            p.copy_(self._source[name])
+        self.optimizer = self._make_optimizer()
+
+    def reset(self) -> None:
+        """Return exactly to the source model: adapted parameters, optimiser, objective state, counters and RNG."""
+        self._restore_parameters()
+        self.state = self.objective.init_state(self.device)
+        self.batch_index = 0
+        self.generator.manual_seed(self.config.seed)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write ``tta_config.json`` and ``tta_state.safetensors`` (adapted parameters, optimiser and objective
+        state, batch counter and RNG state), so that a resumed stream continues exactly where it stopped."""
+        os.makedirs(save_directory, exist_ok=True)
+        self.config.save_pretrained(save_directory)
+        tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in self.params.items()}
+        meta: dict[str, Any] = {"param_names": list(self.params)}
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            plain_state: dict[str, dict[str, Any]] = {}
+            for pid, st in sd["state"].items():
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim.{pid}.{key}"] = value
+                    else:
+                        plain_state.setdefault(str(pid), {})[key] = value
+            meta["optimizer"] = {"param_groups": sd["param_groups"], "plain_state": plain_state}
+        for key, value in self.state.items():
+            tensors[f"objective.{key}"] = value
+        tensors["wrapper.batch_index"] = torch.tensor(self.batch_index)
+        tensors["wrapper.rng_state"] = self.generator.get_state()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(tensors, os.path.join(save_directory, STATE_FILE), metadata={"hf_tta": json.dumps(meta)})
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """Load what :meth:`save_pretrained` wrote into this wrapper (same model and config)."""
+        from safetensors import safe_open
+
+        path = os.path.join(directory, STATE_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No {STATE_FILE} in {directory!r}.")
+        with safe_open(path, framework="pt") as fh:
+            meta = json.loads(fh.metadata()["hf_tta"])
+        tensors = load_file(path, device=str(self.device))
+        if meta["param_names"] != list(self.params):
+            raise ValueError(
+                "The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?"
+            )
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(tensors[f"param.{name}"])
+        if self.optimizer is not None:
+            state: dict[int, dict[str, Any]] = {}
+            for key, value in tensors.items():
+                if key.startswith("optim."):
+                    _, pid, sub = key.split(".", 2)
+                    state.setdefault(int(pid), {})[sub] = value.cpu() if sub == "step" else value
+            for pid, plain in meta["optimizer"]["plain_state"].items():
+                state.setdefault(int(pid), {}).update(plain)
+            self.optimizer = self._make_optimizer()
+            self.optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+        self.state = {k[len("objective.") :]: v for k, v in tensors.items() if k.startswith("objective.")}
+        self.batch_index = int(tensors["wrapper.batch_index"])
+        self.generator.set_state(tensors["wrapper.rng_state"].cpu())
+
+    @classmethod
+    def from_pretrained(cls, model: nn.Module | ModelAdapter, directory: str | os.PathLike) -> "TTAWrapper":
+        """Rebuild a wrapper around the *source* ``model`` and load the adapted state saved in ``directory``."""
+        wrapper = cls(model, TTAConfig.from_pretrained(directory))
+        wrapper.load_state(directory)
+        return wrapper
+
+    def merge_and_unload(self) -> nn.Module:
+        """The model with the adapted parameters merged in (a plain transformers model again)."""
+        return self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
+
+    def __repr__(self) -> str:
+        return (
+            f"TTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, "
+            f"{self.query_modality}->{self.gallery_modality}, adapted_tensors={len(self.params)}, batches={self.batch_index})"
+        )
+
+
+def _batch_size(inputs: Mapping[str, Any]) -> int:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor):
+            return value.shape[0] if value.dim() else 0
+    raise ValueError("Inputs hold no tensor.")
