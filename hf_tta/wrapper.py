@@ -122,7 +122,7 @@ class TTAWrapper:
                 warnings.filterwarnings("ignore", message="Unsupported layer type")
                 self.peft_model = get_peft_model(self.model, LNTuningConfig(target_modules=pattern))
             self.model.eval()
-            self.params = {n: p for n, p in self.peft_model.named_parameters() if p.requires_grad}
+            self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
             self._source = {n: p.detach().clone() for n, p in self.params.items()}
             self.lr = cfg.lr if cfg.lr is not None else self.adapter.default_lr[self.query_modality]
             logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
@@ -337,8 +337,9 @@ class TTAWrapper:
                     reason = "non-finite gradient"
             if reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
-                self.state.clear()
-                self.state.update(previous_state)
+                if reason.startswith("non-finite"):  # nothing computed from a diverged step is kept
+                    self.state.clear()
+                    self.state.update(previous_state)
                 skipped.append(f"step {step}: {reason}")
                 continue
             closure = self._closure(queries, gallery, step) if getattr(self.optimizer, "requires_closure", False) else None

@@ -157,6 +157,8 @@ class TCR(Objective):
         c = self.config
         nn_idx, zg, logits = refine(inputs, c.tau)
         maybe_update_queue(c, inputs, state, zg, logits)
+        if state["queue_si"].numel() == 0:  # no source-like pair yet (a skipped first step): nothing to compare to
+            return LossOutput(loss=None, n_selected=0, logs={"queue_size": 0.0})
         delta_s, e_max = queue_constraints(state)
         zq = inputs.query_emb
         entropy = softmax_entropy(logits)

@@ -50,6 +50,8 @@ class TCRTrainingFree(Objective):
         c = self.config
         _, zg, logits = refine(inputs, c.tau)
         maybe_update_queue(c, inputs, state, zg, logits)
+        if state["queue_si"].numel() == 0:
+            return LossOutput(loss=None, n_selected=0)
         delta_s, _ = queue_constraints(state)
         zq = rectify_queries(inputs.query_emb, zg, delta_s, c.lambda_scale)
         scores = zq @ inputs.gallery_emb.T
