@@ -1,0 +1,300 @@
+"""TTAWrapper: parameter selection, gallery cache, reset, save/load/resume, bad input, skip rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_tta import DualEncoderAdapter, GalleryCache, TTAConfig, TTAWrapper, get_adapter
+from hf_tta.objectives import softmax_entropy
+from tiny_models import TINY_MODELS, batch, make_model
+
+
+def _tta(model_name="clip", query="image", **cfg):
+    return TTAWrapper(make_model(model_name), TTAConfig(query_modality=query, **cfg))
+
+
+def _other(query):
+    return "text" if query == "image" else "image"
+
+
+# ------------------------------------------------------------------------------------- adapters
+@pytest.mark.parametrize("model_name", sorted(TINY_MODELS))
+@pytest.mark.parametrize("modality", ["image", "text"])
+def test_embeddings_are_normalised_and_reproduce_forward_scores(model_name, modality):
+    model = make_model(model_name)
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        img = adapter.embed("image", batch("image", 3))
+        txt = adapter.embed("text", batch("text", 4))
+        emb = img if modality == "image" else txt
+        assert torch.allclose(emb.norm(dim=-1), torch.ones(emb.shape[:-1]), atol=1e-5)
+        scores = adapter.score(img, txt)  # (3 images, 4 texts)
+        if model_name == "clip" or model_name == "vtde" or model_name == "siglip":
+            out = model(**batch("image", 3), **batch("text", 4))
+            ref = out.logits_per_image
+            if model_name == "siglip":
+                ref = (ref - model.logit_bias) / model.logit_scale.exp()
+            else:
+                ref = ref / model.logit_scale.exp()
+            assert torch.allclose(scores, ref, atol=1e-5)
+        elif model_name == "blip":
+            ref = model(**batch("image", 3), **batch("text", 4), use_itm_head=False).itm_score
+            assert torch.allclose(scores, ref, atol=1e-5)
+        else:  # blip2: image (B,Q,D), max over query tokens
+            assert img.dim() == 3
+            ref = model(**batch("image", 3), **batch("text", 4), use_image_text_matching_head=False).logits_per_image
+            assert torch.allclose(scores, ref, atol=1e-5)
+
+
+def test_default_targets_follow_tcr():
+    clip_text = _tta("clip", "text").target_modules
+    assert "text_model.final_layer_norm" not in clip_text  # TCR code: ln_final is not adapted
+    assert all(n.startswith("text_model.") for n in clip_text)
+    clip_img = _tta("clip", "image").target_modules
+    assert "vision_model.pre_layrnorm" in clip_img and "vision_model.post_layernorm" in clip_img
+    blip2_img = _tta("blip2", "image").target_modules
+    assert any(n.startswith("qformer.") for n in blip2_img)  # the shared Q-Former is part of the image path
+    no_q = _tta("blip2", "image", exclude_modules=["qformer"]).target_modules
+    assert no_q and not any(n.startswith("qformer") for n in no_q)
+
+
+def test_targets_outside_query_tower_are_refused():
+    with pytest.raises(ValueError, match="outside the image"):
+        _tta("clip", "image", target_modules=r"text_model\..*layer_norm1")
+
+
+def test_unsupported_model_lists_supported():
+    with pytest.raises(ValueError, match="CLIPModel"):
+        TTAWrapper(nn.Linear(2, 2))
+
+
+def test_generic_dual_encoder_adapter():
+    class TwoTower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.img = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+            self.txt = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8))
+            self.txt_proj = nn.Linear(8, 4)
+
+    torch.manual_seed(0)
+    model = TwoTower()
+    adapter = DualEncoderAdapter(
+        model,
+        encoders={"image": lambda m, x: m.img(x["pixel_values"]), "text": lambda m, x: m.txt_proj(m.txt(x["input_ids"]).mean(1))},
+        towers={"image": ["img"], "text": ["txt", "txt_proj"]},
+    )
+    tta = TTAWrapper(adapter, TTAConfig(objective="tent", query_modality="image"))
+    assert tta.target_modules == ["img.1"]
+    g = tta.encode_gallery({"input_ids": torch.randint(0, 10, (12, 5))})
+    before = model.txt[1].weight.clone()
+    out = tta.adapt_step({"pixel_values": torch.randn(4, 6)}, g)
+    assert out.num_updates == 3 and out.scores.shape == (4, 12)
+    assert torch.equal(model.txt[1].weight, before)
+
+
+# ------------------------------------------------------------------------------------- loop
+def test_scores_come_from_last_steps_forward():
+    """With one step the output scores are the source model's (the update follows the forward)."""
+    tta = _tta("clip", "image", steps=1)
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    q = batch("image", 5, seed=2)
+    with torch.no_grad(), tta.disabled():
+        source = tta.adapter.score(tta.adapter.embed("image", q), g.embeddings)
+    out = tta.adapt_step(q, g)
+    assert out.num_updates == 1
+    assert torch.allclose(out.scores, source, atol=1e-6)
+    assert not torch.allclose(tta.adapt_step(q, g).scores, source, atol=1e-6)  # now adapted
+
+
+def test_tent_lowers_entropy_on_a_fixed_batch():
+    tta = _tta("clip", "image", objective="tent", lr=1e-2)
+    g = tta.encode_gallery(batch("text", 16, seed=1))
+    q = batch("image", 8, seed=2)
+
+    def entropy():
+        with torch.no_grad():
+            s = tta.adapter.score(tta.adapter.embed("image", q), g.embeddings)
+        return softmax_entropy(s / 0.01).mean().item()
+
+    start = entropy()
+    for _ in range(3):
+        tta.adapt_step(q, g)
+    assert entropy() < start - 1e-3
+
+
+def test_disabled_context_gives_source_outputs_after_adaptation():
+    tta = _tta("blip2", "text")
+    q = batch("text", 4, seed=2)
+    with torch.no_grad():
+        source = tta.adapter.embed("text", q)
+    g = tta.encode_gallery(batch("image", 10, seed=1))
+    for _ in range(2):
+        tta.adapt_step(q, g)
+    with torch.no_grad():
+        assert not torch.allclose(tta.adapter.embed("text", q), source)
+        with tta.disabled():
+            assert torch.equal(tta.adapter.embed("text", q), source)
+
+
+def test_episodic_resets_after_each_batch():
+    tta = _tta("clip", "image", reset_policy="episodic")
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    out = tta.adapt_step(batch("image", 6, seed=2), g)
+    assert out.num_updates > 0
+    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert tta.batch_index == 0
+
+
+def test_non_finite_loss_updates_nothing(monkeypatch):
+    tta = _tta("clip", "image")
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    tta.adapt_step(batch("image", 6, seed=2), g)  # fill the queue, move the params
+    params = {n: p.clone() for n, p in tta.params.items()}
+    state = {k: v.clone() for k, v in tta.state.items()}
+    opt_state = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in tta.optimizer.state.items()}
+    original = type(tta.objective).__call__
+
+    def nan_loss(self, inputs, st):
+        out = original(self, inputs, st)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(type(tta.objective), "__call__", nan_loss)
+    out = tta.adapt_step(batch("image", 6, seed=3), g)
+    assert out.num_updates == 0 and all("non-finite loss" in s for s in out.skipped)
+    assert all(torch.equal(p, params[n]) for n, p in tta.params.items())
+    assert all(torch.equal(tta.state[k], state[k]) for k in state)
+    for k, v in tta.optimizer.state.items():
+        assert all(torch.equal(vv, opt_state[k][kk]) for kk, vv in v.items())
+    assert torch.isfinite(out.scores).all()
+
+
+# ------------------------------------------------------------------------------------- save / load / resume
+@pytest.mark.parametrize("model_name,query,objective", [("clip", "image", "tcr"), ("blip2", "text", "tent"), ("blip", "image", "tcr")])
+def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, model_name, query, objective):
+    gallery_inputs = batch(_other(query), 15, seed=1)
+    stream = [batch(query, 6, seed=100 + i) for i in range(5)]
+
+    full = TTAWrapper(make_model(model_name), TTAConfig(objective=objective, query_modality=query))
+    g = full.encode_gallery(gallery_inputs)
+    expected = [full.adapt_step(q, g).scores for q in stream]
+
+    first = TTAWrapper(make_model(model_name), TTAConfig(objective=objective, query_modality=query))
+    g1 = first.encode_gallery(gallery_inputs)
+    for q in stream[:2]:
+        first.adapt_step(q, g1)
+    first.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"tta_config.json", "tta_state.safetensors"}
+
+    resumed = TTAWrapper.from_pretrained(make_model(model_name), tmp_path)
+    assert resumed.batch_index == 2
+    g2 = resumed.encode_gallery(gallery_inputs)
+    for q, exp in zip(stream[2:], expected[2:]):
+        assert torch.allclose(resumed.adapt_step(q, g2).scores, exp, atol=1e-6)
+    assert all(torch.allclose(resumed.params[n], full.params[n], atol=1e-6) for n in full.params)
+
+
+def test_load_into_other_config_is_refused(tmp_path):
+    a = _tta("clip", "image")
+    a.save_pretrained(tmp_path)
+    b = _tta("clip", "text")
+    with pytest.raises(ValueError, match="other parameters"):
+        b.load_state(tmp_path)
+
+
+# ------------------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def clip_tta():
+    tta = _tta("clip", "image")
+    return tta, tta.encode_gallery(batch("text", 10, seed=1))
+
+
+def test_wrong_modality(clip_tta):
+    tta, g = clip_tta
+    with pytest.raises(ValueError, match="pixel_values"):
+        tta.adapt_step(batch("text", 4), g)
+    with pytest.raises(ValueError, match="modalit"):
+        TTAWrapper(make_model("clip"), TTAConfig(query_modality="audio"))
+
+
+def test_gallery_mismatches(clip_tta):
+    tta, g = clip_tta
+    with pytest.raises(ValueError, match="dimension"):
+        tta.adapt_step(batch("image", 4), torch.nn.functional.normalize(torch.randn(10, 7), dim=1))
+    with pytest.raises(ValueError, match="holds image"):
+        tta.adapt_step(batch("image", 4), GalleryCache(g.embeddings, "image"))
+    with pytest.raises(ValueError, match="NaN"):
+        tta.adapt_step(batch("image", 4), g.embeddings * float("nan"))
+
+
+def test_empty_batch_non_finite_and_device(clip_tta):
+    tta, g = clip_tta
+    with pytest.raises(ValueError, match="Empty"):
+        tta.adapt_step({"pixel_values": torch.zeros(0, 3, 32, 32)}, g)
+    bad = batch("image", 2)
+    bad["pixel_values"][0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        tta.adapt_step(bad, g)
+    with pytest.raises(ValueError, match="move it"):
+        tta.adapt_step({"pixel_values": torch.zeros(2, 3, 32, 32, device="meta")}, g)
+    with pytest.raises(TypeError, match="dict of tensors"):
+        tta.adapt_step(torch.zeros(2, 3, 32, 32), g)
+
+
+def test_inference_mode_is_refused(clip_tta):
+    tta, g = clip_tta
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            tta.adapt_step(batch("image", 2), g)
+    with torch.no_grad():  # no_grad is fine: adapt_step enables grad itself
+        assert tta.adapt_step(batch("image", 3), g).num_updates > 0
+
+
+def test_config_validation_names_the_fix():
+    with pytest.raises(ValueError, match="Unknown objective 'tnet'"):
+        TTAConfig(objective="tnet")
+    with pytest.raises(ValueError, match="valid keys"):
+        TTAConfig(objective="tcr", objective_config={"temperature": 0.1})
+    with pytest.raises(ValueError, match="steps"):
+        TTAConfig(steps=0)
+    with pytest.raises(ValueError, match="tau"):
+        TTAConfig(objective="tcr", objective_config={"tau": -1.0})
+
+
+def test_config_forward_compatible_load(tmp_path, caplog):
+    import json
+
+    cfg = TTAConfig(objective="tent", query_modality="text", steps=2)
+    cfg.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "tta_config.json").read_text())
+    data["a_future_option"] = 1
+    (tmp_path / "tta_config.json").write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        assert TTAConfig.from_pretrained(tmp_path) == cfg
+    assert "a_future_option" in caplog.text
+
+
+def test_autocast_bf16_runs_on_cpu():
+    tta = _tta("clip", "image", autocast_dtype="bf16")
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    out = tta.adapt_step(batch("image", 6, seed=2), g)
+    assert torch.isfinite(out.scores).all() and out.num_updates > 0
+
+
+def test_adapt_stream_concatenates_rows():
+    tta = _tta("clip", "text", objective="tent")
+    g = tta.encode_gallery(batch("image", 9, seed=1))
+    scores = tta.adapt_stream([batch("text", 4, seed=i) for i in range(3)], g, show_progress=False)
+    assert scores.shape == (12, 9) and tta.batch_index == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_cuda_adapt_step_and_device_check():
+    tta = TTAWrapper(make_model("clip").cuda(), TTAConfig(query_modality="image", autocast_dtype="bf16"))
+    g = tta.encode_gallery({k: v.cuda() for k, v in batch("text", 10, seed=1).items()})
+    out = tta.adapt_step({k: v.cuda() for k, v in batch("image", 6).items()}, g)
+    assert out.scores.is_cuda and out.num_updates == 3
+    with pytest.raises(ValueError, match="move it"):
+        tta.adapt_step(batch("image", 6), g)
