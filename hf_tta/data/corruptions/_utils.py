@@ -1,0 +1,55 @@
+"""Seeding helpers shared by the corruption modules."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+from typing import Iterator
+
+import numpy as np
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 32-bit seed from any parts (``hash()`` is salted per process; this is not)."""
+    digest = hashlib.sha256("\x1f".join(repr(p) for p in parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, torch_too: bool = False) -> Iterator[None]:
+    """Seed Python's ``random`` and NumPy's global RNG (and torch's CPU RNG) inside the block, then restore them.
+
+    With ``seed=None`` nothing is touched: the result then depends on the global RNG state, as upstream.
+    The corruption packages (``imagecorruptions``, ``nlpaug``) draw from these global generators.
+    """
+    if seed is None:
+        yield
+        return
+    seed = int(seed) % (2**32)
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    if torch_too:
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                yield
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+        return
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def check_severity(name: str, severity: int, allowed: tuple[int, ...]) -> int:
+    if isinstance(severity, bool) or not isinstance(severity, (int, np.integer)) or int(severity) not in allowed:
+        raise ValueError(f"Severity of {name!r} must be one of {list(allowed)}; got {severity!r}.")
+    return int(severity)
