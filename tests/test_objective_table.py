@@ -100,11 +100,12 @@ def test_reset_is_exact(case):
     assert torch.equal(tta.adapt_step(q, g).scores, first)
 
 
-@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=str)
+TRAINABLE_CASES = [c for c in OBJECTIVE_CASES if get_objective_class(c.name).requires_grad]
+
+
+@pytest.mark.parametrize("case", TRAINABLE_CASES, ids=str)
 def test_skip_rule_updates_nothing(case, monkeypatch):
     tta = _wrapper(case, "clip", "text")
-    if not tta.objective.requires_grad:
-        pytest.skip("training-free objectives never update parameters (checked above)")
     g = tta.encode_gallery(batch("image", GALLERY, seed=1))
     before = _snapshot(tta.model)
     original = type(tta.objective).__call__
