@@ -172,7 +172,10 @@ def test_non_finite_loss_updates_nothing(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- save / load / resume
-@pytest.mark.parametrize("model_name,query,objective", [("clip", "image", "tcr"), ("blip2", "text", "tent"), ("blip", "image", "tcr")])
+RESUME_CASES = [(m, q, "tcr") for m in sorted(TINY_MODELS) for q in ("image", "text")] + [("blip2", "image", "tent")]
+
+
+@pytest.mark.parametrize("model_name,query,objective", RESUME_CASES)
 def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, model_name, query, objective):
     gallery_inputs = batch(_other(query), 15, seed=1)
     stream = [batch(query, 6, seed=100 + i) for i in range(5)]
