@@ -102,7 +102,7 @@ class TTAWrapper:
         self.config = config if config is not None else TTAConfig()
         if isinstance(model, PeftModel):
             raise ValueError("Pass the base model, not a PeftModel: TTAWrapper applies its own PEFT LN-tuning adapter.")
-        self.adapter = get_adapter(model)
+        self.adapter = get_adapter(model, modalities=(self.config.query_modality, self.config.gallery_modality))
         self.model = self.adapter.model
         cfg = self.config
         self.adapter.check_modality(cfg.query_modality)

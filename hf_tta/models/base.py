@@ -141,26 +141,55 @@ def _has_prefix(name: str, prefix: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- registry
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
+# Every adapter registered for an architecture, the default first: e.g. CLIPModel has the image-text default and a
+# video-text variant (frame mean pooling); ``get_adapter(model, modalities=...)`` picks the first that embeds them.
+ADAPTER_VARIANTS: dict[str, list[type[ModelAdapter]]] = {}
 
 
-def register_adapter(cls: type[ModelAdapter]) -> type[ModelAdapter]:
-    """Class decorator registering an adapter for each name in ``cls.architectures``."""
-    for arch in cls.architectures:
-        ADAPTERS[arch] = cls
-    return cls
+def register_adapter(cls: type[ModelAdapter] | None = None, *, default: bool = True):
+    """Class decorator registering an adapter for each name in ``cls.architectures``.
+
+    ``@register_adapter`` makes it the architecture's default adapter; ``@register_adapter(default=False)``
+    registers a variant that :func:`get_adapter` picks only when asked for modalities the default does not embed.
+    """
+
+    def register(klass: type[ModelAdapter]) -> type[ModelAdapter]:
+        for arch in klass.architectures:
+            variants = ADAPTER_VARIANTS.setdefault(arch, [])
+            if klass in variants:
+                variants.remove(klass)
+            if default:
+                ADAPTERS[arch] = klass
+                variants.insert(0, klass)
+            else:
+                variants.append(klass)
+        return klass
+
+    return register(cls) if cls is not None else register
 
 
 def supported_architectures() -> list[str]:
     return sorted(ADAPTERS)
 
 
-def get_adapter(model: nn.Module | ModelAdapter) -> ModelAdapter:
-    """The adapter for ``model`` (looked up by class name along its MRO), or ``model`` if it is one."""
+def get_adapter(model: nn.Module | ModelAdapter, modalities: Iterable[str] | None = None) -> ModelAdapter:
+    """The adapter for ``model`` (looked up by class name along its MRO), or ``model`` if it is one.
+
+    Args:
+        modalities: the modalities the adapter must embed (e.g. ``("video", "text")``). ``None`` gives the
+            architecture's default adapter; otherwise the first registered adapter (default first) that embeds
+            them all, e.g. ``get_adapter(clip_model, ["video"])`` gives the frame-pooling ``CLIPVideoAdapter``;
+            the default adapter when none does.
+    """
     if isinstance(model, ModelAdapter):
         return model
+    wanted = [m for m in (modalities or ()) if m is not None]
     for klass in type(model).__mro__:
         if klass.__name__ in ADAPTERS:
-            return ADAPTERS[klass.__name__](model)
+            for cls in ADAPTER_VARIANTS.get(klass.__name__, ()) if wanted else ():
+                if set(wanted) <= set(cls.modalities):
+                    return cls(model)
+            return ADAPTERS[klass.__name__](model)  # its check_modality() explains what it embeds
     raise ValueError(
         f"hf_tta has no adapter for {type(model).__name__}. Supported: {', '.join(supported_architectures())}. "
         "For another dual encoder, wrap it with hf_tta.DualEncoderAdapter(model, encoders=..., towers=...)."
