@@ -1,5 +1,7 @@
 """Retrieval metrics (pure torch) and embedding-space diagnostics."""
 
+import os as _os
+
 from .recall import (
     RetrievalMetricAccumulator,
     modality_gap,
@@ -9,7 +11,11 @@ from .recall import (
     uniformity,
 )
 
+#: Folder of the ``evaluate`` metric module: ``evaluate.load(RETRIEVAL_RECALL_PATH)`` (offline).
+RETRIEVAL_RECALL_PATH = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "retrieval_recall")
+
 __all__ = [
+    "RETRIEVAL_RECALL_PATH",
     "RetrievalMetricAccumulator",
     "modality_gap",
     "relevance_to_index",

@@ -5,6 +5,17 @@ install them with ``pip install 'hf_tta[data]'``.
 """
 
 from ._utils import derive_seed
+from .diverse import (
+    DEFAULT_IMAGE_POOL,
+    DEFAULT_TEXT_POOL,
+    corrupt_image_diverse,
+    corrupt_images_diverse,
+    corrupt_text_diverse,
+    corrupt_texts_diverse,
+    diverse_plan,
+    draw_corruption,
+    make_pool,
+)
 from .image import (
     IMAGE_CORRUPTION_CATEGORIES,
     IMAGE_CORRUPTION_CONSTANTS,
@@ -36,7 +47,9 @@ from .text import (
 
 __all__ = [
     "CHAR_CORRUPTIONS",
+    "DEFAULT_IMAGE_POOL",
     "DEFAULT_TEXT_MODELS",
+    "DEFAULT_TEXT_POOL",
     "IMAGE_CORRUPTIONS",
     "IMAGE_CORRUPTION_CATEGORIES",
     "IMAGE_CORRUPTION_CONSTANTS",
@@ -54,10 +67,17 @@ __all__ = [
     "WORD_CORRUPTIONS",
     "clear_text_model_cache",
     "corrupt_image",
+    "corrupt_image_diverse",
     "corrupt_images",
+    "corrupt_images_diverse",
     "corrupt_text",
+    "corrupt_text_diverse",
     "corrupt_texts",
+    "corrupt_texts_diverse",
     "derive_seed",
+    "diverse_plan",
+    "draw_corruption",
     "load_wordnet",
+    "make_pool",
     "register_text_model",
 ]

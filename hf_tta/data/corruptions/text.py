@@ -39,7 +39,7 @@ candidate that reaches the threshold is kept (the most similar one when none doe
 
 Example:
     >>> corrupt_text("A train traveling down tracks next to a brick building.", "insert_punctuation", 7, seed=0)
-    'A train traveling down tracks next to a brick building. ,'
+    '? A train traveling down ? tracks next ! to ? a brick building.'
 """
 
 from __future__ import annotations

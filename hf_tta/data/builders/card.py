@@ -1,0 +1,252 @@
+"""The dataset card of a built benchmark: sources and licences, construction, corruption constants, citations."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from ..corruptions.image import IMAGE_CORRUPTION_CATEGORIES, IMAGE_CORRUPTION_CONSTANTS, IMAGE_CORRUPTIONS
+from ..corruptions.text import (
+    DEFAULT_TEXT_MODELS,
+    STYLE_PREFIXES,
+    TEXT_CORRUPTION_ABBREVIATIONS,
+    TEXT_CORRUPTION_LEVELS,
+    TEXT_CORRUPTIONS,
+)
+from .benchmark import BenchmarkSpec, parse_config_name
+
+CITATIONS: dict[str, str] = {
+    "tcr": """@inproceedings{li2025tcr,
+  title={Test-time Adaptation for Cross-modal Retrieval with Query Shift},
+  author={Li, Haobin and Hu, Peng and Zhang, Qianjun and Peng, Xi and Liu, Xiting and Yang, Mouxing},
+  booktitle={International Conference on Learning Representations (ICLR)}, year={2025}
+}""",
+    "rest": """@article{li2025rest,
+  title={Toward Robust and Harmonious Adaptation for Cross-modal Retrieval},
+  author={Li, Haobin and Yang, Mouxing and Peng, Xi},
+  year={2025}
+}""",
+    "mm_robustness": """@article{qiu2023benchmarking,
+  title={Benchmarking Robustness of Multimodal Image-Text Models under Distribution Shift},
+  author={Qiu, Jielin and Zhu, Yi and Shi, Xingjian and Wenzel, Florian and Tang, Zhiqiang and Zhao, Ding and Li, Bo and Li, Mu},
+  journal={Journal of Data-centric Machine Learning Research}, year={2023}
+}""",
+    "imagenet_c": """@inproceedings{hendrycks2019benchmarking,
+  title={Benchmarking Neural Network Robustness to Common Corruptions and Perturbations},
+  author={Hendrycks, Dan and Dietterich, Thomas},
+  booktitle={ICLR}, year={2019}
+}""",
+    "imagecorruptions": """@article{michaelis2019dragon,
+  title={Benchmarking Robustness in Object Detection: Autonomous Driving when Winter is Coming},
+  author={Michaelis, Claudio and Mitzkus, Benjamin and Geirhos, Robert and Rusak, Evgenia and Bringmann, Oliver and Ecker, Alexander S. and Bethge, Matthias and Brendel, Wieland},
+  journal={arXiv:1907.07484}, year={2019}
+}""",
+    "eda": """@inproceedings{wei2019eda,
+  title={{EDA}: Easy Data Augmentation Techniques for Boosting Performance on Text Classification Tasks},
+  author={Wei, Jason and Zou, Kai},
+  booktitle={EMNLP-IJCNLP}, year={2019}
+}""",
+    "aeda": """@inproceedings{karimi2021aeda,
+  title={{AEDA}: An Easier Data Augmentation Technique for Text Classification},
+  author={Karimi, Akbar and Rossi, Leonardo and Prati, Andrea},
+  booktitle={Findings of EMNLP}, year={2021}
+}""",
+    "nlpaug": """@misc{ma2019nlpaug,
+  title={NLP Augmentation}, author={Ma, Edward},
+  howpublished={https://github.com/makcedward/nlpaug}, year={2019}
+}""",
+    "styleformer": """@misc{damodaran2021styleformer,
+  title={Styleformer}, author={Damodaran, Prithiviraj},
+  howpublished={https://github.com/PrithivirajDamodaran/Styleformer}, year={2021}
+}""",
+    "wordnet": """@book{fellbaum1998wordnet,
+  title={WordNet: An Electronic Lexical Database}, editor={Fellbaum, Christiane},
+  publisher={MIT Press}, year={1998}
+}""",
+}
+
+_TEXT_GENERATORS = {
+    "ocr": "`nlpaug.augmenter.char.OcrAug(aug_word_p=0.05*s)`",
+    "char_insert": "`nlpaug RandomCharAug(action='insert', aug_word_p=0.05*s)`",
+    "char_replace": "`nlpaug RandomCharAug(action='substitute', aug_word_p=0.05*s)`",
+    "char_swap": "`nlpaug RandomCharAug(action='swap', aug_word_p=0.05*s)`",
+    "char_delete": "`nlpaug RandomCharAug(action='delete', aug_word_p=0.05*s)`",
+    "synonym_replacement": "EDA synonym replacement (WordNet 3.0), alpha_sr=0.05*s",
+    "random_insertion": "EDA random insertion of WordNet synonyms, alpha_ri=0.05*s",
+    "random_swap": "EDA random swap, alpha_rs=0.05*s",
+    "random_deletion": "EDA random deletion, p_rd=0.05*s",
+    "insert_punctuation": "AEDA: 1..int(0.05*s*len+1) marks from `. , ! ? ; :`",
+}
+
+
+def _text_generator(name: str, models: dict | None) -> str:
+    if name in _TEXT_GENERATORS:
+        return _TEXT_GENERATORS[name]
+    used = (models or {}).get(name, DEFAULT_TEXT_MODELS[name])
+    if name == "back_translation":
+        return f"en→de→en with `{used[0]}` / `{used[1]}`" if isinstance(used, (list, tuple)) else f"en→de→en with `{used}`"
+    return f"Styleformer prompt {STYLE_PREFIXES[name]!r} with `{used}`"
+
+
+def card_metadata(spec: BenchmarkSpec, num_rows: int | None = None) -> dict[str, Any]:
+    """Card YAML fields besides ``configs`` / ``dataset_info`` (which ``push_to_hub`` writes)."""
+    size = "n<1K" if num_rows is not None and num_rows < 1000 else "1K<n<10K" if (num_rows or 0) < 10000 else "10K<n<100K"
+    return {
+        "pretty_name": spec.pretty_name,
+        "license": spec.license_id,
+        "language": ["en"],
+        "task_categories": ["image-to-text", "text-to-image"],
+        "tags": ["test-time-adaptation", "robustness", "query-shift", "image-text-retrieval", "corruptions", "hf_tta"],
+        "size_categories": [size],
+    }
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_fmt(x) for x in v) + ")"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iterable[str]) -> str:
+    """The Markdown body of the card."""
+    configs = list(configs)
+    params = build_info.get("params", {})
+    report = build_info.get("source_report") or {}
+    meta = build_info.get("configs", {})
+    image_cfgs = [c for c in configs if c.startswith("image-") and c != "image-diverse"]
+    text_cfgs = [c for c in configs if c.startswith("text-") and c != "text-diverse"]
+    lines = [
+        f"# {spec.pretty_name}",
+        "",
+        f"Query-shift benchmark for image-text retrieval, built from {spec.source_name} with "
+        "`hf_tta.data.builders` (hf_tta). The queries of one modality are corrupted while the "
+        "gallery stays clean, as in TCR (ICLR 2025, \"COCO-C / Flickr-C\") and its journal extension REST "
+        "(\"-O\" one-shift-per-run and \"-D\" diverse variants).",
+        "",
+        "## Configs",
+        "",
+        "| config | rows | what |",
+        "|---|---|---|",
+    ]
+
+    def rows(c: str) -> str:
+        m = meta.get(c, {})
+        return f"{m.get('num_rows', '?')} images / {m.get('num_captions', '?')} captions"
+
+    if "clean" in configs:
+        lines.append(f"| `clean` | {rows('clean')} | original images (original bytes) and captions |")
+    if image_cfgs:
+        lines.append(
+            f"| `image-<corruption>-<1..5>` ({len(image_cfgs)} configs) | {rows(image_cfgs[0])} | corrupted images + clean "
+            "captions (image→text queries) |"
+        )
+    if "image-diverse" in configs:
+        lines.append(f"| `image-diverse` | {rows('image-diverse')} | each image with its own corruption (REST's DQS) |")
+    if text_cfgs:
+        lines.append(
+            f"| `text-<corruption>-<severity>` ({len(text_cfgs)} configs) | {rows(text_cfgs[0])} | corrupted captions, "
+            "grouped by image, no image column: the gallery is `clean` (text→image queries) |"
+        )
+    if "text-diverse" in configs:
+        lines.append(f"| `text-diverse` | {rows('text-diverse')} | each caption with its own corruption |")
+    lines += [
+        "",
+        "All configs have one split, `test`, with one row per image in the order of the Karpathy split file.",
+        "Ids are stable: `image_id` is the Karpathy `imgid`, `caption_ids` the Karpathy `sentid`s, `source_id` the "
+        "COCO id (COCO) or the file stem (Flickr30K).",
+        "",
+        "<details><summary>All configs in this repository</summary>",
+        "",
+        ", ".join(f"`{c}`" for c in configs),
+        "",
+        "</details>",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from datasets import load_dataset",
+        f'ds = load_dataset("{repo_id}", "image-gaussian_noise-5", split="test")  # image→text queries',
+        "",
+        "from hf_tta.data.builders import load_retrieval_split",
+        f'i2t = load_retrieval_split("{repo_id}", "image-gaussian_noise-5")  # queries, gallery, relevance',
+        f't2i = load_retrieval_split("{repo_id}", "text-ocr-7")              # gallery images come from `clean`',
+        "```",
+        "",
+        "The benchmark tables report R@1 at the maximum severity: image severity 5, character/word severity 7, "
+        "sentence severity 1.",
+        "",
+        "## Construction",
+        "",
+        f"- Source: {spec.source_name}, split `{params.get('split', 'test')}`"
+        + (f", first {params['limit']} images only" if params.get("limit") else "")
+        + f" ({spec.expected_images:,} images / {spec.expected_captions:,} captions in the benchmark).",
+        f"- Captions per image: the first {params.get('captions_per_image')} of each image"
+        + (f" ({report.get('truncated_captions')} extra captions of {report.get('images_with_extra_captions')} images left out)." if report.get("truncated_captions") else "."),
+        f"- Source check: {report.get('num_images', '?')} images used; {len(report.get('missing', []))} missing and "
+        f"{len(report.get('unreadable', []))} unreadable files"
+        + (" (left out of every config)." if report.get("problems") else "."),
+        f"- Seed {params.get('seed')}: every corruption draw is a function of the seed, the config and the item's id "
+        "(`hf_tta.data.corruptions.derive_seed`), so any row can be regenerated on its own.",
+        f"- Corrupted images are stored as {params.get('image_format')}"
+        + (f" (quality {params.get('jpeg_quality')})" if params.get("image_format") == "JPEG" else "")
+        + "; the clean config keeps the original file bytes. Images are converted to RGB before corruption.",
+        "- Image corruptions: ImageNet-C functions (Hendrycks & Dietterich 2019) from the maintained "
+        "`imagecorruptions-imaug` package, applied at full resolution (they work on any image size).",
+        "- Text corruptions: as the MM_Robustness scripts (Qiu et al. 2023) that TCR used: `nlpaug` character "
+        "augmenters, EDA word operations (WordNet 3.0), AEDA punctuation insertion, Styleformer style transfer and "
+        "back-translation." + (
+            f" Word- and sentence-level outputs were re-drawn until similarity >= {params.get('min_similarity')}."
+            if params.get("similarity_filter")
+            else " The optional \"re-draw until similarity >= 0.9\" filter of the benchmark was not applied."
+        ),
+        "",
+        "### Image corruption constants (severity 1..5)",
+        "",
+        "| corruption | category | parameter | s=1 | s=2 | s=3 | s=4 | s=5 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in IMAGE_CORRUPTIONS:
+        c = IMAGE_CORRUPTION_CONSTANTS[n]
+        lines.append(f"| {n} | {IMAGE_CORRUPTION_CATEGORIES[n]} | {c['param']} | " + " | ".join(_fmt(v) for v in c["values"]) + " |")
+    models = params.get("text_models") or None
+    lines += [
+        "",
+        "### Text corruptions",
+        "",
+        "| corruption | paper | level | generator |",
+        "|---|---|---|---|",
+    ]
+    for n in TEXT_CORRUPTIONS:
+        lines.append(f"| {n} | {TEXT_CORRUPTION_ABBREVIATIONS[n]} | {TEXT_CORRUPTION_LEVELS[n]} | {_text_generator(n, models)} |")
+    if "image-diverse" in configs or "text-diverse" in configs:
+        lines += ["", "### Diverse configs", ""]
+        if "image-diverse" in configs:
+            pool = params.get("image_pool", [])
+            lines.append(f"- `image-diverse`: uniform over {len(pool)} (corruption, severity) pairs: " + ", ".join(f"{a}@{b}" for a, b in pool) + ".")
+        if "text-diverse" in configs:
+            pool = params.get("text_pool", [])
+            lines.append(f"- `text-diverse`: uniform over {len(pool)} (corruption, severity) pairs: " + ", ".join(f"{a}@{b}" for a, b in pool) + ".")
+        lines.append("- The `corruption` / `severity` columns record each draw.")
+    versions = build_info.get("versions", {})
+    if versions:
+        lines += ["", "Built with " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) + "."]
+    lines += [
+        "",
+        "## Licences",
+        "",
+        f"- Images: {spec.image_license}",
+        f"- Captions: {spec.annotation_license}",
+        "- Karpathy splits: released with \"Deep Visual-Semantic Alignments for Generating Image Descriptions\".",
+        "- The corruptions add no new content; derived data follows the licences of its sources.",
+        "",
+        "## Citations",
+        "",
+        "```bibtex",
+        "\n\n".join([CITATIONS["tcr"], CITATIONS["rest"], CITATIONS["mm_robustness"], *spec.citations,
+                     CITATIONS["imagenet_c"], CITATIONS["imagecorruptions"], CITATIONS["eda"], CITATIONS["aeda"],
+                     CITATIONS["nlpaug"], CITATIONS["styleformer"], CITATIONS["wordnet"]]),
+        "```",
+        "",
+    ]
+    for c in configs:
+        parse_config_name(c)
+    return "\n".join(lines)
