@@ -17,6 +17,7 @@ from .benchmark import (
     text_features,
     text_severities,
 )
+from . import audioset  # AudioSet-O / AudioSet-D / VGGSound (audio-video): hf_tta.data.builders.audioset
 from .card import card_metadata, card_text
 from .hub import push_benchmark, push_card, remote_configs
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources

@@ -47,7 +47,6 @@ import numpy as np
 
 from ..corruptions._utils import derive_seed
 from ..corruptions.audio import (
-    AUDIO_CORRUPTION_CATEGORIES,
     AUDIO_CORRUPTIONS,
     AUDIO_REPRESENTATIVES,
     ENVIRONMENTAL_NOISES,
@@ -56,10 +55,12 @@ from ..corruptions.audio import (
     decode_wav,
     encode_wav,
     read_audio,
+    resample,
     signal_power,
     snr_of,
 )
 from ..corruptions.segments import Segment, apply_plan, diverse_shift_plan, multi_shift_plan
+from .loading import RetrievalSplit
 
 logger = logging.getLogger(__name__)
 
@@ -455,16 +456,18 @@ def _frame_cell(frame) -> dict:
 
 def _generate(
     config: str,
-    clips: Sequence[AVClip],
+    items: Sequence[tuple[int, AVClip]],
     settings: AVCorruptionSettings,
     sampling_rate: int,
     num_frames: int | None,
     frame_size: int | None,
     noise_bank: NoiseBank | None,
 ) -> Iterator[dict]:
+    """Rows of ``config``. ``items`` pairs each clip with its position: ``datasets`` shards list arguments of
+    ``from_generator``, so a position counted here would restart in every shard (and change the seeds)."""
     from PIL import Image
 
-    for index, clip in enumerate(clips):
+    for index, clip in items:
         seed = derive_seed(settings.seed, config, index)
         if config == "clean":
             frames = read_frames(clip, num_frames, frame_size)
@@ -552,14 +555,14 @@ def build_av_benchmark(
         types = sorted({n for v in lacking.values() for n in v})
         raise MissingRecordingsError(
             f"Cannot make {types}: no recording provided (NoiseBank.from_directory looks for <name>.wav or a <name>/ "
-            f"folder). Affected configs: {lacking}. Without recordings this machine can make: "
-            f"{[n for n in AUDIO_CORRUPTIONS if n not in types]}; pass settings.audio_pool=... for audio_diverse, "
+            f"folder). Affected configs: {lacking}. With the recordings given, the audio corruptions that can be made "
+            f"are {[n for n in AUDIO_CORRUPTIONS if n not in types]}: pass settings.audio_pool=... for audio_diverse, "
             "or leave those configs out."
         )
     out = {}
     for config in configs:
         kwargs = dict(
-            config=config, clips=list(clips), settings=settings, sampling_rate=sampling_rate,
+            config=config, items=list(enumerate(clips)), settings=settings, sampling_rate=sampling_rate,
             num_frames=num_frames, frame_size=frame_size, noise_bank=noise_bank,
         )
         out[config] = Dataset.from_generator(
@@ -691,39 +694,57 @@ def push_av_benchmark(
 
 # ====================================================================================================== loading
 class LazyItems(Sequence):
-    """Items of a ``datasets`` column decoded on access (``items[i]``, ``items[a:b]``), so that 3,000 videos are
-    never held in memory at once."""
+    """A column decoded on access (``items[i]``, ``items[a:b]``), so 3,000 videos are never all in memory."""
 
     def __init__(self, dataset, column: str, decode: Callable[[Any], Any]):
-        self.dataset, self.column, self.decode = dataset, column, decode
+        self._ds, self.decode = dataset.select_columns([column]), decode
+        self.column = column
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._ds)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self.decode(v) for v in self.dataset[index][self.column]]
-        return self.decode(self.dataset[int(index)][self.column])
+            return [self.decode(v) for v in self._ds[index][self.column]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.decode(self._ds[int(index)][self.column])
 
 
 @dataclass
-class AVRetrievalTask:
-    """Queries, gallery and relevance of one direction of one config.
+class AVRetrievalSplit(RetrievalSplit):
+    """Queries, gallery and relevance of one direction of one audio-video config: the image benchmarks'
+    :class:`~hf_tta.data.builders.RetrievalSplit` (``query_inputs``, ``gallery_inputs``, ``evaluate``) with
+    ``task = "<query>-><gallery>"``.
 
-    ``queries``/``gallery`` hold raw items: texts (``str``), waveforms (1-D float32 at ``sampling_rate``) or videos
-    (``(T, H, W, 3)`` uint8); ``relevance[i]`` lists the gallery indices relevant to query ``i``.
-    Turn a slice of items into model inputs with :func:`to_model_inputs`.
+    ``queries``/``gallery`` hold raw items, decoded lazily: texts (``str``), waveforms (1-D float32 at
+    ``sampling_rate``) or videos (``(T, H, W, 3)`` uint8). ``relevant[i]`` lists the gallery positions relevant to
+    query ``i``; ``query_corruptions[i]`` the corruption of each segment of query ``i``.
     """
 
-    query_modality: str
-    gallery_modality: str
-    queries: Sequence
-    gallery: Sequence
-    relevance: list[list[int]]
-    ids: list[str]
-    config: str
     sampling_rate: int | None = None
-    query_corruptions: list[list[str]] | None = None
+
+    @property
+    def query_modality(self) -> str:
+        return self.task.split("->")[0]
+
+    @property
+    def gallery_modality(self) -> str:
+        return self.task.split("->")[1]
+
+    def query_inputs(self, processor, batch_size: int = 64, **processor_kwargs) -> Iterator[dict]:
+        """Query batches through a processor (see :func:`to_model_inputs`), for ``TTAWrapper.adapt_step``."""
+        for batch in self.query_batches(batch_size):
+            yield to_model_inputs(batch, self.query_modality, processor, self.sampling_rate, **processor_kwargs)
+
+    def gallery_inputs(self, processor, batch_size: int = 256, **processor_kwargs) -> list[dict]:
+        """Gallery batches through a processor, for ``TTAWrapper.encode_gallery``."""
+        return [
+            to_model_inputs(b, self.gallery_modality, processor, self.sampling_rate, **processor_kwargs)
+            for b in self.gallery_batches(batch_size)
+        ]
 
 
 def parse_direction(direction: str | Sequence[str]) -> tuple[str, str]:
@@ -738,33 +759,29 @@ def parse_direction(direction: str | Sequence[str]) -> tuple[str, str]:
     return pair  # type: ignore[return-value]
 
 
-def _load_config(source, config: str, split: str):
-    if isinstance(source, Mapping):
-        if config not in source:
-            raise ValueError(f"No config {config!r}; have {sorted(source)}.")
-        return source[config]
-    from datasets import load_dataset, load_from_disk
-
-    path = Path(str(source))
-    if path.is_dir() and (path / config).is_dir():
-        return load_from_disk(str(path / config))
-    return load_dataset(str(source), config, split=split)
-
-
 def save_av_benchmark(built: Mapping[str, Any], directory: str | os.PathLike) -> None:
     """``save_to_disk`` every config into ``directory/<config>`` (readable by :func:`load_av_retrieval`)."""
     for config, ds in built.items():
         ds.save_to_disk(str(Path(directory) / config))
 
 
-def _decode_audio(sampling_rate: int | None):
+def _load_config(source, config: str, split: str):
+    if isinstance(source, Mapping):
+        if config not in source:
+            raise KeyError(f"Config {config!r} is not in the given mapping (has {sorted(source)}).")
+        return source[config]
+    from datasets import load_dataset, load_from_disk
+
+    path = Path(str(source))
+    if path.is_dir() and (path / config / "dataset_info.json").is_file():
+        return load_from_disk(str(path / config))
+    return load_dataset(str(source), config, split=split)
+
+
+def _decode_audio(sampling_rate: int | None) -> Callable[[bytes], np.ndarray]:
     def decode(blob: bytes) -> np.ndarray:
         wav, rate = decode_wav(blob)
-        if sampling_rate is not None and rate != sampling_rate:
-            from ..corruptions.audio import resample
-
-            wav = resample(wav, rate, sampling_rate)
-        return wav
+        return wav if sampling_rate is None or rate == sampling_rate else resample(wav, rate, sampling_rate)
 
     return decode
 
@@ -776,69 +793,65 @@ def load_av_retrieval(
     *,
     sampling_rate: int | None = None,
     split: str = "test",
-) -> AVRetrievalTask:
-    """Queries, gallery and relevance for one direction.
+) -> AVRetrievalSplit:
+    """Queries, gallery and relevance for one direction of one config.
 
     Args:
-        source: a Hub repo id, a :func:`save_av_benchmark` folder, or the dict :func:`build_av_benchmark` returns.
-        config: ``"clean"`` or a corruption config. A corruption config corrupts one modality: the direction's query
-            modality must be that one (the gallery always comes clean from ``clean``).
-        direction: one of :data:`DIRECTIONS` (``"video->audio"`` ...).
+        source: a Hub repo id, a :func:`save_av_benchmark` folder, or the mapping :func:`build_av_benchmark` returns.
+        config: ``"clean"`` or a corruption config. A corruption config corrupts one modality, which must be the
+            direction's query modality (the gallery always comes from ``clean``).
+        direction: one of :data:`DIRECTIONS` (``"video->audio"``, ``"text->audio"``, ...). Text sides hold the
+            distinct texts; a text query is relevant to every clip with that text.
         sampling_rate: resample audio to this rate (CLAP: 48000); default the stored rate.
     """
     query, gallery = parse_direction(direction)
-    clean = _load_config(source, "clean", split)
-    corrupted_modality = None if config == "clean" else config.split("_", 1)[0]
-    if corrupted_modality is not None and corrupted_modality != query:
+    corrupted = None if config == "clean" else config.split("_", 1)[0]
+    if corrupted is not None and corrupted != query:
         raise ValueError(
-            f"Config {config!r} corrupts {corrupted_modality} queries; for {query}->{gallery} use 'clean' or a "
-            f"{query}_* config (the gallery is never corrupted)."
+            f"Config {config!r} corrupts {corrupted} queries; for {query}->{gallery} use 'clean' or one of the "
+            f"{query}_* configs (the gallery is never corrupted)."
         )
+    clean = _load_config(source, "clean", split)
     qsource = clean if config == "clean" else _load_config(source, config, split)
-    ids = list(clean["id"])
-    if list(qsource["id"]) != ids:
-        raise ValueError(f"Config {config!r} and 'clean' list different clips: rebuild them together.")
-    stored_rate = int(clean[0]["sampling_rate"]) if len(clean) else None
-    rate = sampling_rate or stored_rate
+    meta = clean.select_columns(["id", "text", "sampling_rate"])[:]
+    ids = list(meta["id"])
+    if list(qsource.select_columns(["id"])[:]["id"]) != ids:
+        raise ValueError(f"Config {config!r} and 'clean' list different clips: build them together.")
+    rate = sampling_rate or (int(meta["sampling_rate"][0]) if ids else None)
     decoders = {"audio": _decode_audio(rate), "video": frames_to_array}
-
+    positions = list(range(len(ids)))
+    relevant = [[i] for i in positions]
+    query_items: Sequence = LazyItems(qsource, query, decoders[query]) if query != "text" else []
+    gallery_items: Sequence = LazyItems(clean, gallery, decoders[gallery]) if gallery != "text" else []
+    query_ids, gallery_ids = ids, ids
     if "text" in (query, gallery):
-        texts = list(clean["text"])
+        texts = list(meta["text"])
         if not all(texts):
             raise ValueError("Some clips have no text: text directions need a caption or label names for every clip.")
         unique = list(dict.fromkeys(texts))
-        position = {t: i for i, t in enumerate(unique)}
-    if gallery == "text":
-        gallery_items: Sequence = unique
-        relevance = [[position[t]] for t in texts]
-    elif query == "text":
-        gallery_items = LazyItems(clean, gallery, decoders[gallery])
-        members: dict[str, list[int]] = {}
-        for i, t in enumerate(texts):
-            members.setdefault(t, []).append(i)
-        relevance = [members[t] for t in unique]
-    else:
-        gallery_items = LazyItems(clean, gallery, decoders[gallery])
-        relevance = [[i] for i in range(len(ids))]
-    if query == "text":
-        query_items: Sequence = unique
-        ids = [", ".join(ids[i] for i in members[t]) for t in unique]
-    else:
-        query_items = LazyItems(qsource, query, decoders[query])
-    return AVRetrievalTask(
-        query_modality=query,
-        gallery_modality=gallery,
+        if gallery == "text":
+            position = {t: k for k, t in enumerate(unique)}
+            gallery_items, gallery_ids, relevant = unique, unique, [[position[t]] for t in texts]
+        else:
+            members: dict[str, list[int]] = {}
+            for i, t in enumerate(texts):
+                members.setdefault(t, []).append(i)
+            query_items, query_ids, relevant = unique, unique, [members[t] for t in unique]
+    corruptions = list(qsource.select_columns(["corruptions"])[:]["corruptions"]) if config != "clean" else []
+    return AVRetrievalSplit(
+        task=f"{query}->{gallery}",
+        config=config,
         queries=query_items,
         gallery=gallery_items,
-        relevance=relevance,
-        ids=ids,
-        config=config,
+        relevant=relevant,
+        query_ids=list(query_ids),
+        gallery_ids=list(gallery_ids),
+        query_corruptions=corruptions,
         sampling_rate=rate if "audio" in (query, gallery) else None,
-        query_corruptions=list(qsource["corruptions"]) if config != "clean" else None,
     )
 
 
-def to_model_inputs(items: Sequence, modality: str, processor, sampling_rate: int | None = None) -> dict:
+def to_model_inputs(items: Sequence, modality: str, processor, sampling_rate: int | None = None, **kwargs) -> dict:
     """Model inputs for a slice of raw items, with a Hugging Face processor.
 
     - text: ``processor(text=items, padding=True, truncation=True)``;
@@ -849,13 +862,13 @@ def to_model_inputs(items: Sequence, modality: str, processor, sampling_rate: in
     """
     items = list(items)
     if modality == "text":
-        return dict(processor(text=items, padding=True, truncation=True, return_tensors="pt"))
+        return dict(processor(text=items, return_tensors="pt", **{"padding": True, "truncation": True, **kwargs}))
     if modality == "audio":
         from transformers.feature_extraction_utils import FeatureExtractionMixin
 
         if isinstance(processor, FeatureExtractionMixin):
-            return dict(processor(items, sampling_rate=sampling_rate, return_tensors="pt"))
-        return dict(processor(audio=items, sampling_rate=sampling_rate, return_tensors="pt"))
+            return dict(processor(items, sampling_rate=sampling_rate, return_tensors="pt", **kwargs))
+        return dict(processor(audio=items, sampling_rate=sampling_rate, return_tensors="pt", **kwargs))
     if modality != "video":
         raise ValueError(f"Unknown modality {modality!r}.")
     from transformers.image_processing_utils import BaseImageProcessor
@@ -863,15 +876,15 @@ def to_model_inputs(items: Sequence, modality: str, processor, sampling_rate: in
     is_image_processor = isinstance(processor, BaseImageProcessor) and "videomae" not in type(processor).__name__.lower()
     if not is_image_processor:
         try:
-            return dict(processor(videos=[list(v) for v in items], return_tensors="pt"))
+            return dict(processor(videos=[list(v) for v in items], return_tensors="pt", **kwargs))
         except TypeError:
-            return dict(processor([list(v) for v in items], return_tensors="pt"))
+            return dict(processor([list(v) for v in items], return_tensors="pt", **kwargs))
     import torch
 
     lengths = [len(v) for v in items]
     t = max(lengths)
     frames = [f for v in items for f in list(v) + [v[-1]] * (t - len(v))]
-    pixel_values = processor(images=frames, return_tensors="pt")["pixel_values"]
+    pixel_values = processor(images=frames, return_tensors="pt", **kwargs)["pixel_values"]
     out = {"pixel_values": pixel_values.view(len(items), t, *pixel_values.shape[1:])}
     if min(lengths) < t:
         out["frame_mask"] = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).long()
@@ -883,7 +896,7 @@ __all__ = [
     "AUDIOSET_O_CONFIGS",
     "AVClip",
     "AVCorruptionSettings",
-    "AVRetrievalTask",
+    "AVRetrievalSplit",
     "BENCHMARKS",
     "ClipReport",
     "DIRECTIONS",

@@ -89,7 +89,8 @@ class NoiseBank:
     @classmethod
     def from_directory(cls, path: str | os.PathLike, sampling_rate: int) -> "NoiseBank":
         """Read ``<path>/<name>.<ext>`` or ``<path>/<name>/*.<ext>`` for each environmental noise that is there
-        (formats: see :func:`read_audio`), resampled to ``sampling_rate`` and mixed down to mono."""
+        (formats: see :func:`read_audio`; ``.npy`` recordings must already be at ``sampling_rate``), resampled to
+        ``sampling_rate`` and mixed down to mono."""
         root = Path(path)
         if not root.is_dir():
             raise FileNotFoundError(f"No noise-recording folder {str(root)!r}.")
@@ -99,7 +100,7 @@ class NoiseBank:
             if (root / name).is_dir():
                 files += sorted(p for p in (root / name).iterdir() if p.suffix.lower() in AUDIO_EXTENSIONS)
             if files:
-                found[name] = [read_audio(f, sampling_rate=sampling_rate)[0] for f in files]
+                found[name] = [read_audio(f, sampling_rate, npy_sampling_rate=sampling_rate)[0] for f in files]
         return cls(found, sampling_rate)
 
     @property
