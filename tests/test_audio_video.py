@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tta import DualEncoderAdapter, TTAConfig, TTAWrapper, get_adapter
+from hf_tta import TTAConfig, TTAWrapper, get_adapter
 from hf_tta.models import CLIPVideoAdapter, ClapAdapter, XCLIPAdapter
 from tiny_av_models import (
+    cav_mae_adapter,
     clap_audio_batch,
     tiny_cav_mae,
     tiny_clap,
@@ -21,40 +22,6 @@ from tiny_av_models import (
 from tiny_models import text_batch
 
 BATCH, GALLERY = 6, 12
-
-
-def cav_mae_adapter(model) -> DualEncoderAdapter:
-    """Exactly the README's recipe for a CAV-MAE checkpoint (the toy model has CAV-MAE's attribute names)."""
-
-    def encode_audio(m, x):  # (B, time, mel) log-mel fbank
-        a = m.patch_embed_a(x["input_values"].unsqueeze(1).transpose(2, 3)).flatten(2).transpose(1, 2)
-        a = a + m.pos_embed_a + m.modality_a
-        for blk in m.blocks_a:
-            a = blk(a)
-        for blk in m.blocks_u:
-            a = blk(a, "a")
-        return m.norm_a(a).mean(dim=1)
-
-    def encode_video(m, x):  # (B, T, 3, H, W): CAV-MAE embeds a frame; a video is the mean over its frames
-        b, t = x["pixel_values"].shape[:2]
-        v = m.patch_embed_v(x["pixel_values"].flatten(0, 1)).flatten(2).transpose(1, 2)
-        v = v + m.pos_embed_v + m.modality_v
-        for blk in m.blocks_v:
-            v = blk(v)
-        for blk in m.blocks_u:
-            v = blk(v, "v")
-        return m.norm_v(v).mean(dim=1).view(b, t, -1).mean(dim=1)
-
-    n_u = len(model.blocks_u)
-    return DualEncoderAdapter(
-        model,
-        encoders={"video": encode_video, "audio": encode_audio},
-        towers={
-            "audio": ["patch_embed_a", "blocks_a", "norm_a"] + [f"blocks_u.{i}.norm{j}_a" for i in range(n_u) for j in (1, 2)],
-            "video": ["patch_embed_v", "blocks_v", "norm_v"] + [f"blocks_u.{i}.norm{j}_v" for i in range(n_u) for j in (1, 2)],
-        },
-        input_names={"audio": ["input_values"], "video": ["pixel_values"]},
-    )
 
 
 def fbank_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -32,8 +32,7 @@ from hf_tta.data.builders.audioset import (
 )
 from hf_tta.data.corruptions._utils import derive_seed
 from hf_tta.data.corruptions.audio import NoiseBank, decode_wav, encode_wav
-from tiny_av_models import frame_stacks, tiny_cav_mae, waveforms
-from test_audio_video import cav_mae_adapter
+from tiny_av_models import cav_mae_adapter, frame_stacks, tiny_cav_mae, waveforms
 
 pytest.importorskip("imagecorruptions", reason="the video corruptions need the `data` extra")
 
