@@ -3,7 +3,6 @@ configs, loading for the six directions, publishing through the fake Hub, and fe
 
 from __future__ import annotations
 
-import csv
 import json
 import wave
 
@@ -260,3 +259,20 @@ def test_video_files_decode_with_pyav(tmp_path):
     assert frames[0].mean() < frames[1].mean() < frames[2].mean()  # uniformly sampled, in order
     wav = read_clip_audio(clip, sampling_rate=8000)
     assert abs(len(wav) - 8000) < 1200 and 0.1 < np.abs(wav).max() < 0.5  # 1 s at 8 kHz (codec padding aside)
+
+
+def test_audio_queries_through_a_clap_feature_extractor(fixture):
+    from transformers import ClapFeatureExtractor
+
+    from tiny_av_models import tiny_clap
+    from tiny_models import text_batch
+
+    fe = ClapFeatureExtractor(feature_size=16, sampling_rate=SR, hop_length=128, max_length_s=1, fft_window_size=256,
+                              truncation="rand_trunc", padding="repeatpad")
+    split = load_av_retrieval(fixture["built"], "audio_noise_weather", "audio->text", sampling_rate=SR)
+    tta = TTAWrapper(tiny_clap(), TTAConfig(objective="tent", query_modality="audio"))
+    gallery = tta.encode_gallery(text_batch(len(split.gallery), seed=1))  # stands in for tokenised split.gallery
+    batches = list(split.query_inputs(fe, batch_size=3))
+    assert batches[0]["input_features"].shape[:2] == (3, 1)
+    scores = tta.adapt_stream(batches, gallery, show_progress=False)
+    assert scores.shape == (5, len(split.gallery)) and tta.batch_index == 2

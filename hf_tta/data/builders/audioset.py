@@ -515,7 +515,7 @@ def build_av_benchmark(
     num_frames: int | None = None,
     frame_size: int | None = None,
     cache_dir: str | None = None,
-) -> dict[str, "datasets.Dataset"]:  # noqa: F821
+) -> dict[str, Any]:
     """Build the configs of an audio-video benchmark from the selected pairs (:func:`select_pairs`).
 
     Args:
@@ -580,7 +580,7 @@ def dataset_card(
     sampling_rate: int,
     source_description: str = "",
     license: str = "other",
-) -> "huggingface_hub.DatasetCard":  # noqa: F821
+) -> Any:
     """A dataset card describing the protocol, the configs and exactly how each was corrupted."""
     from huggingface_hub import DatasetCard, DatasetCardData
 
@@ -602,7 +602,7 @@ def dataset_card(
     text = f"""# {title}
 
 Query-shift benchmark for video-audio (and audio/video-text) retrieval, built with
-[hf_tta](https://github.com/) `hf_tta.data.builders.audioset` following REST (Li, Yang, Peng, "Toward Robust and
+`hf_tta.data.builders.audioset` (the hf_tta library) following REST (Li, Yang, Peng, "Toward Robust and
 Harmonious Adaptation for Cross-modal Retrieval", §3, Table IV).
 
 {source_description}
