@@ -52,12 +52,13 @@ PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # = hf_tta.benchmarks.source_model.PIXEL_MEAN 
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def prepare_data(batch_size: int = 256) -> dict:
-    """Render the OpenMoji glyphs (RGBA, 32 px) and encode every caption with the frozen MiniLM text tower."""
+def prepare_data(batch_size: int = 256, limit: int | None = None) -> dict:
+    """Render the OpenMoji glyphs (RGBA, 32 px) and encode every caption with the frozen MiniLM text tower
+    (``limit``: a seeded slice of the concepts, for quick tests)."""
     from hf_tta.benchmarks.emoji import load_emoji_benchmark
     from hf_tta.benchmarks.source_model import build_source_model, load_tokenizer, tokenize
 
-    bench = load_emoji_benchmark()
+    bench = load_emoji_benchmark(limit=limit)
     model = build_source_model(seed=0)
     tokenizer = load_tokenizer()
     pooled = []
@@ -208,7 +209,6 @@ def train(
         torch.backends.cudnn.deterministic = True
     model = init_model(data["config"], seed).to(dev)
     model.train()
-    params = [p for _, p in trainable(model)]
     decay = [p for n, p in trainable(model) if p.dim() > 1]
     no_decay = [p for n, p in trainable(model) if p.dim() <= 1]
     opt = torch.optim.AdamW(

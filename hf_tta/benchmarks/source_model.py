@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -83,13 +82,24 @@ def _load_text_tower(model) -> None:
         raise RuntimeError(f"MiniLM checkpoint does not match BertModel: missing={missing}, unexpected={unexpected}")
 
 
-def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM):
+def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init: bool = True):
     """The untrained source model: pretrained MiniLM text tower, freshly initialised (seeded) image tower and
-    projections. Returned in eval mode, fp32."""
+    projections. Returned in eval mode, fp32. ``init=False`` skips the random initialisation (for loading)."""
+    import contextlib
+
     from transformers import VisionTextDualEncoderModel
 
+    skip = contextlib.nullcontext()
+    if not init:
+        try:
+            from transformers.initialization import no_init_weights
+
+            skip = no_init_weights()
+        except ImportError:  # pragma: no cover - other transformers layouts: just initialise
+            pass
     torch.manual_seed(seed)
-    model = VisionTextDualEncoderModel(emoji_dual_encoder_config(projection_dim))
+    with skip:
+        model = VisionTextDualEncoderModel(emoji_dual_encoder_config(projection_dim))
     _load_text_tower(model)
     return model.float().eval()
 
@@ -113,7 +123,7 @@ def load_emoji_source_model(weights: str | Path | None = None, device: str | tor
         raise FileNotFoundError(f"No trained weights at {path}; train them with recipes/train_source_model.py.")
     state = load_file(str(path))
     projection_dim = state["visual_projection.weight"].shape[0]
-    model = build_source_model(seed=0, projection_dim=projection_dim)
+    model = build_source_model(seed=0, projection_dim=projection_dim, init=False)  # every tensor is loaded below
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not k.startswith(TEXT_PREFIX)]
     if missing or unexpected:

@@ -1,0 +1,660 @@
+"""The benchmark grid behind ``hf-tta``: conditions (direction x shift x severity) x objectives -> one table.
+
+A *condition* is one query stream: image→text (``i2t``) with image queries corrupted by one ImageNet-C
+corruption at one severity, text→image (``t2i``) with corrupted caption queries, the clean stream, the unseen
+drawing style (``noto``: Noto Emoji renders as i2t queries, or as the t2i gallery), or the diverse stream (every
+query its own random corruption, REST's "-D"). Each (condition, objective) run
+
+* starts from the source model (one :class:`~hf_tta.TTAWrapper` per objective and direction, ``reset()`` before
+  every run),
+* streams the queries in a fixed random order (seeded) in batches of 64, adapting online (TCR's protocol),
+* scores every query against the whole gallery, which the source model encodes once per gallery,
+* reports R@1/5/10 and the paper's Fig. 1 diagnostics: query uniformity (Eq. 14) and query–gallery gap (Eq. 15)
+  of the source model's query embeddings ("before") and of the adapted model's at the end of the stream ("after").
+
+The source model's row ("source") is the same stream without adaptation. Two back ends provide queries and
+galleries: :class:`EmojiTask` (the offline emoji benchmark and its shipped model) and :class:`HubTask` (any Hugging
+Face dual encoder + a COCO-C/Flickr-C-style dataset built by :mod:`hf_tta.data.builders`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+SOURCE = "source"
+DIRECTIONS = ("i2t", "t2i")
+OTHER_SHIFTS = ("clean", "noto", "diverse")
+QUERY_MODALITY = {"i2t": "image", "t2i": "text"}
+GALLERY_MODALITY = {"i2t": "text", "t2i": "image"}
+#: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
+#: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
+DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
+DEFAULT_OBJECTIVES = ("tent", "tcr")
+
+
+# ------------------------------------------------------------------------------------------------ grid
+@dataclass(frozen=True)
+class Condition:
+    """One query stream: ``direction`` (i2t / t2i), ``shift`` (a corruption, ``clean``, ``noto``, ``diverse``)
+    and ``severity`` (``None`` where it does not apply)."""
+
+    direction: str
+    shift: str
+    severity: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.direction}/{self.shift}" + (f"/{self.severity}" if self.severity is not None else "")
+
+    @property
+    def query_modality(self) -> str:
+        return QUERY_MODALITY[self.direction]
+
+    @property
+    def group(self) -> str:
+        """Which table the condition belongs to."""
+        if self.shift in OTHER_SHIFTS:
+            return "shifts"
+        return f"{self.direction}-severity-{self.severity}"
+
+
+@dataclass(frozen=True)
+class Job:
+    condition: Condition
+    objective: str
+
+
+def image_corruption_names() -> tuple[str, ...]:
+    from ..data.corruptions import IMAGE_CORRUPTIONS
+
+    return IMAGE_CORRUPTIONS
+
+
+def offline_text_corruptions(candidates: Iterable[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The text corruptions that run here (``(available, {name: why not})``); sentence-level ones need seq2seq
+    checkpoints and are only tried when named in ``candidates``."""
+    from ..data.corruptions import CHAR_CORRUPTIONS, MAX_TEXT_SEVERITY, WORD_CORRUPTIONS, corrupt_text
+
+    names = list(candidates) if candidates is not None else list(CHAR_CORRUPTIONS + WORD_CORRUPTIONS)
+    ok, missing = [], {}
+    for name in names:
+        try:
+            corrupt_text("grinning face with big eyes", name, MAX_TEXT_SEVERITY[name], seed=0)
+            ok.append(name)
+        except Exception as err:  # MissingResourceError, ImportError, OSError (no checkpoint offline)
+            missing[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return ok, missing
+
+
+def build_grid(
+    objectives: Sequence[str],
+    directions: Sequence[str] = ("i2t",),
+    image_corruptions: Sequence[str] = DEFAULT_IMAGE_CORRUPTIONS,
+    severities: Sequence[int] = (5,),
+    text_corruptions: Sequence[str] = (),
+    text_severities: Sequence[int] = (7,),
+    style: bool = False,
+    diverse: bool = False,
+    clean: bool = False,
+) -> list[Job]:
+    """All (condition, objective) jobs, the source model first for every condition."""
+    conds: list[Condition] = []
+    for d in directions:
+        if clean:
+            conds.append(Condition(d, "clean"))
+        if d == "i2t":
+            conds += [Condition(d, c, s) for s in severities for c in image_corruptions]
+        else:
+            from ..data.corruptions import TEXT_SEVERITIES
+
+            conds += [
+                Condition(d, c, min(s, max(TEXT_SEVERITIES[c]))) for s in text_severities for c in text_corruptions
+            ]
+        if style:
+            conds.append(Condition(d, "noto"))
+        if diverse:
+            conds.append(Condition(d, "diverse"))
+    seen, unique = set(), []
+    for c in conds:
+        if c not in seen:
+            seen.add(c)
+            unique.append(c)
+    return [Job(c, o) for c in unique for o in (SOURCE, *[o for o in objectives if o != SOURCE])]
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+class Task:
+    """Queries, galleries and model of a benchmark (see :class:`EmojiTask`, :class:`HubTask`)."""
+
+    name = "task"
+    model: torch.nn.Module
+    device: torch.device
+
+    def queries(self, cond: Condition) -> tuple[Sequence, list[list[int]]]:
+        """Raw queries of a stream and, for each, the relevant gallery positions."""
+        raise NotImplementedError
+
+    def gallery_key(self, cond: Condition) -> str:
+        return cond.direction
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        raise NotImplementedError
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class EmojiTask(Task):
+    """The offline emoji benchmark (:mod:`hf_tta.benchmarks.emoji`) with the shipped source model.
+
+    Args:
+        limit: use a seeded slice of this many concepts (quick runs, tests); ``None`` = all 1,899.
+        seed: seeds the corruptions (and the slice).
+        weights: folder of other trained weights (default: the shipped ones).
+        device: where the model runs.
+    """
+
+    name = "emoji"
+
+    def __init__(self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu"):
+        from .emoji import load_emoji_benchmark
+        from .source_model import load_emoji_source_model
+
+        self.seed = seed
+        self.bench = load_emoji_benchmark(limit=limit, seed=seed)
+        self.model, self.tokenizer = load_emoji_source_model(weights, device=device)
+        self.device = torch.device(device)
+        self.weights = str(weights) if weights is not None else "shipped (emoji-convnext-minilm)"
+        self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
+        #: the text corruptions the diverse t2i stream draws from (None: every one that runs offline here)
+        self.text_corruptions: list[str] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.weights, **self.bench.describe()}
+
+    def gallery_key(self, cond: Condition) -> str:
+        if cond.direction == "t2i" and cond.shift == "noto":
+            return "t2i-noto"  # query–gallery style shift: clean captions retrieve Noto-style images
+        return cond.direction
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        if cond.direction == "i2t":
+            return self.bench.captions
+        return self.bench.images("noto" if cond.shift == "noto" else "openmoji")
+
+    def queries(self, cond: Condition):
+        if cond.key in self._cache:
+            return self._cache[cond.key]
+        from ..data.corruptions import (
+            MAX_IMAGE_SEVERITY,
+            corrupt_images,
+            corrupt_images_diverse,
+            corrupt_texts,
+            corrupt_texts_diverse,
+            derive_seed,
+            make_pool,
+        )
+
+        b = self.bench
+        seed = derive_seed(self.seed, "emoji", cond.shift, cond.severity)
+        if cond.direction == "i2t":
+            relevant = [list(c) for c in b.image_to_captions]
+            clean = b.images("openmoji")
+            if cond.shift == "clean":
+                raw = clean
+            elif cond.shift == "noto":
+                raw = b.images("noto")
+            elif cond.shift == "diverse":
+                pool = make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
+                raw = np.stack(corrupt_images_diverse(list(clean), seed, pool)[0])
+            else:
+                raw = np.stack(corrupt_images(list(clean), cond.shift, cond.severity, seed=seed))
+        else:
+            relevant = [[i] for i in b.caption_to_image]
+            caps = b.captions
+            if cond.shift in ("clean", "noto"):
+                raw = list(caps)
+            elif cond.shift == "diverse":
+                names = self.text_corruptions if self.text_corruptions is not None else offline_text_corruptions()[0]
+                pool = make_pool("text", names=names, severities="max")
+                raw = corrupt_texts_diverse(caps, seed, pool)[0]
+            else:
+                raw = corrupt_texts(caps, cond.shift, cond.severity, seed=seed)
+        self._cache[cond.key] = (raw, relevant)
+        return raw, relevant
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        from .source_model import preprocess_images, tokenize
+
+        if modality == "image":
+            return {"pixel_values": preprocess_images(np.asarray(raw)).to(self.device)}
+        return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
+
+
+class HubTask(Task):
+    """Any Hugging Face dual encoder on a benchmark built by :mod:`hf_tta.data.builders` (COCO-C / Flickr-C
+    layout: configs ``clean``, ``image-<name>-<s>``, ``text-<name>-<s>``, ``image-diverse``, ``text-diverse``).
+
+    Args:
+        model: a Hub id or a local folder (loaded with ``AutoModel`` + ``AutoProcessor``), or a model instance.
+        dataset: builder output folder, local Hub-layout folder or Hub dataset id.
+        processor: the processor when ``model`` is an instance.
+        limit: keep only the first ``limit`` queries of each stream.
+    """
+
+    name = "hub"
+
+    def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
+        if isinstance(model, str):
+            from transformers import AutoModel, AutoProcessor
+
+            self.model_id = model
+            processor = processor or AutoProcessor.from_pretrained(model)
+            model = AutoModel.from_pretrained(model, dtype=torch.float32)
+        else:
+            self.model_id = type(model).__name__
+        if processor is None:
+            raise ValueError("Pass the model's processor.")
+        self.model = model.to(device).eval()
+        self.processor = processor
+        self.dataset = dataset
+        self.limit = limit
+        self.device = torch.device(device)
+        self._splits: dict[str, Any] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model_id, "dataset": str(self.dataset), "limit": self.limit}
+
+    def _config(self, cond: Condition) -> str:
+        prefix = "image" if cond.direction == "i2t" else "text"
+        if cond.shift == "clean":
+            return "clean"
+        if cond.shift == "diverse":
+            return f"{prefix}-diverse"
+        if cond.shift == "noto":
+            raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
+        return f"{prefix}-{cond.shift}-{cond.severity}"
+
+    def _split(self, cond: Condition):
+        from ..data.builders.loading import load_retrieval_split
+
+        config = self._config(cond)
+        key = f"{cond.direction}:{config}"
+        if key not in self._splits:
+            self._splits[key] = load_retrieval_split(self.dataset, config, task=cond.direction)
+        return self._splits[key]
+
+    def queries(self, cond: Condition):
+        split = self._split(cond)
+        n = len(split.queries) if self.limit is None else min(self.limit, len(split.queries))
+        return _Head(split.queries, n), [list(r) for r in split.relevant[:n]]
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        return self._split(Condition(cond.direction, "clean")).gallery
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        raw = list(raw)
+        if modality == "image":
+            out = self.processor(images=raw, return_tensors="pt")
+        else:
+            out = self.processor(text=raw, return_tensors="pt", padding=True, truncation=True)
+        return {k: v.to(self.device) for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+
+
+class _Head(Sequence):
+    def __init__(self, items: Sequence, n: int):
+        self.items, self.n = items, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.items[j] for j in range(*i.indices(self.n))]
+        return self.items[i]
+
+
+def _take(items: Sequence, idx: Sequence[int]):
+    if isinstance(items, np.ndarray):
+        return items[np.asarray(idx)]
+    return [items[int(i)] for i in idx]
+
+
+# ------------------------------------------------------------------------------------------------ runner
+@dataclass
+class RunSettings:
+    steps: int = 3
+    batch_size: int = 64
+    seed: int = 0
+    gallery_batch_size: int = 256
+    lr: float | None = None
+    objective_configs: dict[str, dict] = field(default_factory=dict)
+    show_progress: bool = True
+
+
+class GridRunner:
+    """Runs jobs on a task: galleries and source query embeddings are computed once and shared."""
+
+    def __init__(self, task: Task, settings: RunSettings | None = None):
+        from ..models import get_adapter
+
+        self.task = task
+        self.settings = settings or RunSettings()
+        self.pristine = task.model
+        self.adapter = get_adapter(self.pristine)  # never wrapped: every TTAWrapper gets its own deep copy
+        self._galleries: dict[str, torch.Tensor] = {}
+        self._wrappers: dict[tuple[str, str], Any] = {}
+        self._source_rows: dict[str, dict] = {}
+
+    # ---------------------------------------------------------------- embeddings
+    @torch.no_grad()
+    def _embed(self, adapter, modality: str, items: Sequence, batch_size: int) -> torch.Tensor:
+        out = []
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            out.append(adapter.embed(modality, self.task.to_inputs(modality, chunk)))
+        return torch.cat(out)
+
+    def gallery(self, cond: Condition) -> torch.Tensor:
+        key = self.task.gallery_key(cond)
+        if key not in self._galleries:
+            items = self.task.gallery_items(cond)
+            self._galleries[key] = self._embed(
+                self.adapter, GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
+            )
+        return self._galleries[key]
+
+    def _wrapper(self, objective: str, direction: str):
+        from ..config import TTAConfig
+        from ..wrapper import TTAWrapper
+
+        key = (objective, direction)
+        if key not in self._wrappers:
+            s = self.settings
+            cfg = TTAConfig(
+                objective=objective,
+                objective_config=dict(s.objective_configs.get(objective, {})),
+                query_modality=QUERY_MODALITY[direction],
+                gallery_modality=GALLERY_MODALITY[direction],
+                steps=s.steps,
+                lr=s.lr,
+                seed=s.seed,
+            )
+            self._wrappers[key] = TTAWrapper(copy.deepcopy(self.pristine), cfg)
+        return self._wrappers[key]
+
+    def order(self, n: int) -> list[int]:
+        """The fixed random order of the query stream."""
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.settings.seed)).tolist()
+
+    # ---------------------------------------------------------------- one job
+    def run(self, job: Job) -> dict[str, Any]:
+        from ..metrics import modality_gap, retrieval_metrics, uniformity
+
+        cond, s = job.condition, self.settings
+        raw, relevant = self.task.queries(cond)
+        gallery = self.gallery(cond)
+        modality = cond.query_modality
+        t0 = time.time()
+        row: dict[str, Any] = {
+            "direction": cond.direction,
+            "shift": cond.shift,
+            "severity": cond.severity,
+            "objective": job.objective,
+            "num_queries": len(raw),
+            "gallery_size": int(gallery.shape[0]),
+        }
+        try:
+            if job.objective == SOURCE:
+                emb = self._embed(self.adapter, modality, raw, s.gallery_batch_size)
+                scores = emb @ gallery.T
+                after = emb
+                info = {}
+            else:
+                if cond.key not in self._source_rows:  # the "before" diagnostics (cheap: no adaptation)
+                    self.run(Job(cond, SOURCE))
+                tta = self._wrapper(job.objective, cond.direction)
+                tta.reset()
+                order = self.order(len(raw))
+                scores = torch.empty(len(raw), gallery.shape[0])
+                updates, skipped = 0, 0
+                batches = range(0, len(order), s.batch_size)
+                bar = tqdm(batches, desc=f"{job.objective} {cond.key}", leave=False, disable=not s.show_progress)
+                for start in bar:
+                    idx = order[start : start + s.batch_size]
+                    out = tta.adapt_step(self.task.to_inputs(modality, _take(raw, idx)), gallery)
+                    scores[idx] = out.scores.float().cpu()
+                    updates += out.num_updates
+                    skipped += len(out.skipped)
+                after = self._embed(tta.adapter, modality, raw, s.gallery_batch_size)
+                info = {"updates": updates, "skipped_steps": skipped}
+            metrics = retrieval_metrics(scores.float().cpu(), relevant, ks=(1, 5, 10))
+            row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
+            row.update(info)
+            g = gallery.float().cpu()
+            row["uniformity_after"] = round(uniformity(after.float().cpu()), 6)
+            row["gap_after"] = round(modality_gap(after.float().cpu(), g), 6)
+            if job.objective == SOURCE:
+                self._source_rows[cond.key] = row
+            src = self._source_rows.get(cond.key)
+            if src is not None:
+                row["uniformity_before"] = src["uniformity_after"]
+                row["gap_before"] = src["gap_after"]
+        except Exception as err:  # one failing objective must not lose the rest of the grid
+            logger.exception("%s on %s failed", job.objective, cond.key)
+            row["error"] = f"{type(err).__name__}: {err}"
+        row["seconds"] = round(time.time() - t0, 2)
+        return row
+
+    def run_all(self, jobs: Sequence[Job], desc: str = "hf-tta grid") -> list[dict[str, Any]]:
+        rows = []
+        # source rows first so that every objective row gets its "before" diagnostics
+        ordered = sorted(jobs, key=lambda j: j.objective != SOURCE)
+        for job in tqdm(ordered, desc=desc, disable=not self.settings.show_progress):
+            rows.append(self.run(job))
+        return rows
+
+
+# ------------------------------------------------------------------------------------------------ tables
+IMAGE_ABBREVIATIONS = {
+    "gaussian_noise": "Gauss.",
+    "shot_noise": "Shot",
+    "impulse_noise": "Impul.",
+    "speckle_noise": "Speckle",
+    "defocus_blur": "Defoc.",
+    "glass_blur": "Glass",
+    "motion_blur": "Motion",
+    "zoom_blur": "Zoom",
+    "snow": "Snow",
+    "frost": "Frost",
+    "fog": "Fog",
+    "brightness": "Brit.",
+    "contrast": "Contr.",
+    "elastic_transform": "Elastic",
+    "pixelate": "Pixel",
+    "jpeg_compression": "JPEG",
+}
+OTHER_ABBREVIATIONS = {"clean": "Clean", "noto": "Noto", "diverse": "Diverse"}
+
+
+def abbreviation(shift: str) -> str:
+    if shift in IMAGE_ABBREVIATIONS:
+        return IMAGE_ABBREVIATIONS[shift]
+    if shift in OTHER_ABBREVIATIONS:
+        return OTHER_ABBREVIATIONS[shift]
+    try:
+        from ..data.corruptions import TEXT_CORRUPTION_ABBREVIATIONS
+
+        return TEXT_CORRUPTION_ABBREVIATIONS.get(shift, shift)
+    except Exception:  # pragma: no cover
+        return shift
+
+
+def _group_of(row: dict) -> str:
+    return Condition(row["direction"], row["shift"], row["severity"]).group
+
+
+def _group_title(group: str) -> str:
+    if group == "shifts":
+        return "Clean, unseen style (noto) and diverse shift, R@1 (%)"
+    direction, _, severity = group.split("-")
+    what = "image corruptions, image→text (TR@1)" if direction == "i2t" else "text corruptions, text→image (IR@1)"
+    return f"Query shift on {what}, severity {severity}"
+
+
+def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, Any]]:
+    """Tables shaped like TCR's Table 1: one per group, rows = source then each objective, columns = the shifts
+    (and direction, for the ``shifts`` group) and their average."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_group_of(r), []).append(r)
+    tables = []
+    for group, grows in groups.items():
+        columns: list[tuple[str, str]] = []
+        for r in grows:
+            col = (r["direction"], r["shift"])
+            if col not in columns:
+                columns.append(col)
+        objectives: list[str] = []
+        for r in sorted(grows, key=lambda r: r["objective"] != SOURCE):
+            if r["objective"] not in objectives:
+                objectives.append(r["objective"])
+        cells = {(r["objective"], (r["direction"], r["shift"])): r for r in grows}
+        header = [
+            (abbreviation(s) if group != "shifts" else f"{abbreviation(s)} {d}") for d, s in columns
+        ]
+        body = []
+        for obj in objectives:
+            values = []
+            for col in columns:
+                r = cells.get((obj, col))
+                values.append(None if r is None or "error" in r or metric not in r else r[metric])
+            ok = [v for v in values if v is not None]
+            avg = sum(ok) / len(ok) if ok and len(ok) == len(values) else None
+            body.append({"objective": obj, "values": values, "avg": avg})
+        tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric})
+    return tables
+
+
+def format_table(table: dict[str, Any], source_label: str = "Source model") -> str:
+    """Markdown table (as in the papers: the source model, then '• objective' rows, then Avg.)."""
+    cols = ["Method", *table["columns"], "Avg."]
+    lines = [f"**{table['title']}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in table["rows"]:
+        name = source_label if row["objective"] == SOURCE else f"• {row['objective']}"
+        vals = ["err" if v is None else f"{v:.1f}" for v in row["values"]]
+        avg = "–" if row["avg"] is None else f"{row['avg']:.1f}"
+        lines.append("| " + " | ".join([name, *vals, avg]) + " |")
+    return "\n".join(lines)
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, Any]:
+    """Mean R@1 per objective over each table's columns, and the gain over the source model."""
+    out = {}
+    for t in build_tables(rows):
+        src = next((r["avg"] for r in t["rows"] if r["objective"] == SOURCE), None)
+        out[t["group"]] = {
+            r["objective"]: {
+                "mean_R@1": None if r["avg"] is None else round(r["avg"], 2),
+                "gain_over_source": None if r["avg"] is None or src is None else round(r["avg"] - src, 2),
+            }
+            for r in t["rows"]
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+CSV_FIELDS = (
+    "direction", "shift", "severity", "objective", "R@1", "R@5", "R@10", "uniformity_before", "uniformity_after",
+    "gap_before", "gap_after", "num_queries", "gallery_size", "updates", "skipped_steps", "seconds", "error",
+)
+
+
+def write_outputs(rows: Sequence[dict], folder, meta: dict[str, Any], plots: bool = True) -> dict[str, str]:
+    """Write ``results.json``, ``results.csv``, ``results.md`` and the PNG plots; returns their paths."""
+    import csv
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tables = build_tables(rows)
+    paths = {}
+    payload = {"meta": meta, "summary": summarize(rows), "tables": tables, "rows": list(rows)}
+    (folder / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    paths["json"] = str(folder / "results.json")
+    with open(folder / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    paths["csv"] = str(folder / "results.csv")
+    (folder / "results.md").write_text("\n\n".join(format_table(t) for t in tables) + "\n")
+    paths["markdown"] = str(folder / "results.md")
+    if plots:
+        paths.update(draw_plots(rows, folder))
+    return paths
+
+
+def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
+    """R@1 per shift for each objective, and query uniformity / query–gallery gap before and after adaptation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    folder = Path(folder)
+    out = {}
+    for t in build_tables(rows):
+        n_cols, objs = len(t["columns"]), [r["objective"] for r in t["rows"]]
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_cols * max(1, len(objs)) ** 0.5 + 3), 4))
+        width = 0.8 / max(1, len(objs))
+        x = np.arange(n_cols)
+        for k, r in enumerate(t["rows"]):
+            vals = [np.nan if v is None else v for v in r["values"]]
+            ax.bar(x + (k - (len(objs) - 1) / 2) * width, vals, width, label="source model" if r["objective"] == SOURCE else r["objective"])
+        ax.set_xticks(x, t["columns"], rotation=45, ha="right")
+        ax.set_ylabel("R@1 (%)")
+        ax.set_title(t["title"], fontsize=10)
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=8, ncol=min(4, len(objs)))
+        fig.tight_layout()
+        path = folder / f"r1_{t['group']}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        out[f"plot_r1_{t['group']}"] = str(path)
+
+    diag = [r for r in rows if "error" not in r and "uniformity_before" in r]
+    if diag:
+        objectives = list(dict.fromkeys(r["objective"] for r in sorted(diag, key=lambda r: r["objective"] != SOURCE)))
+        conds = list(dict.fromkeys(f"{abbreviation(r['shift'])} {r['direction']}" for r in diag))
+        fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 0.5 * len(conds) + 6), 4))
+        for ax, key, label in ((axes[0], "uniformity", "query uniformity (Eq. 14, higher = more spread)"),
+                               (axes[1], "gap", "query–gallery gap (Eq. 15)")):
+            for obj in objectives:
+                by = {f"{abbreviation(r['shift'])} {r['direction']}": r for r in diag if r["objective"] == obj}
+                ys = [by[c][f"{key}_after"] if c in by else np.nan for c in conds]
+                ax.plot(range(len(conds)), ys, marker="o", label="before (source)" if obj == SOURCE else f"after {obj}")
+            ax.set_xticks(range(len(conds)), conds, rotation=45, ha="right", fontsize=8)
+            ax.set_title(label, fontsize=10)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / "diagnostics.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        out["plot_diagnostics"] = str(path)
+    return out

