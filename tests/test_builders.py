@@ -23,6 +23,7 @@ from hf_tta.data.builders import (
     text_features,
 )
 from hf_tta.data.builders.benchmark import COCO_C
+from hf_tta.data.corruptions import IMAGE_CORRUPTIONS as IMAGE_NAMES
 from hf_tta.metrics import retrieval_metrics
 
 CAPTIONS = [
@@ -311,3 +312,25 @@ def test_push_to_fake_hub_and_load_back(built, tmp_path, monkeypatch):
     assert np.array_equal(np.asarray(back[0]["image"]), np.asarray(ds["image-gaussian_noise-5"][0]["image"]))
     t2i = load_retrieval_split(str(repo), "text-ocr-7")
     assert t2i.queries == [c for caps in ds["text-ocr-7"]["captions"] for c in caps] and len(t2i.gallery) == 4
+
+
+def test_recipe_cli(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "build_benchmarks.py"
+    spec = importlib.util.spec_from_file_location("build_benchmarks", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    json_path = write_karpathy(tmp_path, n=3)
+    common = ["--benchmark", "coco-c", "--karpathy-json", str(json_path), "--images-root", str(tmp_path), "--output-dir", str(tmp_path / "out"), "-q"]
+    assert recipe.main(common + ["--list-configs"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert len(listed) == 1 + 80 + 15 + 2 and listed[0] == "clean"
+    assert recipe.main(common + ["--list-configs", "--no-text", "--image-severities", "5"]) == 0
+    assert capsys.readouterr().out.split() == ["clean"] + [f"image-{n}-5" for n in IMAGE_NAMES] + ["image-diverse"]
+    assert recipe.main(common + ["--configs", "clean", "image-contrast-5", "text-char_delete-3", "--limit", "2", "--seed", "4"]) == 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.is_dir()) == ["clean", "image-contrast-5", "text-char_delete-3"]
+    assert json.loads((out / "build_info.json").read_text())["params"]["seed"] == 4
+    with pytest.raises(SystemExit):
+        recipe.main(common + ["--style-model", "bogus"])

@@ -604,6 +604,10 @@ class BenchmarkBuilder:
             shutil.rmtree(final)
         os.replace(tmp, final)
         shutil.rmtree(cache, ignore_errors=True)
+        try:
+            cache.parent.rmdir()  # only when empty
+        except OSError:
+            pass
         self._write_info()
         return self.load(config)
 

@@ -118,7 +118,7 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
         f"# {spec.pretty_name}",
         "",
         f"Query-shift benchmark for image-text retrieval, built from {spec.source_name} with "
-        "`hf_tta.data.builders` (hf_tta). The queries of one modality are corrupted while the "
+        "the hf_tta builders (`hf_tta.data.builders`). The queries of one modality are corrupted while the "
         "gallery stays clean, as in TCR (ICLR 2025, \"COCO-C / Flickr-C\") and its journal extension REST "
         "(\"-O\" one-shift-per-run and \"-D\" diverse variants).",
         "",
