@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-SUBCOMMANDS = ("run", "list", "clean", "plot")
+SUBCOMMANDS = ("run", "list", "clean", "plot", "merge")
 
 
 def _csv(value: str) -> list[str]:
@@ -55,6 +55,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
     g.add_argument("--seed", type=int, default=0, help="Seeds corruptions, the query order and the objectives' RNG.")
+    g.add_argument("--cache-dir", default=None, help="Emoji: store the query streams and gallery embeddings here and reuse them (a filled cache runs image→text grids without the fonts, corruption packages or MiniLM).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Subcommands have their own --help, e.g. `hf-tta run --help`.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,list,clean,plot}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,list,clean,plot,merge}")
 
     run = sub.add_parser("run", help="run a benchmark grid (the default)", description="Run a (shift x severity x objective) grid; "
                          "every run starts from the source model, streams the queries in a seeded order in batches, "
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=int, default=64, help="Queries per online batch (TCR: 64).")
     a.add_argument("--lr", type=float, default=None, help="Learning rate (default: the papers' rate for the model and query modality).")
     a.add_argument("--objective-config", default=None, help="JSON of per-objective overrides, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
+    g.add_argument("--shard", default=None, help="K/N: run only every N-th run starting at K (0-based), e.g. to spread a grid over several processes by hand; combine with `hf-tta merge`.")
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
@@ -102,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
     plot.add_argument("results", help="a results.json written by `hf-tta run`")
     plot.add_argument("--output-dir", default=None, help="default: the results' folder")
+
+    merge = sub.add_parser("merge", help="combine the results.json of several runs or shards", description="Combine results.json files (e.g. of `--shard K/N` runs) into one table, JSON, CSV and plots.")
+    merge.add_argument("results", nargs="+", help="results.json files (or the rows.jsonl of an interrupted run)")
+    merge.add_argument("--output-dir", required=True)
+    merge.add_argument("--no-plots", action="store_true")
     return parser
 
 
@@ -130,7 +137,7 @@ def make_task(args):
         if not (args.model and args.dataset):
             raise SystemExit("hf-tta: a real run needs both --model and --dataset.")
         return HubTask(args.model, args.dataset, limit=args.limit, device=args.device)
-    return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device)
+    return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir)
 
 
 def resolve_grid(args) -> tuple[list, dict]:
@@ -203,9 +210,21 @@ def cmd_run(args) -> int:
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
         objective_configs=json.loads(args.objective_config) if args.objective_config else {},
-        show_progress=not args.quiet,
+        show_progress=not args.quiet, cache_dir=args.cache_dir,
     )
-    rows = GridRunner(task, settings).run_all(jobs)
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        jobs = jobs[k::n]
+        print(f"hf-tta: shard {k}/{n}: {len(jobs)} runs", flush=True)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    progress = Path(args.output_dir) / "rows.jsonl"  # one line per finished run, so an interrupted grid keeps them
+    progress.write_text("")
+
+    def save(row):
+        with open(progress, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    rows = GridRunner(task, settings).run_all(jobs, on_row=save)
     meta = {
         "command": "hf-tta " + " ".join(sys.argv[1:]),
         "task": task.describe(),
@@ -274,6 +293,31 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from .benchmarks.runner import build_tables, format_table, write_outputs
+
+    rows, metas = [], []
+    for path in args.results:
+        if str(path).endswith(".jsonl"):  # the progress file of an interrupted run
+            rows.extend(json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+            metas.append({"partial": str(path)})
+            continue
+        data = json.loads(Path(path).read_text())
+        rows.extend(data["rows"])
+        metas.append(data.get("meta", {}))
+    seen, unique = set(), []
+    for r in rows:  # a condition's source row may come from several shards: keep one
+        key = (r["direction"], r["shift"], r["severity"], r["objective"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    paths = write_outputs(unique, args.output_dir, {"merged_from": args.results, "parts": metas}, plots=not args.no_plots)
+    for t in build_tables(unique):
+        print(format_table(t), end="\n\n")
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -289,7 +333,7 @@ def _versions() -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(_default_to_run(argv))
-    handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot}
+    handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     return handlers[args.command](args)
 
 

