@@ -5,6 +5,9 @@ __version__ = "0.1.0"
 from .config import TTAConfig
 from .metrics import retrieval_metrics
 from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
+from .models.clap import ClapAdapter
+from .models.clip_video import CLIPVideoAdapter
+from .models.xclip import XCLIPAdapter
 from .objectives import (
     LossOutput,
     Objective,
@@ -16,6 +19,8 @@ from .objectives import (
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
 __all__ = [
+    "CLIPVideoAdapter",
+    "ClapAdapter",
     "DualEncoderAdapter",
     "GalleryCache",
     "LossOutput",
@@ -26,6 +31,7 @@ __all__ = [
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",
+    "XCLIPAdapter",
     "available_objectives",
     "get_adapter",
     "register_adapter",
