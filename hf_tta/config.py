@@ -63,6 +63,32 @@ class TTAConfig(ConfigMixin):
         default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the wrapper's RNG (used by objectives that sample)."})
+    gradient_decoupling: bool = field(
+        default=False,
+        metadata={
+            "help": "REST's gradient decoupling (Eq. 15-17) around any gradient objective: the gradient's component that "
+            "conflicts with the gradient of KL(source prediction || adapted prediction) is removed and the update is "
+            "scaled by exp(-KL). The source prediction comes from the frozen source model (PEFT disable-adapter) over "
+            "the objective's own candidates. REST uses it under diverse query shift."
+        },
+    )
+    gd_per_tensor: bool = field(
+        default=False,
+        metadata={
+            "help": "Project each adapted tensor's gradient separately; default False = one flattened vector of all "
+            "adapted parameters."
+        },
+    )
+    score_transform: str | None = field(
+        default=None,
+        metadata={
+            "help": "A training-free objective applied on top of the output scores of any objective, e.g. 'dn' "
+            "(Distribution Normalization). It changes scoring only; its state is saved and reset with the wrapper's."
+        },
+    )
+    score_transform_config: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Overrides of the score transform's hyper-parameters."}
+    )
 
     def __post_init__(self):
         get_objective_class(self.objective)  # raises with the list of available objectives
@@ -87,14 +113,39 @@ class TTAConfig(ConfigMixin):
             raise ValueError(f"`autocast_dtype` must be None or one of {list(AUTOCAST_DTYPES)}, got {self.autocast_dtype!r}.")
         # Validate the overrides now, not at the first batch.
         self.build_objective_config()
+        if self.gradient_decoupling and not get_objective_class(self.objective).requires_grad:
+            raise ValueError(
+                f"`gradient_decoupling=True` needs a gradient objective; {self.objective!r} is training-free."
+            )
+        if isinstance(self.score_transform_config, ObjectiveConfig):
+            self.score_transform_config = self.score_transform_config.to_dict()
+        if not isinstance(self.score_transform_config, dict):
+            raise TypeError("`score_transform_config` must be a dict of hyper-parameter overrides or an ObjectiveConfig.")
+        if self.score_transform is not None:
+            if get_objective_class(self.score_transform).requires_grad:
+                raise ValueError(
+                    f"`score_transform` must be a training-free objective (e.g. 'dn'); {self.score_transform!r} "
+                    "trains parameters: use it as `objective` instead."
+                )
+            self.build_score_transform_config()
+        elif self.score_transform_config:
+            raise ValueError("`score_transform_config` is set but `score_transform` is None.")
 
     def build_objective_config(self) -> ObjectiveConfig:
-        config_class = get_objective_class(self.objective).config_class
-        known = {f.name for f in dataclasses.fields(config_class)}
-        unknown = sorted(set(self.objective_config) - known)
-        if unknown:
-            raise ValueError(
-                f"`objective_config` has keys {unknown} that {config_class.__name__} does not define; "
-                f"valid keys: {sorted(known)}."
-            )
-        return config_class(**self.objective_config)
+        return _build(self.objective, self.objective_config, "objective_config")
+
+    def build_score_transform_config(self) -> ObjectiveConfig | None:
+        if self.score_transform is None:
+            return None
+        return _build(self.score_transform, self.score_transform_config, "score_transform_config")
+
+
+def _build(name: str, overrides: dict[str, Any], field_name: str) -> ObjectiveConfig:
+    config_class = get_objective_class(name).config_class
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"`{field_name}` has keys {unknown} that {config_class.__name__} does not define; valid keys: {sorted(known)}."
+        )
+    return config_class(**overrides)

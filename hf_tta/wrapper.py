@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import TTAConfig
+from .gradient_decoupling import apply_gradient_decoupling
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, ObjectiveInputs, build_objective
 
@@ -42,6 +44,8 @@ class GalleryCache:
 
     def __post_init__(self):
         self.embeddings = self.embeddings.detach()
+        if not torch.isfinite(self.embeddings).all():  # checked once here, not at every step
+            raise ValueError("The gallery embeddings contain NaN or inf values.")
         self.single = ModelAdapter.single_vector(self.embeddings)
 
     def __len__(self) -> int:
@@ -110,6 +114,10 @@ class TTAWrapper:
         self.gallery_modality = cfg.gallery_modality or self._other_modality()
         self.adapter.check_modality(self.gallery_modality)
         self.objective = build_objective(cfg.objective, cfg.build_objective_config())
+        # a training-free objective applied to the output scores of any objective (e.g. Distribution Normalization)
+        self.score_transform = (
+            build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
+        )
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
 
         self.peft_model: PeftModel | None = None
@@ -129,6 +137,7 @@ class TTAWrapper:
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state = self.objective.init_state(self.device)
+        self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
 
     # ------------------------------------------------------------------------------------------ setup
@@ -248,8 +257,6 @@ class TTAWrapper:
             raise ValueError("The gallery is empty.")
         if gallery.embeddings.device != self.device:
             raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {self.device}: use gallery.to(...).")
-        if not torch.isfinite(gallery.embeddings).all():
-            raise ValueError("The gallery embeddings contain NaN or inf values.")
         return gallery
 
     # ------------------------------------------------------------------------------------------ the online step
@@ -287,6 +294,9 @@ class TTAWrapper:
             reencode=reencode,
             source_scores=source_scores,
             query_modality=self.query_modality,
+            queries=queries,
+            params=self.params or None,
+            source_params=self._source if self.params else None,
         )
 
     def adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor) -> TTAOutput:
@@ -317,8 +327,8 @@ class TTAWrapper:
         with torch.no_grad():
             inputs = self._inputs(queries, gallery, step=0)
             res = self.objective(inputs, self.state)
-        scores = res.scores if res.scores is not None else inputs.scores
-        return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=res.logs)
+        scores = self._transform_scores(inputs, res.scores if res.scores is not None else inputs.scores)
+        return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=_floats(res.logs))
 
     def _adapt(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
         skipped: list[str] = []
@@ -332,8 +342,8 @@ class TTAWrapper:
             reason = self._skip_reason(res)
             if reason is None:
                 self.optimizer.zero_grad(set_to_none=True)
-                res.loss.backward()
-                if not all(torch.isfinite(p.grad).all() for p in self.params.values() if p.grad is not None):
+                res.logs.update(self._backward(res, inputs))
+                if not _grads_finite(self.params.values()):
                     reason = "non-finite gradient"
             if reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -350,9 +360,29 @@ class TTAWrapper:
                 self._restore_parameters()
         if skipped:
             logger.info("adapt_step skipped %s", "; ".join(skipped))
+        scores = self._transform_scores(inputs, scores)
         return TTAOutput(
-            scores=scores, loss=last_loss, num_updates=updates, n_selected=res.n_selected, skipped=skipped, logs=res.logs
+            scores=scores, loss=last_loss, num_updates=updates, n_selected=res.n_selected, skipped=skipped, logs=_floats(res.logs)
         )
+
+    def _backward(self, res: LossOutput, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        """``loss.backward()``, then REST's gradient decoupling when configured (see ``hf_tta.gradient_decoupling``)."""
+        if not self.config.gradient_decoupling:
+            res.loss.backward()
+            return {}
+        res.loss.backward(retain_graph=True)  # G_r = grad KL(p_S || p) is taken through the same graph
+        return apply_gradient_decoupling(
+            res, self.params, inputs.source_scores, self.config.gd_per_tensor, self.config.objective
+        )
+
+    def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> torch.Tensor:
+        """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores."""
+        if self.score_transform is None:
+            return scores
+        with torch.no_grad():
+            view = dataclasses.replace(inputs, query_emb=inputs.query_emb.detach(), scores=scores.detach())
+            res = self.score_transform(view, self.transform_state)
+        return (res.scores if res.scores is not None else scores).detach()
 
     @staticmethod
     def _skip_reason(res: LossOutput) -> str | None:
@@ -369,11 +399,12 @@ class TTAWrapper:
 
         def closure() -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
-            res = self.objective(self._inputs(queries, gallery, step), dict(self.state))
+            inputs = dataclasses.replace(self._inputs(queries, gallery, step), in_closure=True)
+            res = self.objective(inputs, dict(self.state))
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
             if loss is None or not torch.isfinite(loss):
                 return torch.tensor(float("nan"))
-            loss.backward()
+            self._backward(res, inputs)
             return loss.detach()
 
         return closure
@@ -399,6 +430,7 @@ class TTAWrapper:
         """Return exactly to the source model: adapted parameters, optimiser, objective state, counters and RNG."""
         self._restore_parameters()
         self.state = self.objective.init_state(self.device)
+        self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.generator.manual_seed(self.config.seed)
 
@@ -421,6 +453,8 @@ class TTAWrapper:
             meta["optimizer"] = {"param_groups": sd["param_groups"], "plain_state": plain_state}
         for key, value in self.state.items():
             tensors[f"objective.{key}"] = value
+        for key, value in self.transform_state.items():
+            tensors[f"score_transform.{key}"] = value
         tensors["wrapper.batch_index"] = torch.tensor(self.batch_index)
         tensors["wrapper.rng_state"] = self.generator.get_state()
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
@@ -454,6 +488,10 @@ class TTAWrapper:
             self.optimizer = self._make_optimizer()
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
         self.state = {k[len("objective.") :]: v for k, v in tensors.items() if k.startswith("objective.")}
+        if self.score_transform is not None:
+            prefix = "score_transform."
+            loaded = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            self.transform_state = loaded or self.score_transform.init_state(self.device)
         self.batch_index = int(tensors["wrapper.batch_index"])
         self.generator.set_state(tensors["wrapper.rng_state"].cpu())
 
@@ -473,6 +511,17 @@ class TTAWrapper:
             f"TTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, "
             f"{self.query_modality}->{self.gallery_modality}, adapted_tensors={len(self.params)}, batches={self.batch_index})"
         )
+
+
+def _grads_finite(params: Iterable[nn.Parameter]) -> bool:
+    """One device sync for all gradients (not one per tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+
+
+def _floats(logs: Mapping[str, Any]) -> dict[str, float]:
+    """Objectives may log detached 0-d tensors; convert once, for the reported step (no device sync per step)."""
+    return {k: float(v) for k, v in logs.items()}
 
 
 def _batch_size(inputs: Mapping[str, Any]) -> int:

@@ -29,6 +29,18 @@ OBJECTIVE_CASES = [
     ObjectiveCase("tent"),
     ObjectiveCase("tcr"),
     ObjectiveCase("tcr_training_free"),
+    ObjectiveCase("rest"),
+    ObjectiveCase("cliptta"),
+    ObjectiveCase("dn", {"num_samples": 4}),
+    ObjectiveCase("titan", {"hub_threshold": 0}),  # every item a hub: counterfactual text queries on tiny batches
+    # Untrained tiny models predict almost uniformly: the baselines' entropy/PLPD filters are opened so that updates
+    # happen (the filters themselves are checked in test_objectives_math.py).
+    ObjectiveCase("eata", {"e_margin": 1.0, "d_margin": 1.01}),
+    ObjectiveCase("sar", {"margin_mode": "log_classes", "margin_e0": 1.0}),
+    ObjectiveCase("read"),
+    ObjectiveCase("deyo", {"deyo_margin": 1.0, "plpd_threshold": -1.0}),
+    ObjectiveCase("pl"),
+    ObjectiveCase("shot"),
 ]
 
 DIRECTIONS = [("image", "text"), ("text", "image")]

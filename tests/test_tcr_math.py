@@ -118,7 +118,7 @@ def test_tcr_loss_is_sum_of_terms_on_refined_prediction():
     l_mg = ((zq.detach().mean(0) - zg.mean(0)).norm() - delta_s) ** 2
     assert out.n_selected == int(sel.sum())
     assert out.loss.item() == pytest.approx((l_na + l_mu + l_mg).item(), abs=1e-5)
-    assert out.logs["loss_na"] == pytest.approx(l_na.item(), abs=1e-5)
+    assert float(out.logs["loss_na"]) == pytest.approx(l_na.item(), abs=1e-5)
 
 
 def test_queue_updates_only_at_step0_of_first_10_batches():

@@ -13,7 +13,21 @@ from .base import (
     register_objective,
     softmax_entropy,
 )
-from . import tcr, tcr_training_free, tent  # noqa: F401  (registration by import)
+from . import (  # noqa: F401  (registration by import)
+    cliptta,
+    deyo,
+    dn,
+    eata,
+    pl,
+    read,
+    rest,
+    sar,
+    shot,
+    tcr,
+    tcr_training_free,
+    tent,
+    titan,
+)
 
 __all__ = [
     "OBJECTIVES",

@@ -12,6 +12,7 @@ and a class decorated with :func:`register_objective`, plus one row in the param
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -49,6 +50,13 @@ class ObjectiveInputs:
         source_scores (`Callable`, *optional*): returns the frozen source model's ``(B, N)`` scores for the
             current queries (no grad); used by methods that regularise towards the source model.
         query_modality (`str`): the modality of the queries (``"image"``, ``"text"``, ...).
+        queries (`dict`, *optional*): the raw query inputs of this batch (e.g. ``pixel_values`` or ``input_ids`` and
+            ``attention_mask``), for objectives that keep raw samples (ClipTTA's memory) or edit them (TITAN).
+        in_closure (`bool`): ``True`` when the wrapper re-evaluates the objective inside the optimiser's closure
+            (the second pass of SAM-style optimisers); the state passed then is a copy, so writes are discarded.
+        params (`dict`, *optional*): the adapted parameters by name (with grad), for regularisers on them (EATA's
+            Fisher penalty).
+        source_params (`dict`, *optional*): the source values of ``params`` (no grad).
     """
 
     query_emb: torch.Tensor
@@ -60,6 +68,10 @@ class ObjectiveInputs:
     reencode: Callable[[Callable[[dict], dict]], tuple[torch.Tensor, torch.Tensor]] | None = None
     source_scores: Callable[[], torch.Tensor] | None = None
     query_modality: str = "image"
+    queries: Mapping[str, torch.Tensor] | None = None
+    in_closure: bool = False
+    params: Mapping[str, torch.Tensor] | None = None
+    source_params: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -76,8 +88,13 @@ class LossOutput:
             source model's prediction over the same candidates can be formed; ``None`` means all columns of
             ``scores`` in order.
         temperature (`float`, *optional*): the temperature that divides the scores in ``logits``.
+        logits_fn (`Callable`, *optional*): maps any ``(B, N)`` score matrix to ``(B, C)`` logits built exactly as
+            ``logits`` are (same candidates, masks and temperature), for candidate sets that are not plain gallery
+            columns (REST's k-means centroids). When set, gradient decoupling uses it instead of ``candidates`` and
+            ``temperature``.
         scores (`torch.Tensor` of shape `(B, N)`, *optional*): replacement ranking scores (training-free methods).
-        logs (`dict`): scalar diagnostics (floats).
+        logs (`dict`): scalar diagnostics (floats or 0-d detached tensors; the wrapper converts those of the
+            reported step only, so logging costs no device sync per step).
     """
 
     loss: torch.Tensor | None
@@ -85,8 +102,9 @@ class LossOutput:
     logits: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     temperature: float | None = None
+    logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     scores: torch.Tensor | None = None
-    logs: dict[str, float] = field(default_factory=dict)
+    logs: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 
 class Objective:
@@ -96,7 +114,10 @@ class Objective:
         name: registry key (set by :func:`register_objective`).
         config_class: the dataclass of hyper-parameters.
         requires_grad: ``False`` for training-free objectives (no optimiser, no parameter change).
-        needs_closure: ``True`` when the optimiser must re-evaluate the loss (SAM).
+
+    Objectives must not write state tensors in place: they replace entries of ``state`` (the wrapper keeps the
+    previous dict to roll back a step whose loss is not finite). An optimiser returned by :meth:`make_optimizer`
+    that sets ``requires_closure = True`` (SAM) gets a closure re-evaluating the loss.
     """
 
     name: ClassVar[str] = ""
@@ -181,3 +202,33 @@ def nearest_neighbours(scores: torch.Tensor) -> torch.Tensor:
 def config_field(default: Any, help: str, **kwargs) -> Any:
     """``dataclasses.field`` with peft-style help metadata."""
     return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def entropy_threshold(margin: float, mode: str, entropy: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The entropy margin of EATA / SAR / DeYO, as a value.
+
+    ``mode="log_classes"``: ``margin * ln(C)`` with ``C`` the number of columns of the softmax (the gallery size in
+    retrieval), as in the papers. ``mode="quantile"``: the ``margin``-quantile of the batch entropies (how TCR's
+    reference code ran SAR: ``margin_e0=0.40`` keeps the lowest-40% entropies)."""
+    if mode == "log_classes":
+        return torch.tensor(margin * math.log(num_classes), device=entropy.device)
+    if mode == "quantile":
+        return torch.quantile(entropy.detach().float(), margin)
+    raise ValueError(f"Unknown margin mode {mode!r}: use 'log_classes' or 'quantile'.")
+
+
+def gallery_fingerprint(gallery_emb: torch.Tensor) -> torch.Tensor:
+    """A cheap, order-sensitive fingerprint ``(N, sum, position-weighted sum)`` of the gallery (float64), so objectives
+    that cache gallery statistics in their state (REST's k-means, DN's mean) notice a new gallery."""
+    g = gallery_emb.detach().reshape(gallery_emb.shape[0], -1).sum(dim=1, dtype=torch.float64)
+    pos = torch.arange(1, g.numel() + 1, device=g.device, dtype=torch.float64)
+    return torch.stack([torch.tensor(float(g.numel()), dtype=torch.float64, device=g.device), g.sum(), (g * pos).sum()])
+
+
+def same_gallery(state: ObjectiveState, key: str, gallery_emb: torch.Tensor) -> bool:
+    """Whether ``state[key]`` holds the fingerprint of ``gallery_emb``."""
+    old = state.get(key)
+    if old is None or old.numel() != 3:
+        return False
+    new = gallery_fingerprint(gallery_emb)
+    return bool(torch.allclose(old.to(new.device), new, rtol=1e-9, atol=1e-9))

@@ -173,10 +173,10 @@ class TCR(Objective):
             candidates=nn_idx[None, :].expand(len(nn_idx), -1),
             temperature=c.tau,
             logs={
-                "loss_na": float(l_na.detach()),
-                "loss_mu": float(l_mu.detach()),
-                "loss_mg": float(l_mg.detach()),
-                "delta_s": float(delta_s),
-                "entropy_threshold": float(e_max),
+                "loss_na": l_na.detach(),
+                "loss_mu": l_mu.detach(),
+                "loss_mg": l_mg.detach(),
+                "delta_s": delta_s,
+                "entropy_threshold": e_max,
             },
         )

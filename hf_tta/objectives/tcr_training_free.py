@@ -55,4 +55,4 @@ class TCRTrainingFree(Objective):
         delta_s, _ = queue_constraints(state)
         zq = rectify_queries(inputs.query_emb, zg, delta_s, c.lambda_scale)
         scores = zq @ inputs.gallery_emb.T
-        return LossOutput(loss=None, n_selected=zq.shape[0], scores=scores, logs={"delta_s": float(delta_s)})
+        return LossOutput(loss=None, n_selected=zq.shape[0], scores=scores, logs={"delta_s": delta_s})

@@ -38,5 +38,5 @@ class Tent(Objective):
             n_selected=ent.shape[0],
             logits=logits,
             temperature=self.config.tau,
-            logs={"entropy": float(ent.detach().mean())},
+            logs={"entropy": ent.detach().mean()},
         )

@@ -1,0 +1,159 @@
+"""DeYO: Destroy Your Object (Lee, Jung, Chung, Kim, Shin, Park, ICLR 2024, https://arxiv.org/abs/2403.07366),
+applied to retrieval as TCR's baselines (Li et al., ICLR 2025): softmax over the whole gallery at tau = 0.01.
+
+Upstream: github.com/Jhyun17/DeYO (``deyo.py``). TCR's code instantiates ``DeYO(deyo_margin=0.50, margin_e0=0.40)``;
+as in DeYO's ``main.py`` both are fractions of ln C (C = the number of softmax columns, the gallery size here).
+
+Per step:
+  1. entropy filter: E < deyo_margin * ln C;
+  2. a shape-destroying view of the selected queries, re-embedded by the current model without grad
+     (``ObjectiveInputs.reencode``): image queries are cut into a ``patch_len`` x ``patch_len`` grid whose patches are
+     shuffled (DeYO's default ``aug_type='patch'``; video frames share one permutation; any other array-like modality,
+     e.g. audio spectrograms, is shuffled the same way over its last two axes); text queries get the analogous
+     *token shuffle*: the tokens between the first and the last valid position (so [CLS]/<bos> and [SEP]/<eos>, where the
+     towers pool, stay put) are permuted, padding untouched. Draws use the wrapper's seeded RNG;
+  3. PLPD filter: PLPD = p(y_hat | x) - p(y_hat | x'), y_hat = argmax p(. | x); keep PLPD > plpd_threshold (0.2);
+  4. loss = mean over the kept queries of E * (exp(-(E - margin_e0 ln C)) + exp(PLPD)) (``reweight_ent`` and
+     ``reweight_plpd``, both on by default; weights detached).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..configuration_utils import check_positive
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    config_field,
+    register_objective,
+    softmax_entropy,
+)
+
+TEXT_KEYS = ("input_ids", "token_type_ids", "position_ids")
+
+
+@dataclass
+class DeYOConfig(ObjectiveConfig):
+    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    deyo_margin: float = config_field(0.5, "Entropy filter E < deyo_margin * ln C (DeYO / TCR code: 0.5).")
+    margin_e0: float = config_field(0.4, "E_0 = margin_e0 * ln C of the entropy re-weighting (DeYO / TCR code: 0.4).")
+    plpd_threshold: float = config_field(0.2, "PLPD filter threshold (DeYO: 0.2).")
+    reweight_ent: bool = config_field(True, "Weight by exp(-(E - E_0)) (DeYO: on).")
+    reweight_plpd: bool = config_field(True, "Weight by exp(PLPD) (DeYO: on).")
+    patch_len: int = config_field(4, "Grid size of the patch shuffle of array-like queries (DeYO: 4, i.e. 4 x 4 patches).")
+
+    def __post_init__(self):
+        check_positive("tau", self.tau)
+        check_positive("deyo_margin", self.deyo_margin)
+        check_positive("margin_e0", self.margin_e0)
+        check_positive("patch_len", self.patch_len)
+
+
+def patch_shuffle(x: torch.Tensor, patch_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """DeYO's patch shuffle on the last two axes of ``x`` (``(B, ..., H, W)``): resize to a multiple of ``patch_len``,
+    permute the ``patch_len**2`` patches of each sample (one permutation per sample), resize back."""
+    b, h0, w0 = x.shape[0], x.shape[-2], x.shape[-1]
+    mid = x.shape[1:-2]
+    p = patch_len
+    h, w = max(1, h0 // p), max(1, w0 // p)
+    flat = x.reshape(b, -1, h0, w0).float()
+    if (h * p, w * p) != (h0, w0):
+        flat = F.interpolate(flat, size=(h * p, w * p), mode="bilinear", align_corners=False)
+    m = flat.shape[1]
+    patches = flat.reshape(b, m, p, h, p, w).permute(0, 2, 4, 1, 3, 5).reshape(b, p * p, m, h, w)
+    perm = torch.rand(b, p * p, generator=generator).argsort(dim=1).to(x.device)
+    patches = patches[torch.arange(b, device=x.device)[:, None], perm]
+    out = patches.reshape(b, p, p, m, h, w).permute(0, 3, 1, 4, 2, 5).reshape(b, m, h * p, w * p)
+    if (h * p, w * p) != (h0, w0):
+        out = F.interpolate(out, size=(h0, w0), mode="bilinear", align_corners=False)
+    return out.reshape(b, *mid, h0, w0).to(x.dtype)
+
+
+def token_shuffle(inputs: dict, generator: torch.Generator | None = None) -> dict:
+    """Permute each sequence's tokens strictly between its first and last valid position (``attention_mask``).
+    ``input_ids`` and ``token_type_ids`` are permuted alike; ``attention_mask`` and ``position_ids`` stay, so the
+    shuffled tokens take new positions."""
+    ids = inputs["input_ids"]
+    b, length = ids.shape
+    mask = inputs.get("attention_mask")
+    valid = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    index = torch.arange(length).repeat(b, 1)
+    for i in range(b):
+        pos = valid[i].nonzero().flatten().cpu()
+        inner = pos[1:-1]
+        if inner.numel() > 1:
+            index[i, inner] = inner[torch.randperm(inner.numel(), generator=generator)]
+    index = index.to(ids.device)
+    out = dict(inputs)
+    for key in ("input_ids", "token_type_ids"):
+        if key in out and isinstance(out[key], torch.Tensor) and out[key].shape == ids.shape:
+            out[key] = out[key].gather(1, index)
+    return out
+
+
+def destroy_view(inputs: dict, modality: str, patch_len: int, generator: torch.Generator | None = None) -> dict:
+    """The shape-destroying view of a query batch: token shuffle for text, patch shuffle for the others."""
+    if modality == "text" or "input_ids" in inputs:
+        return token_shuffle(inputs, generator)
+    out = dict(inputs)
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 3:
+            out[key] = patch_shuffle(value, patch_len, generator)
+            return out
+    raise ValueError(f"DeYO found no array-like {modality} input to shuffle (keys: {sorted(inputs)}).")
+
+
+def select_rows(rows: torch.Tensor) -> Callable[[dict], dict]:
+    def take(inputs: dict) -> dict:
+        return {k: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in inputs.items()}
+
+    return take
+
+
+def plpd(probs: torch.Tensor, probs_view: torch.Tensor) -> torch.Tensor:
+    """Pseudo-label probability difference ``p(y_hat|x) - p(y_hat|x')`` with ``y_hat = argmax p(.|x)``."""
+    y = probs.argmax(dim=1, keepdim=True)
+    return (probs.gather(1, y) - probs_view.gather(1, y)).squeeze(1)
+
+
+@register_objective("deyo", DeYOConfig)
+class DeYO(Objective):
+    """Entropy minimisation on queries that are confident and whose prediction depends on their shape (PLPD)."""
+
+    def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
+        c = self.config
+        if inputs.reencode is None:
+            raise ValueError("DeYO needs ObjectiveInputs.reencode to embed the shuffled queries (TTAWrapper provides it).")
+        logits = inputs.scores / c.tau
+        log_c = math.log(logits.shape[1])
+        entropy = softmax_entropy(logits)
+        first = (entropy.detach() < c.deyo_margin * log_c).nonzero().flatten()
+        logs = {"entropy_selected": float(first.numel())}
+        if first.numel() == 0:
+            return LossOutput(loss=None, n_selected=0, logs=logs)
+        gen = inputs.generator
+        with torch.no_grad():
+            _, view_scores = inputs.reencode(
+                lambda q: destroy_view(select_rows(first)(q), inputs.query_modality, c.patch_len, gen)
+            )
+        probs = logits[first].detach().softmax(dim=1)
+        diff = plpd(probs, (view_scores / c.tau).softmax(dim=1))
+        keep = diff > c.plpd_threshold
+        logs["plpd"] = diff.mean()
+        if not keep.any():
+            return LossOutput(loss=None, n_selected=0, logs=logs)
+        ent, d = entropy[first][keep], diff[keep]
+        loss = ent
+        if c.reweight_ent or c.reweight_plpd:
+            coeff = float(c.reweight_ent) * torch.exp(-(ent.detach() - c.margin_e0 * log_c)) + float(c.reweight_plpd) * torch.exp(d)
+            loss = ent * coeff
+        return LossOutput(loss=loss.mean(), n_selected=int(keep.sum()), logits=logits, temperature=c.tau, logs=logs)

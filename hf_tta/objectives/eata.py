@@ -1,0 +1,141 @@
+"""EATA: Efficient Anti-forgetting Test-time Adaptation (Niu et al., ICML 2022, https://arxiv.org/abs/2204.02610),
+applied to retrieval as TCR's baselines (Li et al., ICLR 2025, Eq. 1): the classifier is the softmax of the query-gallery
+cosine similarities over the whole gallery divided by tau = 0.01 (TCR App. B.2).
+
+Upstream: github.com/mr-eggplant/EATA (``eata.py``: ``forward_and_adapt_eata``, ``update_model_probs``).
+TCR's reference code instantiates ``EATA(e_margin=0.40, fishers=None)``: no Fisher penalty by default.
+
+Per step:
+  * reliable queries: entropy E < E_0 = e_margin * ln(C), C = gallery size (``margin_mode="log_classes"``, the paper's
+    0.4 ln C; ``"quantile"`` reads e_margin as a batch quantile instead);
+  * non-redundant queries: |cos(p_i, m)| < d_margin, with m the moving average (0.9 / 0.1) of the selected queries'
+    predictions (state ``model_probs``; the first step has none, so nothing is filtered then);
+  * loss = mean over the selected queries of E_i / exp(E_i - E_0) (detached weight), plus, when ``fisher_alpha > 0``,
+    the EWC penalty alpha * sum F (theta - theta_0)^2 (Eq. 9).
+
+The Fisher information needs in-distribution data, which a test-time library does not have (EATA used 2,000 held-out
+samples). Here it is estimated on the test stream itself: the squared gradients of the pseudo-label cross-entropy at
+step 0 of the first ``fisher_batches`` batches, averaged (EATA's estimator); theta_0 is the exact source value. The
+first of those batches is scored at exactly theta_0 when the stream starts from the source model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..configuration_utils import check_fraction, check_positive
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    config_field,
+    entropy_threshold,
+    register_objective,
+    softmax_entropy,
+)
+
+MARGIN_MODES = ("log_classes", "quantile")
+
+
+@dataclass
+class EATAConfig(ObjectiveConfig):
+    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    e_margin: float = config_field(0.4, "Entropy margin E_0 = e_margin * ln(C) (EATA Eq. 3: 0.4 ln C).")
+    margin_mode: str = config_field("log_classes", "'log_classes' = e_margin * ln(gallery size); 'quantile' = batch quantile.")
+    d_margin: float = config_field(0.05, "Redundancy threshold on |cos(p, moving average)| (EATA: 0.05).")
+    probs_momentum: float = config_field(0.9, "Momentum of the moving average of predictions (EATA: 0.9).")
+    fisher_alpha: float = config_field(0.0, "Weight of the Fisher (EWC) penalty; 0 = off, as TCR ran EATA (EATA paper: 2000).")
+    fisher_batches: int = config_field(1, "Batches of the stream whose step-0 gradients estimate the Fisher (when fisher_alpha > 0).")
+
+    def __post_init__(self):
+        check_positive("tau", self.tau)
+        check_positive("e_margin", self.e_margin)
+        check_positive("d_margin", self.d_margin)
+        check_fraction("probs_momentum", self.probs_momentum)
+        check_positive("fisher_alpha", self.fisher_alpha, allow_zero=True)
+        check_positive("fisher_batches", self.fisher_batches)
+        if self.margin_mode not in MARGIN_MODES:
+            raise ValueError(f"`margin_mode` must be one of {list(MARGIN_MODES)}, got {self.margin_mode!r}.")
+
+
+def update_model_probs(current: torch.Tensor, new_probs: torch.Tensor, momentum: float = 0.9) -> torch.Tensor:
+    """EATA's ``update_model_probs``: an empty ``current`` (no average yet) takes the mean of ``new_probs``."""
+    if new_probs.shape[0] == 0:
+        return current
+    mean = new_probs.detach().mean(0)
+    if current.numel() == 0:
+        return mean
+    return momentum * current + (1 - momentum) * mean
+
+
+def eata_selection(
+    logits: torch.Tensor, model_probs: torch.Tensor, e_0: torch.Tensor, d_margin: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entropy, reliable mask, selected mask)``: reliable = E < E_0; selected = reliable and non-redundant."""
+    entropy = softmax_entropy(logits)
+    reliable = entropy.detach() < e_0
+    selected = reliable.clone()
+    if model_probs.numel() == model_probs.shape[0] == logits.shape[1]:
+        cos = F.cosine_similarity(model_probs[None, :], logits.detach().softmax(dim=1), dim=1)
+        selected &= cos.abs() < d_margin
+    return entropy, reliable, selected
+
+
+@register_objective("eata", EATAConfig)
+class EATA(Objective):
+    """Sample-efficient entropy minimisation with an optional Fisher anti-forgetting penalty."""
+
+    def init_state(self, device="cpu") -> ObjectiveState:
+        return {
+            "model_probs": torch.zeros(0, device=device),
+            "fisher_updates": torch.zeros((), dtype=torch.long, device=device),
+        }
+
+    def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
+        c = self.config
+        logits = inputs.scores / c.tau
+        if state["model_probs"].numel() not in (0, logits.shape[1]):  # another gallery: start the average again
+            state["model_probs"] = state["model_probs"][:0]
+        e_0 = entropy_threshold(c.e_margin, c.margin_mode, softmax_entropy(logits.detach()), logits.shape[1])
+        entropy, reliable, selected = eata_selection(logits, state["model_probs"], e_0, c.d_margin)
+        if not inputs.in_closure:
+            state["model_probs"] = update_model_probs(state["model_probs"], logits.detach()[selected].softmax(1), c.probs_momentum)
+        logs = {"reliable": reliable.sum(), "selected": selected.sum(), "entropy_margin": e_0}
+        if not selected.any():
+            return LossOutput(loss=None, n_selected=0, logs=logs)
+        ent = entropy[selected]
+        loss = (ent / torch.exp(ent.detach() - e_0)).mean()
+        if c.fisher_alpha > 0 and inputs.params:
+            self._update_fisher(inputs, logits, state)
+            if int(state["fisher_updates"]) > 0:
+                ewc = self.ewc_penalty(inputs, state)
+                loss = loss + c.fisher_alpha * ewc
+                logs["ewc"] = ewc.detach()
+        return LossOutput(loss=loss, n_selected=int(selected.sum()), logits=logits, temperature=c.tau, logs=logs)
+
+    def _update_fisher(self, inputs: ObjectiveInputs, logits: torch.Tensor, state: ObjectiveState) -> None:
+        """EATA's Fisher estimator: squared gradients of CE(logits, argmax), averaged over the estimation batches."""
+        if inputs.step != 0 or inputs.in_closure or int(state["fisher_updates"]) >= self.config.fisher_batches:
+            return
+        names = list(inputs.params)
+        ce = F.cross_entropy(logits, logits.detach().argmax(dim=1))
+        grads = torch.autograd.grad(ce, [inputs.params[n] for n in names], retain_graph=True, allow_unused=True)
+        n = int(state["fisher_updates"])
+        for name, g in zip(names, grads):
+            sq = torch.zeros_like(inputs.params[name]) if g is None else g.detach() ** 2
+            key = f"fisher.{name}"
+            state[key] = sq if n == 0 else (state[key] * n + sq) / (n + 1)
+        state["fisher_updates"] = state["fisher_updates"] + 1
+
+    @staticmethod
+    def ewc_penalty(inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor:
+        """``sum_k F_k (theta_k - theta_0,k)^2`` over the adapted tensors (EATA Eq. 9 without alpha)."""
+        total = 0.0
+        for name, p in inputs.params.items():
+            total = total + (state[f"fisher.{name}"] * (p - inputs.source_params[name]) ** 2).sum()
+        return total

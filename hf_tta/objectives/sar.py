@@ -1,0 +1,187 @@
+"""SAR: Sharpness-Aware and Reliable entropy minimisation (Niu et al., ICLR 2023, https://arxiv.org/abs/2302.12400),
+applied to retrieval as TCR's baselines (Li et al., ICLR 2025): softmax over the whole gallery at tau = 0.01.
+
+Upstream: github.com/mr-eggplant/SAR (``sar.py``, ``sam.py``); TCR's port: models/tta_baselines/sar.py.
+
+One step is SAM's two passes, run through the wrapper's optimiser-closure path (no copy of the loop):
+  1. first pass (the wrapper's forward): entropy E over the gallery; reliable queries E < E_0; loss = mean E over
+     them; backward; :class:`SAM` moves the parameters to the worst case theta + rho g/||g|| (rho = 0.05);
+  2. second pass (the closure, ``ObjectiveInputs.in_closure``): entropies E2 at the perturbed point; queries reliable in
+     pass 1 *and* with E2 < E_0; backward; SAM restores theta and the base optimiser (AdamW) steps with that gradient;
+  3. model recovery (``on_step_end``): an exponential moving average (0.9) of the second loss; below
+     ``reset_constant`` = 0.2 the wrapper restores the source parameters and a fresh optimiser.
+
+E_0: TCR's code reads ``margin_e0=0.40`` as a percentile (the lowest-40% entropies of the batch:
+``margin_mode="quantile"``, the default here, since these are the baselines as TCR ran them); ``"log_classes"`` is
+the paper's 0.4 ln C with C the gallery size. The second pass reuses the first pass's threshold.
+
+Difference from the reference code: after a recovery SAR re-assigns the triggering EMA (so the next step usually
+resets again); here the EMA starts afresh, as ``reset()`` intends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..configuration_utils import check_fraction, check_positive
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    config_field,
+    entropy_threshold,
+    register_objective,
+    softmax_entropy,
+)
+from .eata import MARGIN_MODES
+
+
+@dataclass
+class SARConfig(ObjectiveConfig):
+    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    margin_e0: float = config_field(0.4, "Entropy margin: batch quantile (TCR's code) or fraction of ln C (paper), see margin_mode.")
+    margin_mode: str = config_field("quantile", "'quantile' (TCR's code: lowest 40%) or 'log_classes' (paper: 0.4 ln C).")
+    rho: float = config_field(0.05, "SAM neighbourhood radius (SAR: 0.05).")
+    adaptive: bool = config_field(False, "Adaptive SAM (element-wise scaling by |theta|); SAR: False.")
+    reset_constant: float = config_field(0.2, "Model recovery when the EMA of the second loss falls below this (SAR: 0.2).")
+    ema_momentum: float = config_field(0.9, "Momentum of that EMA (SAR: 0.9).")
+
+    def __post_init__(self):
+        check_positive("tau", self.tau)
+        check_positive("margin_e0", self.margin_e0)
+        check_positive("rho", self.rho)
+        check_positive("reset_constant", self.reset_constant, allow_zero=True)
+        check_fraction("ema_momentum", self.ema_momentum)
+        if self.margin_mode not in MARGIN_MODES:
+            raise ValueError(f"`margin_mode` must be one of {list(MARGIN_MODES)}, got {self.margin_mode!r}.")
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-Aware Minimisation (Foret et al., ICLR 2021) around a base optimiser, for the wrapper's closure path.
+
+    ``step(closure)``: ascend to ``theta + rho * g / ||g||`` with the gradient already in ``.grad``, re-evaluate the
+    loss and its gradient there (``closure``), restore ``theta`` exactly, and let the base optimiser step with the
+    perturbed gradient. State and ``state_dict`` are the base optimiser's (so checkpoints hold AdamW's moments).
+    """
+
+    requires_closure = True
+
+    def __init__(self, params, base_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, rho: float = 0.05,
+                 adaptive: bool = False, **kwargs):
+        if rho < 0:
+            raise ValueError(f"`rho` must be >= 0, got {rho}.")
+        super().__init__(params, dict(rho=rho, adaptive=adaptive, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+        self._origin: dict[torch.Tensor, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def _grad_norm(self) -> torch.Tensor:
+        norms = [
+            ((torch.abs(p) if group["adaptive"] else 1.0) * p.grad).norm(p=2)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        return torch.stack(norms).norm(p=2) if norms else torch.zeros(())
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        grad_norm = self._grad_norm()
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._origin[p] = p.detach().clone()
+                p.add_((torch.pow(p, 2) if group["adaptive"] else 1.0) * p.grad * scale.to(p))
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for p, origin in self._origin.items():
+            p.copy_(origin)
+            if p.grad is None:  # the closure selected nothing: a zero-gradient base step, as SAR's code takes
+                p.grad = torch.zeros_like(p)
+        self._origin = {}
+        self.base_optimizer.step()
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        if closure is None:
+            raise ValueError("SAM needs a closure that re-evaluates the loss (the TTAWrapper passes one).")
+        self.first_step()
+        with torch.enable_grad():
+            loss = closure()
+        self.second_step()
+        return loss
+
+    def state_dict(self):
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+
+
+@register_objective("sar", SARConfig)
+class SAR(Objective):
+    """Reliable (filtered) entropy minimisation with SAM and EMA-triggered model recovery."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        # Scratch shared by the two passes of one step (set by pass 1, consumed by pass 2 and on_step_end). It never
+        # outlives the step, so it is not part of the saved state.
+        self._first_pass: dict[str, torch.Tensor] | None = None
+        self._second_loss: torch.Tensor | None = None
+
+    def init_state(self, device="cpu") -> ObjectiveState:
+        return {"ema": torch.zeros(0, device=device)}  # empty = no EMA yet
+
+    def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        return SAM(params, torch.optim.AdamW, rho=self.config.rho, adaptive=self.config.adaptive, lr=lr, weight_decay=weight_decay)
+
+    def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
+        c = self.config
+        logits = inputs.scores / c.tau
+        entropy = softmax_entropy(logits)
+        if inputs.in_closure and self._first_pass is not None:  # pass 2, at the perturbed parameters
+            threshold = self._first_pass["threshold"]
+            selected = self._first_pass["selected"] & (entropy.detach() < threshold)
+            if not selected.any():
+                self._second_loss = None
+                return LossOutput(loss=None, n_selected=0)
+            loss = entropy[selected].mean()
+            self._second_loss = loss.detach()
+            return LossOutput(loss=loss, n_selected=int(selected.sum()), logits=logits, temperature=c.tau)
+        threshold = entropy_threshold(c.margin_e0, c.margin_mode, entropy, logits.shape[1])
+        selected = entropy.detach() < threshold
+        self._first_pass = {"threshold": threshold, "selected": selected}
+        self._second_loss = None
+        logs = {"selected": selected.sum(), "entropy_margin": threshold}
+        if not selected.any():
+            return LossOutput(loss=None, n_selected=0, logs=logs)
+        return LossOutput(
+            loss=entropy[selected].mean(), n_selected=int(selected.sum()), logits=logits, temperature=c.tau, logs=logs
+        )
+
+    def on_step_end(self, inputs: ObjectiveInputs, output: LossOutput, state: ObjectiveState) -> bool:
+        """Update the EMA of the second loss; ask for recovery (source parameters) when it falls below the constant."""
+        second, self._second_loss, self._first_pass = self._second_loss, None, None
+        if second is None:
+            return False
+        ema = state["ema"]
+        m = self.config.ema_momentum
+        new = second.to(ema) if ema.numel() == 0 else m * ema + (1 - m) * second.to(ema)
+        output.logs["ema"] = new
+        if new.item() < self.config.reset_constant:
+            state["ema"] = ema.new_zeros(0)
+            output.logs["recovered"] = 1.0
+            return True
+        state["ema"] = new
+        return False
