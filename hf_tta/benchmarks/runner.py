@@ -597,13 +597,15 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
         ]
         body = []
         for obj in objectives:
-            values = []
+            values, status = [], []
             for col in columns:
                 r = cells.get((obj, col))
-                values.append(None if r is None or "error" in r or metric not in r else r[metric])
+                ok_cell = r is not None and "error" not in r and metric in r
+                values.append(r[metric] if ok_cell else None)
+                status.append("ok" if ok_cell else ("missing" if r is None else "error"))
             ok = [v for v in values if v is not None]
             avg = sum(ok) / len(ok) if ok and len(ok) == len(values) else None
-            body.append({"objective": obj, "values": values, "avg": avg})
+            body.append({"objective": obj, "values": values, "status": status, "avg": avg})
         tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric})
     return tables
 
@@ -614,7 +616,8 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
     lines = [f"**{table['title']}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in table["rows"]:
         name = source_label if row["objective"] == SOURCE else f"• {row['objective']}"
-        vals = ["err" if v is None else f"{v:.1f}" for v in row["values"]]
+        status = row.get("status", ["error"] * len(row["values"]))
+        vals = [f"{v:.1f}" if v is not None else ("–" if st == "missing" else "err") for v, st in zip(row["values"], status)]
         avg = "–" if row["avg"] is None else f"{row['avg']:.1f}"
         lines.append("| " + " | ".join([name, *vals, avg]) + " |")
     return "\n".join(lines)
