@@ -683,17 +683,19 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
     out = {}
     for t in build_tables(rows):
         n_cols, objs = len(t["columns"]), [r["objective"] for r in t["rows"]]
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_cols * max(1, len(objs)) ** 0.5 + 3), 4))
-        width = 0.8 / max(1, len(objs))
+        fig, ax = plt.subplots(figsize=(min(18.0, max(6.0, 2 + n_cols * (0.3 + 0.07 * len(objs)))), 4.5))
+        width = 0.85 / max(1, len(objs))
         x = np.arange(n_cols)
+        colours = plt.get_cmap("tab20" if len(objs) > 10 else "tab10")
         for k, r in enumerate(t["rows"]):
             vals = [np.nan if v is None else v for v in r["values"]]
-            ax.bar(x + (k - (len(objs) - 1) / 2) * width, vals, width, label="source model" if r["objective"] == SOURCE else r["objective"])
+            ax.bar(x + (k - (len(objs) - 1) / 2) * width, vals, width, color=colours(k),
+                   label="source model" if r["objective"] == SOURCE else r["objective"])
         ax.set_xticks(x, t["columns"], rotation=45, ha="right")
         ax.set_ylabel("R@1 (%)")
         ax.set_title(t["title"], fontsize=10)
         ax.set_ylim(0, 100)
-        ax.legend(fontsize=8, ncol=min(4, len(objs)))
+        ax.legend(fontsize=8, ncol=1 if len(objs) <= 8 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = folder / f"r1_{t['group']}.png"
         fig.savefig(path, dpi=120)
