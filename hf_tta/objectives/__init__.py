@@ -1,5 +1,8 @@
 """Objectives, one file each, registered by name (``hf_tta.available_objectives()``)."""
 
+import importlib
+import pkgutil
+
 from .base import (
     OBJECTIVES,
     LossOutput,
@@ -13,21 +16,9 @@ from .base import (
     register_objective,
     softmax_entropy,
 )
-from . import (  # noqa: F401  (registration by import)
-    cliptta,
-    deyo,
-    dn,
-    eata,
-    pl,
-    read,
-    rest,
-    sar,
-    shot,
-    tcr,
-    tcr_training_free,
-    tent,
-    titan,
-)
+# Every module of this package is an objective that registers itself on import: adding one is adding a file.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
+    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = [
     "OBJECTIVES",
