@@ -13,6 +13,8 @@ Examples::
     hf-tta run --direction t2i --objectives tcr    # text queries, offline text corruptions
     hf-tta run --full --device cuda                # the full severity-5 grid
     hf-tta run --model openai/clip-vit-base-patch16 --dataset ./coco-c --corruptions all   # a real run
+    hf-tta run --model laion/clap-htsat-unfused --dataset ./audioset-o --direction a2t,t2a   # audio <-> text
+    hf-tta run --model microsoft/xclip-base-patch32 --dataset ./audioset-d --direction video->text
     hf-tta list                                    # objectives, corruptions, styles
     hf-tta clean                                   # clean R@1/5/10 of the source model
 """
@@ -46,10 +48,33 @@ def _ints(value: str, allowed: Sequence[int]) -> list[int]:
     return out
 
 
+def _directions(value: str) -> list[str]:
+    """``--direction``: a comma list of direction names (``both`` = i2t,t2i); image-text and audio/video directions
+    do not mix (they need different models and datasets)."""
+    from .benchmarks.runner import AV_DIRECTIONS, direction_name
+
+    names: list[str] = []
+    for v in _csv(value):
+        try:
+            names += ["i2t", "t2i"] if v.lower() == "both" else [direction_name(v)]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    if not names:
+        raise argparse.ArgumentTypeError("no direction given")
+    if len({d in AV_DIRECTIONS for d in names}) > 1:
+        raise argparse.ArgumentTypeError(f"{value!r} mixes image-text and audio/video directions; run them separately.")
+    return list(dict.fromkeys(names))
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None, help="Hugging Face model id or folder for a real run (default: the shipped emoji source model).")
-    g.add_argument("--dataset", default=None, help="With --model: a benchmark built by hf_tta.data.builders (folder or Hub id, configs clean/image-<name>-<s>/text-<name>-<s>).")
+    g.add_argument("--model", default=None, help="Hugging Face model id or folder for a real run (default: the shipped emoji source model); "
+                   "loaded with AutoModel + AutoProcessor. Audio/video directions: CLAP (audio-text), X-CLIP or CLIP (video-text, CLIP "
+                   "mean-pools its frame embeddings). Only Hugging Face checkpoints load here: a custom dual encoder (e.g. CAV-MAE for "
+                   "video-audio) runs from Python with hf_tta.DualEncoderAdapter and hf_tta.benchmarks.runner.AVTask.")
+    g.add_argument("--dataset", default=None, help="With --model: a benchmark built by hf_tta.data.builders (folder or Hub id, configs clean/image-<name>-<s>/text-<name>-<s>), "
+                   "or for the audio/video directions an AudioSet-O / AudioSet-D / VGGSound benchmark built by hf_tta.data.builders.audioset "
+                   "(a save_av_benchmark folder or Hub id).")
     g.add_argument("--weights", default=None, help="Emoji benchmark: folder of other trained source weights.")
     g.add_argument("--limit", type=int, default=None, help="Emoji: a seeded slice of this many concepts; Hub: the first N queries of each stream.")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -73,8 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(run)
     g = run.add_argument_group("grid")
     g.add_argument("--objectives", default="tent,tcr", help="Comma list of objectives, or 'all' (see `hf-tta list`). The source model is always a row.")
-    g.add_argument("--direction", choices=("i2t", "t2i", "both"), default=None, help="i2t: image queries / caption gallery; t2i: caption queries / image gallery (default i2t; both with --full).")
-    g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per category: gaussian_noise, defocus_blur, snow, contrast).")
+    g.add_argument("--direction", type=_directions, default=None, metavar="{i2t,t2i,both,a2t,t2a,v2t,t2v,v2a,a2v}",
+                   help="Query->gallery direction(s), a comma list: i2t: image queries / caption gallery; t2i: caption queries / image gallery "
+                   "(default i2t; both with --full). With an audio/video --dataset: a2t (audio->text), t2a (text->audio), v2t (video->text), "
+                   "t2v (text->video), v2a (video->audio), a2v (audio->video); long forms such as video->audio or video2audio work too. "
+                   "Video queries run the dataset's video_* configs, audio queries its audio_* configs, text queries (and VGGSound) clean.")
+    g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per category: gaussian_noise, defocus_blur, snow, contrast). "
+                   "Audio/video: the dataset's configs to run (e.g. video_noise_blur,video_diverse; default: all of the query modality's); "
+                   "a direction whose query modality has none of them runs clean.")
     g.add_argument("--severities", default="5", help="Image severities: comma list of 1..5, 'all' or 'max'.")
     g.add_argument("--text-corruptions", default="offline", help="Text corruptions for t2i: comma list or 'offline' (every char/word corruption that runs here).")
     g.add_argument("--text-severities", default="7", help="Text severities (char/word 1..7; sentence-level ones have only 1).")
@@ -99,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     clean = sub.add_parser("clean", help="clean R@1/5/10 of the source model in both directions", description="Clean retrieval of the (emoji or --model) source model.")
     _add_common(clean)
+    clean.add_argument("--direction", type=_directions, default=None, help="Directions to evaluate (default i2t,t2i; an audio/video dataset needs e.g. a2t,t2a or v2t,t2v; see `hf-tta run --help`).")
     clean.add_argument("--quiet", action="store_true")
 
     plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
@@ -130,13 +162,24 @@ def _setup(args) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _audio_video(args) -> bool:
+    from .benchmarks.runner import AV_DIRECTIONS
+
+    av = any(d in AV_DIRECTIONS for d in getattr(args, "direction", None) or ())
+    if av and not (args.model and args.dataset):
+        raise SystemExit("hf-tta: audio/video directions need --model (a Hugging Face CLAP, X-CLIP or CLIP checkpoint) and "
+                         "--dataset (an AudioSet-O/-D or VGGSound benchmark built by hf_tta.data.builders.audioset).")
+    return av
+
+
 def make_task(args):
-    from .benchmarks.runner import EmojiTask, HubTask
+    from .benchmarks.runner import AVTask, EmojiTask, HubTask
 
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
             raise SystemExit("hf-tta: a real run needs both --model and --dataset.")
-        return HubTask(args.model, args.dataset, limit=args.limit, device=args.device)
+        task_class = AVTask if _audio_video(args) else HubTask
+        return task_class(args.model, args.dataset, limit=args.limit, device=args.device)
     return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir)
 
 
@@ -146,10 +189,11 @@ def resolve_grid(args) -> tuple[list, dict]:
     from .benchmarks.runner import DEFAULT_IMAGE_CORRUPTIONS, build_grid, image_corruption_names, offline_text_corruptions
     from .data.corruptions import IMAGE_SEVERITIES
 
+    if _audio_video(args):
+        return resolve_av_grid(args)
     notes: dict = {}
     emoji = args.model is None
-    direction = args.direction or ("both" if args.full else "i2t")
-    directions = ["i2t", "t2i"] if direction == "both" else [direction]
+    directions = args.direction or (["i2t", "t2i"] if args.full else ["i2t"])
     if args.full:
         corruptions = list(image_corruption_names())
         severities = [5]
@@ -182,6 +226,33 @@ def resolve_grid(args) -> tuple[list, dict]:
         diverse=diverse, clean=clean,
     )
     return jobs, notes
+
+
+def resolve_av_grid(args) -> tuple[list, dict]:
+    """The jobs of an audio/video ``hf-tta run``: each direction over the dataset's configs of its query modality."""
+    from . import available_objectives
+    from .benchmarks.runner import QUERY_MODALITY, av_dataset_configs, build_av_grid
+
+    configs = av_dataset_configs(args.dataset)
+    if "clean" not in configs:
+        raise SystemExit(f"hf-tta: {args.dataset} has no 'clean' config (found {configs}); build it with "
+                         "hf_tta.data.builders.audioset.build_av_benchmark.")
+    full_objectives = args.full and args.objectives == "tent,tcr"
+    objectives = available_objectives() if full_objectives else _objectives(args.objectives)
+    selected = None
+    if not args.full and args.corruptions not in ("default", "all"):
+        modalities = {QUERY_MODALITY[d] for d in args.direction}
+        selected, unknown = [], []
+        for name in _csv(args.corruptions) + (["diverse"] if args.diverse else []):
+            names = {name, *(f"{m}_{name}" for m in modalities)}
+            found = [c for c in configs if c in names and c.split("_", 1)[0] in modalities]
+            selected += found
+            unknown += [] if found else [name]
+        if unknown:
+            raise SystemExit(f"hf-tta: {unknown} are not configs of {args.dataset} for {','.join(args.direction)} "
+                             f"(its configs: {', '.join(configs)}).")
+    jobs = build_av_grid(objectives, args.direction, configs, selected, clean=args.clean or args.full)
+    return jobs, {"dataset_configs": configs}
 
 
 def _objectives(value: str) -> list[str]:
@@ -264,6 +335,12 @@ def cmd_list(args) -> int:
             print(f"  not here:        {name}: {why}")
     print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
     print("other shifts:      clean, noto (style), diverse")
+    from .benchmarks.runner import AV_DIRECTIONS
+    from .data.builders.audioset import BENCHMARKS
+
+    print("audio/video:       --direction " + ", ".join(f"{d} ({q}->{g})" for d, (q, g) in AV_DIRECTIONS.items()))
+    for name, configs in BENCHMARKS.items():
+        print(f"  {name + ':':<16} " + ", ".join(configs))
     return 0
 
 
@@ -274,7 +351,7 @@ def cmd_clean(args) -> int:
     task = make_task(args)
     runner = GridRunner(task, RunSettings(seed=args.seed, show_progress=not args.quiet))
     out = {}
-    for d in ("i2t", "t2i"):
+    for d in args.direction or ("i2t", "t2i"):
         row = runner.run(Job(Condition(d, "clean"), SOURCE))
         out[d] = {k: row.get(k) for k in ("R@1", "R@5", "R@10", "num_queries", "gallery_size", "error") if k in row}
     print(json.dumps({"task": task.describe(), "clean": out}, indent=1, default=str))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Split an ``hf-tta run`` grid (shift x severity x objective) across processes with Accelerate; gather one table.
 
-Takes exactly the options of ``hf-tta run`` (see ``hf-tta run --help``). Every process builds the same grid,
-takes its share of the (condition, objective) runs with ``PartialState.split_between_processes``, runs them on its
+Takes exactly the options of ``hf-tta run`` (see ``hf-tta run --help``) and builds the grid and the task with the
+CLI's own ``resolve_grid`` and ``make_task`` (emoji, image-text and audio/video benchmarks alike). Every process
+builds the same grid, takes its share of the (condition, objective) runs with ``PartialState.split_between_processes``, runs them on its
 own device (each run starts from the source model, as in ``hf-tta``), and the main process gathers the rows with
 ``gather_object`` and writes the usual results.json/.csv/.md and plots.
 
@@ -15,6 +16,9 @@ the grid is embarrassingly parallel and the table equals the single-process one.
     # 2 CPU processes (note: `accelerate launch --cpu` silently runs ONE process; use --multi_gpu on CPU too)
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
         recipes/accelerate_grid.py --corruptions all --objectives tent,tcr
+    # audio/video benchmarks take the same options (--direction a2t, t2a, v2t, t2v, v2a, a2v or video->audio, ...)
+    accelerate launch --multi_gpu --num_processes 2 recipes/accelerate_grid.py --device cuda \
+        --model laion/clap-htsat-unfused --dataset ./audioset-o --direction a2t,t2a --objectives all
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ query its own random corruption, REST's "-D"). Each (condition, objective) run
 * reports R@1/5/10 and the paper's Fig. 1 diagnostics: query uniformity (Eq. 14) and query–gallery gap (Eq. 15)
   of the source model's query embeddings ("before") and of the adapted model's at the end of the stream ("after").
 
-The source model's row ("source") is the same stream without adaptation. Two back ends provide queries and
-galleries: :class:`EmojiTask` (the offline emoji benchmark and its shipped model) and :class:`HubTask` (any Hugging
-Face dual encoder + a COCO-C/Flickr-C-style dataset built by :mod:`hf_tta.data.builders`).
+The source model's row ("source") is the same stream without adaptation. Three back ends provide queries and
+galleries: :class:`EmojiTask` (the offline emoji benchmark and its shipped model), :class:`HubTask` (any Hugging
+Face dual encoder + a COCO-C/Flickr-C-style dataset built by :mod:`hf_tta.data.builders`) and :class:`AVTask`
+(an audio/video model + an AudioSet-O / AudioSet-D / VGGSound benchmark built by
+:mod:`hf_tta.data.builders.audioset`, in the six directions of :data:`AV_DIRECTIONS`; its conditions are the
+dataset's configs, e.g. ``Condition("v2a", "noise_blur")`` for ``video_noise_blur``).
 """
 
 from __future__ import annotations
@@ -33,9 +36,18 @@ logger = logging.getLogger(__name__)
 
 SOURCE = "source"
 DIRECTIONS = ("i2t", "t2i")
+#: The audio/video directions (:class:`AVTask`): name -> (query modality, gallery modality).
+AV_DIRECTIONS = {
+    "a2t": ("audio", "text"),
+    "t2a": ("text", "audio"),
+    "v2t": ("video", "text"),
+    "t2v": ("text", "video"),
+    "v2a": ("video", "audio"),
+    "a2v": ("audio", "video"),
+}
 OTHER_SHIFTS = ("clean", "noto", "diverse")
-QUERY_MODALITY = {"i2t": "image", "t2i": "text"}
-GALLERY_MODALITY = {"i2t": "text", "t2i": "image"}
+QUERY_MODALITY = {"i2t": "image", "t2i": "text", **{d: q for d, (q, _) in AV_DIRECTIONS.items()}}
+GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_DIRECTIONS.items()}}
 #: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
 #: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
 DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
@@ -62,7 +74,9 @@ class Condition:
 
     @property
     def group(self) -> str:
-        """Which table the condition belongs to."""
+        """Which table the condition belongs to (audio/video: one table per direction)."""
+        if self.direction in AV_DIRECTIONS:
+            return self.direction
         if self.shift in OTHER_SHIFTS:
             return "shifts"
         return f"{self.direction}-severity-{self.severity}"
@@ -72,6 +86,22 @@ class Condition:
 class Job:
     condition: Condition
     objective: str
+
+
+def direction_name(value: str) -> str:
+    """The short name of a direction: ``i2t``, ``t2i`` or one of :data:`AV_DIRECTIONS`, also from the long forms
+    ``video->audio``, ``video2audio``, ``video_to_audio``, ``video→audio``."""
+    import re
+
+    v = value.strip().lower()
+    if v in QUERY_MODALITY:
+        return v
+    pairs = {(QUERY_MODALITY[d], GALLERY_MODALITY[d]): d for d in QUERY_MODALITY}
+    pair = tuple(re.split(r"\s*(?:->|→|_to_|2)\s*", v))
+    if pair in pairs:
+        return pairs[pair]
+    names = ", ".join(f"{d} ({QUERY_MODALITY[d]}->{GALLERY_MODALITY[d]})" for d in QUERY_MODALITY)
+    raise ValueError(f"Unknown direction {value!r}; choose from {names}.")
 
 
 def image_corruption_names() -> tuple[str, ...]:
@@ -124,12 +154,65 @@ def build_grid(
             conds.append(Condition(d, "noto"))
         if diverse:
             conds.append(Condition(d, "diverse"))
+    return _jobs(conds, objectives)
+
+
+def _jobs(conds: Sequence[Condition], objectives: Sequence[str]) -> list[Job]:
     seen, unique = set(), []
     for c in conds:
         if c not in seen:
             seen.add(c)
             unique.append(c)
     return [Job(c, o) for c in unique for o in (SOURCE, *[o for o in objectives if o != SOURCE])]
+
+
+def av_dataset_configs(dataset) -> list[str]:
+    """The configs of an audio-video benchmark (a :func:`~hf_tta.data.builders.audioset.save_av_benchmark` folder,
+    a Hub id or local Hub-layout folder, or the mapping ``build_av_benchmark`` returns), in the builders' order."""
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from ..data.builders.audioset import BENCHMARKS
+
+    if isinstance(dataset, Mapping):
+        names = list(dataset)
+    else:
+        path = Path(str(dataset))
+        names = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file()) if path.is_dir() else []
+        if not names:
+            from datasets import get_dataset_config_names
+
+            names = list(get_dataset_config_names(str(dataset)))
+    known = list(dict.fromkeys(c for configs in BENCHMARKS.values() for c in configs))
+    return sorted(names, key=lambda c: (known.index(c) if c in known else len(known), c))
+
+
+def av_shifts(direction: str, configs: Sequence[str]) -> list[str]:
+    """The shifts a direction can run on a dataset with these configs: its query modality's corruption configs
+    without the prefix (``video_noise_blur`` -> ``noise_blur``); text queries have only ``clean``."""
+    prefix = QUERY_MODALITY[direction] + "_"
+    return [c[len(prefix):] for c in configs if c.startswith(prefix)]
+
+
+def build_av_grid(
+    objectives: Sequence[str],
+    directions: Sequence[str],
+    configs: Sequence[str],
+    selected: Sequence[str] | None = None,
+    clean: bool = False,
+) -> list[Job]:
+    """Jobs of an audio/video grid: for each direction, the dataset's corruption configs of its query modality
+    (``selected`` picks some by name, e.g. ``["video_noise_blur", "audio_diverse"]``) and ``clean`` (with
+    ``clean=True``, or when none is left for the direction: text queries, VGGSound)."""
+    conds: list[Condition] = []
+    for d in directions:
+        available = av_shifts(d, configs)
+        if selected is not None:
+            available = av_shifts(d, [c for c in configs if c in selected])
+        if clean or not available:
+            conds.append(Condition(d, "clean"))
+        conds += [Condition(d, s) for s in available]
+    return _jobs(conds, objectives)
 
 
 # ------------------------------------------------------------------------------------------------ tasks
@@ -333,13 +416,16 @@ class HubTask(Task):
         return f"{prefix}-{cond.shift}-{cond.severity}"
 
     def _split(self, cond: Condition):
-        from ..data.builders.loading import load_retrieval_split
-
         config = self._config(cond)
         key = f"{cond.direction}:{config}"
         if key not in self._splits:
-            self._splits[key] = load_retrieval_split(self.dataset, config, task=cond.direction)
+            self._splits[key] = self._load(config, cond.direction)
         return self._splits[key]
+
+    def _load(self, config: str, direction: str):
+        from ..data.builders.loading import load_retrieval_split
+
+        return load_retrieval_split(self.dataset, config, task=direction)
 
     def queries(self, cond: Condition):
         split = self._split(cond)
@@ -355,7 +441,75 @@ class HubTask(Task):
             out = self.processor(images=raw, return_tensors="pt")
         else:
             out = self.processor(text=raw, return_tensors="pt", padding=True, truncation=True)
+        return self._on_device(out)
+
+    def _on_device(self, out) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+
+
+class AVTask(HubTask):
+    """An audio/video model on an AudioSet-O / AudioSet-D / VGGSound benchmark built by
+    :mod:`hf_tta.data.builders.audioset`, in any of the six :data:`AV_DIRECTIONS`.
+
+    A condition's shift names the dataset config of its query modality: ``Condition("v2a", "noise_blur")`` reads
+    ``video_noise_blur``, ``Condition("a2t", "diverse")`` reads ``audio_diverse``, ``clean`` reads ``clean`` (text
+    queries and VGGSound). The gallery always comes from ``clean``.
+
+    Args:
+        model: a Hub id or local folder (``AutoModel`` + ``AutoProcessor``: CLAP for audio-text, X-CLIP or CLIP
+            (frame mean pooling) for video-text), a model instance, or a
+            :class:`~hf_tta.DualEncoderAdapter` (e.g. CAV-MAE for video-audio).
+        dataset: a ``save_av_benchmark`` folder, a Hub dataset id, or the mapping ``build_av_benchmark`` returns.
+        processor: the processor of a model instance, or ``{modality: processor}`` (a custom model's audio feature
+            extractor and frame processor). Audio is resampled to the processor's ``sampling_rate``.
+        limit: keep only the first ``limit`` queries of each stream.
+    """
+
+    name = "av"
+
+    def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
+        from ..models.base import ModelAdapter
+
+        adapter = model if isinstance(model, ModelAdapter) else None
+        super().__init__(model if adapter is None else adapter.model, dataset, processor, limit, device)
+        if adapter is not None:
+            self.model = adapter  # GridRunner and TTAWrapper take an adapter where they take a model
+        audio = self._processor("audio") if self._has("audio") else None
+        fe = getattr(audio, "feature_extractor", audio)
+        self.sampling_rate = getattr(fe, "sampling_rate", None)
+
+    def _has(self, modality: str) -> bool:
+        from collections.abc import Mapping
+
+        return modality in self.processor if isinstance(self.processor, Mapping) else True
+
+    def _processor(self, modality: str):
+        from collections.abc import Mapping
+
+        from ..models import get_adapter
+        from ..models.clip_video import FrameMeanPoolingMixin
+
+        if isinstance(self.processor, Mapping):
+            if modality not in self.processor:
+                raise ValueError(f"No processor for {modality}: pass processor={{{modality!r}: ..., ...}}.")
+            return self.processor[modality]
+        if modality == "video" and isinstance(get_adapter(self.model, ["video"]), FrameMeanPoolingMixin):
+            return getattr(self.processor, "image_processor", self.processor)  # an image-text model embeds frames
+        return self.processor
+
+    def _config(self, cond: Condition) -> str:
+        return "clean" if cond.shift == "clean" else f"{cond.query_modality}_{cond.shift}"
+
+    def _load(self, config: str, direction: str):
+        from ..data.builders.audioset import load_av_retrieval
+
+        q, g = AV_DIRECTIONS[direction]
+        return load_av_retrieval(self.dataset, config, f"{q}->{g}", sampling_rate=self.sampling_rate)
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        from ..data.builders.audioset import to_model_inputs
+
+        return self._on_device(to_model_inputs(raw, modality, self._processor(modality), self.sampling_rate))
 
 
 class _Head(Sequence):
@@ -400,9 +554,18 @@ class GridRunner:
         self.settings = settings or RunSettings()
         self.pristine = task.model
         self.adapter = get_adapter(self.pristine)  # never wrapped: every TTAWrapper gets its own deep copy
+        self._adapters: dict[str, Any] = {}
         self._galleries: dict[str, torch.Tensor] = {}
         self._wrappers: dict[tuple[str, str], Any] = {}
         self._source_rows: dict[str, dict] = {}
+
+    def adapter_for(self, direction: str):
+        """The (never wrapped) adapter that embeds both modalities of a direction, e.g. CLIP's video adapter."""
+        from ..models import get_adapter
+
+        if direction not in self._adapters:
+            self._adapters[direction] = get_adapter(self.pristine, (QUERY_MODALITY[direction], GALLERY_MODALITY[direction]))
+        return self._adapters[direction]
 
     # ---------------------------------------------------------------- embeddings
     @torch.no_grad()
@@ -427,7 +590,7 @@ class GridRunner:
             else:
                 items = self.task.gallery_items(cond)
                 self._galleries[key] = self._embed(
-                    self.adapter, GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
+                    self.adapter_for(cond.direction), GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
                 )
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -476,7 +639,7 @@ class GridRunner:
         }
         try:
             if job.objective == SOURCE:
-                emb = self._embed(self.adapter, modality, raw, s.gallery_batch_size)
+                emb = self._embed(self.adapter_for(cond.direction), modality, raw, s.gallery_batch_size)
                 scores = emb @ gallery.T
                 after = emb
                 info = {}
@@ -547,6 +710,11 @@ IMAGE_ABBREVIATIONS = {
     "jpeg_compression": "JPEG",
 }
 OTHER_ABBREVIATIONS = {"clean": "Clean", "noto": "Noto", "diverse": "Diverse"}
+#: AudioSet-O's multi-distribution shifts as REST's Table IV names them (N+B, ..., N+W).
+AV_ABBREVIATIONS = {
+    s: "+".join(part[0].upper() for part in s.split("_"))
+    for s in ("noise_blur", "noise_digital", "blur_digital", "noise_blur_digital", "noise_weather")
+}
 
 
 def abbreviation(shift: str) -> str:
@@ -554,6 +722,8 @@ def abbreviation(shift: str) -> str:
         return IMAGE_ABBREVIATIONS[shift]
     if shift in OTHER_ABBREVIATIONS:
         return OTHER_ABBREVIATIONS[shift]
+    if shift in AV_ABBREVIATIONS:
+        return AV_ABBREVIATIONS[shift]
     try:
         from ..data.corruptions import TEXT_CORRUPTION_ABBREVIATIONS
 
@@ -567,6 +737,9 @@ def _group_of(row: dict) -> str:
 
 
 def _group_title(group: str) -> str:
+    if group in AV_DIRECTIONS:
+        q, g = AV_DIRECTIONS[group]
+        return f"Query shift on {q}→{g} retrieval ({q} queries, clean {g} gallery), R@1 (%)"
     if group == "shifts":
         return "Clean, unseen style (noto) and diverse shift, R@1 (%)"
     direction, _, severity = group.split("-")
