@@ -370,6 +370,23 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _canonical_order():
+    """Sort key of result rows: shifts in the library's order (image corruptions, text corruptions, then the rest by
+    name), severities ascending, the source model first and the objectives in registry order."""
+    from .data.corruptions import IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS
+    from .objectives import available_objectives
+
+    shifts = {name: i for i, name in enumerate((*IMAGE_CORRUPTIONS, *TEXT_CORRUPTIONS))}
+    objectives = {name: i for i, name in enumerate(available_objectives())}
+    return lambda r: (
+        r["direction"],
+        shifts.get(r["shift"], len(shifts)),
+        r["shift"],
+        r.get("severity") or 0,
+        -1 if r["objective"] == "source" else objectives.get(r["objective"], len(objectives)),
+    )
+
+
 def cmd_merge(args) -> int:
     from .benchmarks.runner import build_tables, format_table, write_outputs
 
@@ -388,6 +405,7 @@ def cmd_merge(args) -> int:
         if key not in seen:
             seen.add(key)
             unique.append(r)
+    unique.sort(key=_canonical_order())  # shards interleave conditions: put them back in the order of a single run
     paths = write_outputs(unique, args.output_dir, {"merged_from": args.results, "parts": metas}, plots=not args.no_plots)
     for t in build_tables(unique):
         print(format_table(t), end="\n\n")
