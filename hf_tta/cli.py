@@ -363,6 +363,7 @@ def cmd_plot(args) -> int:
 
     data = json.loads(Path(args.results).read_text())
     folder = Path(args.output_dir or Path(args.results).parent)
+    folder.mkdir(parents=True, exist_ok=True)
     paths = draw_plots(data["rows"], folder)
     for t in build_tables(data["rows"]):
         print(format_table(t), end="\n\n")

@@ -882,13 +882,15 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
         fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 0.5 * len(conds) + 6), 4))
         for ax, key, label in ((axes[0], "uniformity", "query uniformity (Eq. 14, higher = more spread)"),
                                (axes[1], "gap", "query–gallery gap (Eq. 15)")):
-            for obj in objectives:
+            colours = plt.get_cmap("tab20" if len(objectives) > 10 else "tab10")
+            for i, obj in enumerate(objectives):
                 by = {f"{abbreviation(r['shift'])} {r['direction']}": r for r in diag if r["objective"] == obj}
                 ys = [by[c][f"{key}_after"] if c in by else np.nan for c in conds]
-                ax.plot(range(len(conds)), ys, marker="o", label="before (source)" if obj == SOURCE else f"after {obj}")
+                style = dict(color="black", linewidth=2, marker="s", markersize=4, zorder=5) if obj == SOURCE else dict(color=colours(i), marker="o", markersize=3)
+                ax.plot(range(len(conds)), ys, label="before (source)" if obj == SOURCE else f"after {obj}", **style)
             ax.set_xticks(range(len(conds)), conds, rotation=45, ha="right", fontsize=8)
             ax.set_title(label, fontsize=10)
-            ax.legend(fontsize=8)
+        axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         path = folder / "diagnostics.png"
         fig.savefig(path, dpi=120)
