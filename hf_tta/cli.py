@@ -265,24 +265,32 @@ def _objectives(value: str) -> list[str]:
     return names
 
 
-def cmd_run(args) -> int:
-    from .benchmarks.runner import GridRunner, RunSettings, build_tables, format_table, summarize, write_outputs
+def prepare_run(args, show_progress: bool):
+    """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings."""
+    from .benchmarks.runner import RunSettings
 
-    _setup(args)
-    t0 = time.time()
     jobs, notes = resolve_grid(args)
-    print(f"hf-tta: {len(jobs)} runs ({len({j.condition for j in jobs})} query streams x "
-          f"{len({j.objective for j in jobs})} rows incl. the source model)", flush=True)
-    for name, why in notes.get("text_corruptions_left_out", {}).items():
-        print(f"hf-tta: text corruption {name!r} left out: {why}", flush=True)
     task = make_task(args)
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
         objective_configs=json.loads(args.objective_config) if args.objective_config else {},
-        show_progress=not args.quiet, cache_dir=args.cache_dir,
+        show_progress=show_progress, cache_dir=args.cache_dir,
     )
+    return jobs, notes, task, settings
+
+
+def cmd_run(args) -> int:
+    from .benchmarks.runner import GridRunner, build_tables, format_table, summarize, write_outputs
+
+    _setup(args)
+    t0 = time.time()
+    jobs, notes, task, settings = prepare_run(args, show_progress=not args.quiet)
+    print(f"hf-tta: {len(jobs)} runs ({len({j.condition for j in jobs})} query streams x "
+          f"{len({j.objective for j in jobs})} rows incl. the source model)", flush=True)
+    for name, why in notes.get("text_corruptions_left_out", {}).items():
+        print(f"hf-tta: text corruption {name!r} left out: {why}", flush=True)
     if args.shard:
         k, n = (int(v) for v in args.shard.split("/"))
         jobs = jobs[k::n]

@@ -36,8 +36,8 @@ def main(argv=None) -> list[dict] | None:
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 
-    from hf_tta.benchmarks.runner import GridRunner, RunSettings, build_tables, format_table, write_outputs
-    from hf_tta.cli import _setup, build_parser, make_task, resolve_grid
+    from hf_tta.benchmarks.runner import GridRunner, build_tables, format_table, write_outputs
+    from hf_tta.cli import _setup, build_parser, prepare_run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["run", *argv])
@@ -51,17 +51,7 @@ def main(argv=None) -> list[dict] | None:
         args.device = str(state.device)  # one GPU per process
     _setup(args)
     t0 = time.time()
-    jobs, notes = resolve_grid(args)
-    task = make_task(args)
-    if notes.get("text_corruptions"):
-        task.text_corruptions = notes["text_corruptions"]
-    import json
-
-    settings = RunSettings(
-        steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
-        objective_configs=json.loads(args.objective_config) if args.objective_config else {},
-        show_progress=not args.quiet and state.is_main_process,
-    )
+    jobs, notes, task, settings = prepare_run(args, show_progress=not args.quiet and state.is_main_process)
     with state.split_between_processes(jobs) as mine:
         rows = GridRunner(task, settings).run_all(list(mine), desc=f"process {state.process_index}")
         for r in rows:
