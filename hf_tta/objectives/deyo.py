@@ -85,14 +85,20 @@ def token_shuffle(inputs: dict, generator: torch.Generator | None = None) -> dic
     ids = inputs["input_ids"]
     b, length = ids.shape
     mask = inputs.get("attention_mask")
-    valid = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-    index = torch.arange(length).repeat(b, 1)
-    for i in range(b):
-        pos = valid[i].nonzero().flatten().cpu()
-        inner = pos[1:-1]
-        if inner.numel() > 1:
-            index[i, inner] = inner[torch.randperm(inner.numel(), generator=generator)]
-    index = index.to(ids.device)
+    valid = (mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)).cpu()
+    pos = torch.arange(length).expand(b, -1)
+    big = torch.full_like(pos, length)
+    first = torch.where(valid, pos, big).amin(dim=1, keepdim=True)
+    last = torch.where(valid, pos, -1).amax(dim=1, keepdim=True)
+    inner = valid & (pos > first) & (pos < last)
+    # Vectorised per-row permutation of the inner positions: sort them by position (targets) and by random keys
+    # (sources); every other position sorts after them in its own order in both lists (stable sorts), so it maps
+    # to itself.
+    keys = torch.rand(b, length, generator=generator)
+    inf = torch.tensor(float("inf"))
+    targets = torch.where(inner, pos.float(), inf).argsort(dim=1, stable=True)
+    sources = torch.where(inner, keys, inf).argsort(dim=1, stable=True)
+    index = torch.empty_like(pos).scatter_(1, targets, sources).to(ids.device)
     out = dict(inputs)
     for key in ("input_ids", "token_type_ids"):
         if key in out and isinstance(out[key], torch.Tensor) and out[key].shape == ids.shape:
