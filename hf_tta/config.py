@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .configuration_utils import ConfigMixin, check_positive
+from .configuration_utils import ConfigMixin, check_choice, check_positive
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 
@@ -107,10 +107,8 @@ class TTAConfig(ConfigMixin):
         check_positive("lr", self.lr)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("gallery_batch_size", self.gallery_batch_size)
-        if self.reset_policy not in RESET_POLICIES:
-            raise ValueError(f"`reset_policy` must be one of {list(RESET_POLICIES)}, got {self.reset_policy!r}.")
-        if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
-            raise ValueError(f"`autocast_dtype` must be None or one of {list(AUTOCAST_DTYPES)}, got {self.autocast_dtype!r}.")
+        check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
+        check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
         # Validate the overrides now, not at the first batch.
         self.build_objective_config()
         if self.gradient_decoupling and not get_objective_class(self.objective).requires_grad:

@@ -83,3 +83,12 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
 def check_fraction(name: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+
+
+def check_choice(name: str, value, choices, allow_none: bool = False) -> None:
+    """Raise a ``ValueError`` naming the field and its valid values unless ``value`` is one of ``choices``."""
+    if allow_none and value is None:
+        return
+    if value not in choices:
+        prefix = "None or one of" if allow_none else "one of"
+        raise ValueError(f"`{name}` must be {prefix} {list(choices)}, got {value!r}.")

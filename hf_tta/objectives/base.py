@@ -199,6 +199,11 @@ def nearest_neighbours(scores: torch.Tensor) -> torch.Tensor:
     return scores.detach().argmax(dim=1)
 
 
+def gallery_tau_field(default: float = 0.01) -> Any:
+    """The softmax temperature over the whole gallery used by the recognition baselines (TCR Eq. 1, App. B.2)."""
+    return config_field(default, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+
+
 def config_field(default: Any, help: str, **kwargs) -> Any:
     """``dataclasses.field`` with peft-style help metadata."""
     return dataclasses.field(default=default, metadata={"help": help}, **kwargs)

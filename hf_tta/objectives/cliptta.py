@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configuration_utils import check_positive
+from ..configuration_utils import check_choice, check_positive
 from .base import (
     LossOutput,
     Objective,
@@ -87,8 +87,7 @@ class ClipTTAConfig(ObjectiveConfig):
         check_positive("ood_logit_scale", self.ood_logit_scale)
         check_positive("ood_gamma", self.ood_gamma)
         check_positive("otsu_bins", self.otsu_bins)
-        if self.ood_score not in OOD_SCORES:
-            raise ValueError(f"`ood_score` must be one of {list(OOD_SCORES)}, got {self.ood_score!r}.")
+        check_choice("ood_score", self.ood_score, OOD_SCORES)
 
     @classmethod
     def for_classification(cls, num_classes: int, shots: int = 16, **overrides) -> "ClipTTAConfig":

@@ -34,6 +34,7 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
+    gallery_tau_field,
     register_objective,
     softmax_entropy,
 )
@@ -43,7 +44,7 @@ TEXT_KEYS = ("input_ids", "token_type_ids", "position_ids")
 
 @dataclass
 class DeYOConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     deyo_margin: float = config_field(0.5, "Entropy filter E < deyo_margin * ln C (DeYO / TCR code: 0.5).")
     margin_e0: float = config_field(0.4, "E_0 = margin_e0 * ln C of the entropy re-weighting (DeYO / TCR code: 0.4).")
     plpd_threshold: float = config_field(0.2, "PLPD filter threshold (DeYO: 0.2).")

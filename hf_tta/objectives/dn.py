@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..configuration_utils import check_positive
+from ..configuration_utils import check_choice, check_positive
 from .base import (
     LossOutput,
     Objective,
@@ -59,10 +59,8 @@ class DNConfig(ObjectiveConfig):
     def __post_init__(self):
         check_positive("lam", self.lam, allow_zero=True)
         check_positive("num_samples", self.num_samples)
-        if self.query_mean not in QUERY_MEANS:
-            raise ValueError(f"`query_mean` must be one of {list(QUERY_MEANS)}, got {self.query_mean!r}.")
-        if self.gallery_mean not in GALLERY_MEANS:
-            raise ValueError(f"`gallery_mean` must be one of {list(GALLERY_MEANS)}, got {self.gallery_mean!r}.")
+        check_choice("query_mean", self.query_mean, QUERY_MEANS)
+        check_choice("gallery_mean", self.gallery_mean, GALLERY_MEANS)
 
 
 def dn_scores(

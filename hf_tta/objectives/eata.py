@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..configuration_utils import check_fraction, check_positive
+from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
     LossOutput,
     Objective,
@@ -34,6 +34,7 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
+    gallery_tau_field,
     entropy_threshold,
     register_objective,
     softmax_entropy,
@@ -44,7 +45,7 @@ MARGIN_MODES = ("log_classes", "quantile")
 
 @dataclass
 class EATAConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     e_margin: float = config_field(0.4, "Entropy margin E_0 = e_margin * ln(C) (EATA Eq. 3: 0.4 ln C).")
     margin_mode: str = config_field("log_classes", "'log_classes' = e_margin * ln(gallery size); 'quantile' = batch quantile.")
     d_margin: float = config_field(0.05, "Redundancy threshold on |cos(p, moving average)| (EATA: 0.05).")
@@ -59,8 +60,7 @@ class EATAConfig(ObjectiveConfig):
         check_fraction("probs_momentum", self.probs_momentum)
         check_positive("fisher_alpha", self.fisher_alpha, allow_zero=True)
         check_positive("fisher_batches", self.fisher_batches)
-        if self.margin_mode not in MARGIN_MODES:
-            raise ValueError(f"`margin_mode` must be one of {list(MARGIN_MODES)}, got {self.margin_mode!r}.")
+        check_choice("margin_mode", self.margin_mode, MARGIN_MODES)
 
 
 def update_model_probs(current: torch.Tensor, new_probs: torch.Tensor, momentum: float = 0.9) -> torch.Tensor:

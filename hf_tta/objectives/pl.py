@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from ..configuration_utils import check_positive
-from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, register_objective
+from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, gallery_tau_field, register_objective
 
 
 @dataclass
 class PLConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     threshold: float = config_field(0.0, "Minimum top-1 probability for a query to contribute (0 = every query).")
 
     def __post_init__(self):

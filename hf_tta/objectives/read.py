@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from ..configuration_utils import check_positive
-from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, register_objective
+from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, gallery_tau_field, register_objective
 
 
 @dataclass
 class READConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     gamma: float = config_field(math.exp(-1), "gamma of the confidence-aware loss (READ: e^-1).")
     weight_bal: float = config_field(1.0, "Weight of the balance term (READ/TCR code: 1).")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..configuration_utils import check_positive
+from ..configuration_utils import check_choice, check_positive
 from .base import (
     LossOutput,
     Objective,
@@ -72,8 +72,7 @@ class RESTConfig(TCRConfig):
         check_positive("kmeans_iters", self.kmeans_iters)
         check_positive("weight_rhm", self.weight_rhm, allow_zero=True)
         check_positive("consistency_eps", self.consistency_eps)
-        if self.consistency not in CONSISTENCY_MAPS:
-            raise ValueError(f"`consistency` must be one of {list(CONSISTENCY_MAPS)}, got {self.consistency!r}.")
+        check_choice("consistency", self.consistency, CONSISTENCY_MAPS)
 
 
 # ----------------------------------------------------------------------------------------------- k-means

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..configuration_utils import check_fraction, check_positive
+from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
     LossOutput,
     Objective,
@@ -34,6 +34,7 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
+    gallery_tau_field,
     entropy_threshold,
     register_objective,
     softmax_entropy,
@@ -43,7 +44,7 @@ from .eata import MARGIN_MODES
 
 @dataclass
 class SARConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     margin_e0: float = config_field(0.4, "Entropy margin: batch quantile (TCR's code) or fraction of ln C (paper), see margin_mode.")
     margin_mode: str = config_field("quantile", "'quantile' (TCR's code: lowest 40%) or 'log_classes' (paper: 0.4 ln C).")
     rho: float = config_field(0.05, "SAM neighbourhood radius (SAR: 0.05).")
@@ -57,8 +58,7 @@ class SARConfig(ObjectiveConfig):
         check_positive("rho", self.rho)
         check_positive("reset_constant", self.reset_constant, allow_zero=True)
         check_fraction("ema_momentum", self.ema_momentum)
-        if self.margin_mode not in MARGIN_MODES:
-            raise ValueError(f"`margin_mode` must be one of {list(MARGIN_MODES)}, got {self.margin_mode!r}.")
+        check_choice("margin_mode", self.margin_mode, MARGIN_MODES)
 
 
 class SAM(torch.optim.Optimizer):

@@ -25,6 +25,7 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
+    gallery_tau_field,
     register_objective,
     softmax_entropy,
 )
@@ -32,7 +33,7 @@ from .base import (
 
 @dataclass
 class SHOTConfig(ObjectiveConfig):
-    tau: float = config_field(0.01, "Softmax temperature over the gallery (TCR App. B.2: 0.01; 0.001 Fashion-Gen; 1e-4 ReID).")
+    tau: float = gallery_tau_field()
     beta: float = config_field(0.3, "Weight of the pseudo-label cross-entropy (SHOT cls_par: 0.3; 0 = SHOT-IM).")
     weight_im: float = config_field(1.0, "Weight of the information-maximisation term (SHOT ent_par: 1).")
     cluster_rounds: int = config_field(1, "Extra centroid rounds with hard labels after the soft initialisation (SHOT: 1).")
