@@ -51,7 +51,7 @@ def _ints(value: str, allowed: Sequence[int]) -> list[int]:
 def _directions(value: str) -> list[str]:
     """``--direction``: a comma list of direction names (``both`` = i2t,t2i); image-text and audio/video directions
     do not mix (they need different models and datasets)."""
-    from .benchmarks.runner import AV_DIRECTIONS, direction_name
+    from .benchmarks.grid import AV_DIRECTIONS, direction_name
 
     names: list[str] = []
     for v in _csv(value):
@@ -71,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="Hugging Face model id or folder for a real run (default: the shipped emoji source model); "
                    "loaded with AutoModel + AutoProcessor. Audio/video directions: CLAP (audio-text), X-CLIP or CLIP (video-text, CLIP "
                    "mean-pools its frame embeddings). Only Hugging Face checkpoints load here: a custom dual encoder (e.g. CAV-MAE for "
-                   "video-audio) runs from Python with hf_tta.DualEncoderAdapter and hf_tta.benchmarks.runner.AVTask.")
+                   "video-audio) runs from Python with hf_tta.DualEncoderAdapter and hf_tta.benchmarks.AVTask.")
     g.add_argument("--dataset", default=None, help="With --model: a benchmark built by hf_tta.data.builders (folder or Hub id, configs clean/image-<name>-<s>/text-<name>-<s>), "
                    "or for the audio/video directions an AudioSet-O / AudioSet-D / VGGSound benchmark built by hf_tta.data.builders.audioset "
                    "(a save_av_benchmark folder or Hub id).")
@@ -150,7 +150,7 @@ def _default_to_run(argv: list[str]) -> list[str]:
     return argv
 
 
-def _setup(args) -> None:
+def setup_environment(args) -> None:
     if args.threads:
         import torch
 
@@ -163,7 +163,7 @@ def _setup(args) -> None:
 
 
 def _audio_video(args) -> bool:
-    from .benchmarks.runner import AV_DIRECTIONS
+    from .benchmarks.grid import AV_DIRECTIONS
 
     av = any(d in AV_DIRECTIONS for d in getattr(args, "direction", None) or ())
     if av and not (args.model and args.dataset):
@@ -173,7 +173,7 @@ def _audio_video(args) -> bool:
 
 
 def make_task(args):
-    from .benchmarks.runner import AVTask, EmojiTask, HubTask
+    from .benchmarks.tasks import AVTask, EmojiTask, HubTask
 
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
@@ -186,7 +186,7 @@ def make_task(args):
 def resolve_grid(args) -> tuple[list, dict]:
     """The jobs of ``hf-tta run`` and notes on what was left out."""
     from . import available_objectives
-    from .benchmarks.runner import DEFAULT_IMAGE_CORRUPTIONS, build_grid, image_corruption_names, offline_text_corruptions
+    from .benchmarks.grid import DEFAULT_IMAGE_CORRUPTIONS, build_grid, image_corruption_names, offline_text_corruptions
     from .data.corruptions import IMAGE_SEVERITIES
 
     if _audio_video(args):
@@ -231,7 +231,7 @@ def resolve_grid(args) -> tuple[list, dict]:
 def resolve_av_grid(args) -> tuple[list, dict]:
     """The jobs of an audio/video ``hf-tta run``: each direction over the dataset's configs of its query modality."""
     from . import available_objectives
-    from .benchmarks.runner import QUERY_MODALITY, av_dataset_configs, build_av_grid
+    from .benchmarks.grid import QUERY_MODALITY, av_dataset_configs, build_av_grid
 
     configs = av_dataset_configs(args.dataset)
     if "clean" not in configs:
@@ -282,9 +282,10 @@ def prepare_run(args, show_progress: bool):
 
 
 def cmd_run(args) -> int:
-    from .benchmarks.runner import GridRunner, build_tables, format_table, summarize, write_outputs
+    from .benchmarks.report import build_tables, format_table, summarize, write_outputs
+    from .benchmarks.runner import GridRunner
 
-    _setup(args)
+    setup_environment(args)
     t0 = time.time()
     jobs, notes, task, settings = prepare_run(args, show_progress=not args.quiet)
     print(f"hf-tta: {len(jobs)} runs ({len({j.condition for j in jobs})} query streams x "
@@ -329,7 +330,7 @@ def cmd_run(args) -> int:
 def cmd_list(args) -> int:
     from . import available_objectives
     from .benchmarks.emoji import STYLES
-    from .benchmarks.runner import DEFAULT_IMAGE_CORRUPTIONS, image_corruption_names, offline_text_corruptions
+    from .benchmarks.grid import DEFAULT_IMAGE_CORRUPTIONS, image_corruption_names, offline_text_corruptions
     from .data.corruptions import TEXT_CORRUPTIONS
 
     print("objectives:       " + ", ".join(available_objectives()))
@@ -343,7 +344,7 @@ def cmd_list(args) -> int:
             print(f"  not here:        {name}: {why}")
     print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
     print("other shifts:      clean, noto (style), diverse")
-    from .benchmarks.runner import AV_DIRECTIONS
+    from .benchmarks.grid import AV_DIRECTIONS
     from .data.builders.audioset import BENCHMARKS
 
     print("audio/video:       --direction " + ", ".join(f"{d} ({q}->{g})" for d, (q, g) in AV_DIRECTIONS.items()))
@@ -353,9 +354,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from .benchmarks.runner import SOURCE, Condition, GridRunner, Job, RunSettings
+    from .benchmarks.grid import SOURCE, Condition, Job
+    from .benchmarks.runner import GridRunner, RunSettings
 
-    _setup(args)
+    setup_environment(args)
     task = make_task(args)
     runner = GridRunner(task, RunSettings(seed=args.seed, show_progress=not args.quiet))
     out = {}
@@ -367,7 +369,7 @@ def cmd_clean(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .benchmarks.runner import build_tables, draw_plots, format_table
+    from .benchmarks.report import build_tables, draw_plots, format_table
 
     data = json.loads(Path(args.results).read_text())
     folder = Path(args.output_dir or Path(args.results).parent)
@@ -379,25 +381,8 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _canonical_order():
-    """Sort key of result rows: shifts in the library's order (image corruptions, text corruptions, then the rest by
-    name), severities ascending, the source model first and the objectives in registry order."""
-    from .data.corruptions import IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS
-    from .objectives import available_objectives
-
-    shifts = {name: i for i, name in enumerate((*IMAGE_CORRUPTIONS, *TEXT_CORRUPTIONS))}
-    objectives = {name: i for i, name in enumerate(available_objectives())}
-    return lambda r: (
-        r["direction"],
-        shifts.get(r["shift"], len(shifts)),
-        r["shift"],
-        r.get("severity") or 0,
-        -1 if r["objective"] == "source" else objectives.get(r["objective"], len(objectives)),
-    )
-
-
 def cmd_merge(args) -> int:
-    from .benchmarks.runner import build_tables, format_table, write_outputs
+    from .benchmarks.report import build_tables, format_table, merge_rows, write_outputs
 
     rows, metas = [], []
     for path in args.results:
@@ -408,13 +393,7 @@ def cmd_merge(args) -> int:
         data = json.loads(Path(path).read_text())
         rows.extend(data["rows"])
         metas.append(data.get("meta", {}))
-    seen, unique = set(), []
-    for r in rows:  # a condition's source row may come from several shards: keep one
-        key = (r["direction"], r["shift"], r["severity"], r["objective"])
-        if key not in seen:
-            seen.add(key)
-            unique.append(r)
-    unique.sort(key=_canonical_order())  # shards interleave conditions: put them back in the order of a single run
+    unique = merge_rows(rows)
     paths = write_outputs(unique, args.output_dir, {"merged_from": args.results, "parts": metas}, plots=not args.no_plots)
     for t in build_tables(unique):
         print(format_table(t), end="\n\n")

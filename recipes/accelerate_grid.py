@@ -36,8 +36,8 @@ def main(argv=None) -> list[dict] | None:
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 
-    from hf_tta.benchmarks.runner import GridRunner, build_tables, format_table, write_outputs
-    from hf_tta.cli import _setup, build_parser, prepare_run
+    from hf_tta.benchmarks import GridRunner, build_tables, format_table, write_outputs
+    from hf_tta.cli import build_parser, prepare_run, setup_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["run", *argv])
@@ -49,7 +49,7 @@ def main(argv=None) -> list[dict] | None:
     state = PartialState(cpu=cpu)
     if args.device.startswith("cuda"):
         args.device = str(state.device)  # one GPU per process
-    _setup(args)
+    setup_environment(args)
     t0 = time.time()
     jobs, notes, task, settings = prepare_run(args, show_progress=not args.quiet and state.is_main_process)
     with state.split_between_processes(jobs) as mine:

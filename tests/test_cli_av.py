@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_tta import cli
-from hf_tta.benchmarks.runner import AVTask, GridRunner, RunSettings, av_dataset_configs, build_av_grid, direction_name
+from hf_tta.benchmarks import AVTask, GridRunner, RunSettings, av_dataset_configs, build_av_grid, direction_name
 from tiny_av_models import XCLIP_FRAMES, cav_mae_adapter, frame_stacks, tiny_cav_mae, tiny_clap, tiny_clip, tiny_xclip, waveforms
 
 pytest.importorskip("imagecorruptions", reason="the video corruptions need the `data` extra")

@@ -102,7 +102,7 @@ def test_accelerate_grid_with_two_cpu_processes(tmp_path):
     )
     assert not [r for r in rows if "error" in r]
     # the gathered table equals what one process computes
-    from hf_tta.benchmarks.runner import Condition, EmojiTask, GridRunner, Job, RunSettings
+    from hf_tta.benchmarks import Condition, EmojiTask, GridRunner, Job, RunSettings
 
     runner = GridRunner(EmojiTask(limit=16), RunSettings(steps=1, batch_size=8, show_progress=False))
     for r in rows:

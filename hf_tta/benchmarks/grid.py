@@ -1,0 +1,196 @@
+"""Grid planning for the benchmark runner: query streams (:class:`Condition`), runs (:class:`Job`) and grids.
+
+A *condition* is one query stream: image→text (``i2t``) with image queries corrupted by one ImageNet-C
+corruption at one severity, text→image (``t2i``) with corrupted caption queries, the clean stream, the unseen
+drawing style (``noto``: Noto Emoji renders as i2t queries, or as the t2i gallery), or the diverse stream (every
+query its own random corruption, REST's "-D"); audio/video conditions name a dataset config of one of the six
+:data:`AV_DIRECTIONS`. A *job* is a (condition, objective) pair; :func:`build_grid` and :func:`build_av_grid`
+list them, the source model first for every condition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+SOURCE = "source"
+#: The image–text directions of the emoji and Hub benchmarks.
+IMAGE_TEXT_DIRECTIONS = ("i2t", "t2i")
+#: The audio/video directions (:class:`AVTask`): name -> (query modality, gallery modality).
+AV_DIRECTIONS = {
+    "a2t": ("audio", "text"),
+    "t2a": ("text", "audio"),
+    "v2t": ("video", "text"),
+    "t2v": ("text", "video"),
+    "v2a": ("video", "audio"),
+    "a2v": ("audio", "video"),
+}
+OTHER_SHIFTS = ("clean", "noto", "diverse")
+QUERY_MODALITY = {"i2t": "image", "t2i": "text", **{d: q for d, (q, _) in AV_DIRECTIONS.items()}}
+GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_DIRECTIONS.items()}}
+#: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
+#: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
+DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
+DEFAULT_OBJECTIVES = ("tent", "tcr")
+
+
+# ------------------------------------------------------------------------------------------------ grid
+@dataclass(frozen=True)
+class Condition:
+    """One query stream: ``direction`` (i2t / t2i), ``shift`` (a corruption, ``clean``, ``noto``, ``diverse``)
+    and ``severity`` (``None`` where it does not apply)."""
+
+    direction: str
+    shift: str
+    severity: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.direction}/{self.shift}" + (f"/{self.severity}" if self.severity is not None else "")
+
+    @property
+    def query_modality(self) -> str:
+        return QUERY_MODALITY[self.direction]
+
+    @property
+    def group(self) -> str:
+        """Which table the condition belongs to (audio/video: one table per direction)."""
+        if self.direction in AV_DIRECTIONS:
+            return self.direction
+        if self.shift in OTHER_SHIFTS:
+            return "shifts"
+        return f"{self.direction}-severity-{self.severity}"
+
+
+@dataclass(frozen=True)
+class Job:
+    condition: Condition
+    objective: str
+
+
+def direction_name(value: str) -> str:
+    """The short name of a direction: ``i2t``, ``t2i`` or one of :data:`AV_DIRECTIONS`, also from the long forms
+    ``video->audio``, ``video2audio``, ``video_to_audio``, ``video→audio``."""
+    import re
+
+    v = value.strip().lower()
+    if v in QUERY_MODALITY:
+        return v
+    pairs = {(QUERY_MODALITY[d], GALLERY_MODALITY[d]): d for d in QUERY_MODALITY}
+    pair = tuple(re.split(r"\s*(?:->|→|_to_|2)\s*", v))
+    if pair in pairs:
+        return pairs[pair]
+    names = ", ".join(f"{d} ({QUERY_MODALITY[d]}->{GALLERY_MODALITY[d]})" for d in QUERY_MODALITY)
+    raise ValueError(f"Unknown direction {value!r}; choose from {names}.")
+
+
+def image_corruption_names() -> tuple[str, ...]:
+    from ..data.corruptions import IMAGE_CORRUPTIONS
+
+    return IMAGE_CORRUPTIONS
+
+
+def offline_text_corruptions(candidates: Iterable[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The text corruptions that run here (``(available, {name: why not})``); sentence-level ones need seq2seq
+    checkpoints and are only tried when named in ``candidates``."""
+    from ..data.corruptions import CHAR_CORRUPTIONS, MAX_TEXT_SEVERITY, WORD_CORRUPTIONS, corrupt_text
+
+    names = list(candidates) if candidates is not None else list(CHAR_CORRUPTIONS + WORD_CORRUPTIONS)
+    ok, missing = [], {}
+    for name in names:
+        try:
+            corrupt_text("grinning face with big eyes", name, MAX_TEXT_SEVERITY[name], seed=0)
+            ok.append(name)
+        except Exception as err:  # MissingResourceError, ImportError, OSError (no checkpoint offline)
+            missing[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return ok, missing
+
+
+def build_grid(
+    objectives: Sequence[str],
+    directions: Sequence[str] = ("i2t",),
+    image_corruptions: Sequence[str] = DEFAULT_IMAGE_CORRUPTIONS,
+    severities: Sequence[int] = (5,),
+    text_corruptions: Sequence[str] = (),
+    text_severities: Sequence[int] = (7,),
+    style: bool = False,
+    diverse: bool = False,
+    clean: bool = False,
+) -> list[Job]:
+    """All (condition, objective) jobs, the source model first for every condition."""
+    conds: list[Condition] = []
+    for d in directions:
+        if clean:
+            conds.append(Condition(d, "clean"))
+        if d == "i2t":
+            conds += [Condition(d, c, s) for s in severities for c in image_corruptions]
+        else:
+            from ..data.corruptions import TEXT_SEVERITIES
+
+            conds += [
+                Condition(d, c, min(s, max(TEXT_SEVERITIES[c]))) for s in text_severities for c in text_corruptions
+            ]
+        if style:
+            conds.append(Condition(d, "noto"))
+        if diverse:
+            conds.append(Condition(d, "diverse"))
+    return jobs_for(conds, objectives)
+
+
+def jobs_for(conds: Sequence[Condition], objectives: Sequence[str]) -> list[Job]:
+    """One job per (condition, row): the source model first, then each objective; duplicate conditions once."""
+    seen, unique = set(), []
+    for c in conds:
+        if c not in seen:
+            seen.add(c)
+            unique.append(c)
+    return [Job(c, o) for c in unique for o in (SOURCE, *[o for o in objectives if o != SOURCE])]
+
+
+def av_dataset_configs(dataset) -> list[str]:
+    """The configs of an audio-video benchmark (a :func:`~hf_tta.data.builders.audioset.save_av_benchmark` folder,
+    a Hub id or local Hub-layout folder, or the mapping ``build_av_benchmark`` returns), in the builders' order."""
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from ..data.builders.audioset import BENCHMARKS
+
+    if isinstance(dataset, Mapping):
+        names = list(dataset)
+    else:
+        path = Path(str(dataset))
+        names = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file()) if path.is_dir() else []
+        if not names:
+            from datasets import get_dataset_config_names
+
+            names = list(get_dataset_config_names(str(dataset)))
+    known = list(dict.fromkeys(c for configs in BENCHMARKS.values() for c in configs))
+    return sorted(names, key=lambda c: (known.index(c) if c in known else len(known), c))
+
+
+def av_shifts(direction: str, configs: Sequence[str]) -> list[str]:
+    """The shifts a direction can run on a dataset with these configs: its query modality's corruption configs
+    without the prefix (``video_noise_blur`` -> ``noise_blur``); text queries have only ``clean``."""
+    prefix = QUERY_MODALITY[direction] + "_"
+    return [c[len(prefix):] for c in configs if c.startswith(prefix)]
+
+
+def build_av_grid(
+    objectives: Sequence[str],
+    directions: Sequence[str],
+    configs: Sequence[str],
+    selected: Sequence[str] | None = None,
+    clean: bool = False,
+) -> list[Job]:
+    """Jobs of an audio/video grid: for each direction, the dataset's corruption configs of its query modality
+    (``selected`` picks some by name, e.g. ``["video_noise_blur", "audio_diverse"]``) and ``clean`` (with
+    ``clean=True``, or when none is left for the direction: text queries, VGGSound)."""
+    conds: list[Condition] = []
+    for d in directions:
+        available = av_shifts(d, configs)
+        if selected is not None:
+            available = av_shifts(d, [c for c in configs if c in selected])
+        if clean or not available:
+            conds.append(Condition(d, "clean"))
+        conds += [Condition(d, s) for s in available]
+    return jobs_for(conds, objectives)

