@@ -1,7 +1,6 @@
 """hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .config import TTAConfig
 from .metrics import retrieval_metrics
 from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any, TypeVar
 
+from .version import __version__
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound="ConfigMixin")
@@ -51,8 +53,6 @@ class ConfigMixin:
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, self.config_file_name)
         payload = self.to_dict()
-        from . import __version__
-
         payload["hf_tta_version"] = __version__
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(payload, fh, indent=2, sort_keys=True)

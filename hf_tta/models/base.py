@@ -135,6 +135,12 @@ class ModelAdapter:
         return f"{type(self).__name__}({type(self.model).__name__}, modalities={list(self.modalities)})"
 
 
+def pooled(out) -> torch.Tensor:
+    """The projected embedding of a ``get_*_features`` call: transformers 5 returns ``BaseModelOutputWithPooling``
+    (the projection is its ``pooler_output``); older versions returned the tensor itself."""
+    return getattr(out, "pooler_output", out)
+
+
 def _has_prefix(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 

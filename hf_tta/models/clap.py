@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import ModelAdapter, register_adapter
-from .clip import pooled
+from .base import ModelAdapter, pooled, register_adapter
 
 
 @register_adapter

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelAdapter, register_adapter
-
-
-def pooled(out) -> torch.Tensor:
-    """transformers 5 returns ``BaseModelOutputWithPooling`` from ``get_*_features``; the projection is its
-    ``pooler_output`` (older versions returned the tensor itself)."""
-    return getattr(out, "pooler_output", out)
+from .base import ModelAdapter, pooled, register_adapter
 
 
 @register_adapter

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelAdapter, register_adapter
-from .clip import pooled
+from .base import ModelAdapter, pooled, register_adapter
 
 
 @register_adapter
