@@ -67,6 +67,19 @@ def test_equal_to_the_core_function_with_batches(metric):
         assert out[k] == pytest.approx(core[k], abs=1e-6), k
 
 
+def test_ties_are_pessimistic_and_arithmetic_exact(metric):
+    # a collapsed model (all scores equal) reads 0 %, not 100 %
+    out = metric.compute(predictions=[[0.5] * 4] * 3, references=[[0], [1], [2]], k_values=[1, 4])
+    assert out["R@1"] == 0.0 and out["R@4"] == 100.0 and out["medr"] == 4.0
+    # 1 hit in 5 queries is exactly 20.0 (float64), counts are ints
+    scores = [[0.9, 0.1], [0.1, 0.9], [0.1, 0.9], [0.1, 0.9], [0.1, 0.9]]
+    out = metric.compute(predictions=scores, references=[[0]] * 5, k_values=[1])
+    assert out["R@1"] == 20.0 and type(out["R@1"]) is float and type(out["num_queries"]) is int
+    # scores that differ only beyond float32 precision are not merged into a tie
+    out = metric.compute(predictions=[[1.0, 1.0 + 1e-12]], references=[[1]], k_values=[1])
+    assert out["R@1"] == 100.0
+
+
 def test_ragged_predictions_are_refused(metric):
     with pytest.raises(ValueError, match="whole gallery"):
         metric.compute(predictions=[[0.1, 0.2], [0.3]], references=[[0], [0]])

@@ -58,3 +58,73 @@ def test_errors():
         retrieval_metrics(torch.randn(2, 3), [[0]])
     with pytest.raises(ValueError, match="gallery size"):
         retrieval_metrics(torch.randn(2, 3), [[0], [3]])
+
+
+def brute_force(scores: torch.Tensor, relevant: list[list[int]], ks=(1, 5, 10)) -> dict:
+    """Reference: sort each row by (score descending, irrelevant before relevant) — the pessimistic order — in Python,
+    and read ranks off the sorted list."""
+    best, aps = [], []
+    for row, rel in zip(scores.tolist(), relevant):
+        rel = set(rel)
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j in rel, j))
+        ranks = sorted(order.index(j) + 1 for j in rel)
+        best.append(ranks[0])
+        aps.append(sum((k + 1) / r for k, r in enumerate(ranks)) / len(ranks))
+    n = len(best)
+    out = {f"R@{k}": 100.0 * sum(b <= k for b in best) / n for k in ks}
+    out.update(meanr=sum(best) / n, mAP=100.0 * sum(aps) / n, num_queries=n)
+    return out
+
+
+def test_constant_scores_give_zero_recall_at_one():
+    # a collapsed model: every score equal -> every irrelevant item ties with the relevant one and ranks before it
+    m = retrieval_metrics(torch.zeros(6, 10), torch.arange(6))
+    assert m["R@1"] == 0.0 and m["R@5"] == 0.0 and m["R@10"] == 100.0
+    assert m["medr"] == 10.0 and m["meanr"] == 10.0 and m["mAP"] == pytest.approx(10.0)
+    # a single-item gallery is the one exception: nothing can rank before the relevant item
+    assert retrieval_metrics(torch.zeros(3, 1), torch.zeros(3, dtype=torch.long))["R@1"] == 100.0
+    # every item relevant: all ties are with relevant items, so the best rank is 1
+    assert retrieval_metrics(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))["R@1"] == 100.0
+
+
+def test_tie_case_by_hand():
+    # q0: relevant 1 (0.5) ties with irrelevant 0 and 3 -> rank 1 + #{0.9, 0.5, 0.5} = 4
+    # q1: relevant {0, 2} both 0.7, irrelevant 1 at 0.7 ahead -> ranks 2 and 3; AP = (1/2 + 2/3) / 2
+    scores = torch.tensor([[0.5, 0.5, 0.9, 0.5], [0.7, 0.7, 0.7, 0.1]])
+    m = retrieval_metrics(scores, [[1], [0, 2]], ks=(1, 2, 4))
+    assert m["R@1"] == 0.0 and m["R@2"] == 50.0 and m["R@4"] == 100.0
+    assert m["meanr"] == 3.0 and m["medr"] == 3.0
+    assert m["mAP"] == pytest.approx(100 * (1 / 4 + (1 / 2 + 2 / 3) / 2) / 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quantised_scores_match_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.rand(30, 17, generator=g) / 0.05).round() * 0.05  # 21 distinct values: many ties
+    relevant = [sorted({int(i) for i in torch.randint(0, 17, (1 + q % 4,), generator=g)}) for q in range(30)]
+    got = retrieval_metrics(scores, relevant)
+    ref = brute_force(scores, relevant)
+    for key, value in ref.items():
+        assert got[key] == pytest.approx(value, abs=1e-12), key
+    # chunked accumulation gives the same numbers
+    acc = RetrievalMetricAccumulator()
+    for start in range(0, 30, 8):
+        acc.update(scores[start : start + 8], relevant[start : start + 8])
+    assert acc.compute() == got
+
+
+def test_nan_scores_rank_last_and_repeats_count_once():
+    scores = torch.tensor([[float("nan"), 0.1, 0.2], [0.3, 0.2, 0.1]])
+    m = retrieval_metrics(scores, [[0], [0, 0]], ks=(1, 3))
+    assert m["R@1"] == 50.0 and m["R@3"] == 100.0 and m["meanr"] == 2.0
+    assert m["mAP"] == pytest.approx(100 * (1 / 3 + 1) / 2)
+
+
+def test_exact_arithmetic():
+    scores = torch.eye(5)
+    m = retrieval_metrics(scores, torch.tensor([0, 0, 0, 0, 0]), ks=(1,))  # one hit in five queries
+    assert m["R@1"] == 20.0 and type(m["R@1"]) is float
+    assert type(m["num_queries"]) is int and m["num_queries"] == 5
+    assert type(m["meanr"]) is float and type(m["mAP"]) is float and type(m["medr"]) is float
+    m3 = retrieval_metrics(torch.eye(3), torch.tensor([0, 1, 0]), ks=(1,))
+    assert m3["R@1"] == 100.0 * 2 / 3  # the float64 value, bit for bit

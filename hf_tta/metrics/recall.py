@@ -5,6 +5,15 @@ convention, "hit rate"); ``medr``/``meanr`` are the median/mean rank (1-based) o
 ``mAP`` is the mean over queries of average precision over all their relevant items. Percentages, as in the
 papers' tables. Works on the whole matrix or chunk by chunk (:class:`RetrievalMetricAccumulator`) so a
 25k x 5k COCO matrix never has to be held at once.
+
+Ties are counted **pessimistically**: an item tied with an irrelevant one is ranked after it, so a collapsed model
+whose scores are all equal gets R@1 = 0 (unless the gallery has a single item, or every item is relevant), as BLIP's
+``itm_eval`` (used by TCR) reports it, and quantised scores never read higher than their distinct values justify.
+Ties among the relevant items of one query are broken in the order they are listed (this changes no metric: the best
+rank and the sorted ranks of AP are the same for any order). A NaN score counts as the lowest score (``-inf``).
+
+Arithmetic is exact: ranks and hit counts are integers; percentages, mean rank and mAP are Python floats computed
+in float64 (1 hit in 5 queries is exactly 20.0).
 """
 
 from __future__ import annotations
@@ -53,9 +62,11 @@ def relevance_to_index(relevant: Relevance, num_queries: int, device=None) -> to
 
 
 def relevant_ranks(scores: torch.Tensor, relevant: Relevance) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-based rank of every relevant item of every query: ``(B, R)`` with ``inf`` at padding, plus the mask.
+    """1-based rank of every relevant item of every query: ``(B, R)`` long with ``0`` at padding, plus the mask.
 
-    The rank of item ``j`` is ``1 + #{items scored strictly higher}`` (ties resolved in the item's favour).
+    Pessimistic ties: ``rank_i = 1 + #{irrelevant j: s_j >= s_i} + #{relevant j: s_j > s_i, or s_j = s_i and j listed
+    before i}``; with one relevant item this is ``1 + #{j != i: s_j >= s_i}``. An index listed twice for a query counts
+    once (the repeat is padding).
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be (queries, gallery); got shape {tuple(scores.shape)}.")
@@ -66,13 +77,22 @@ def relevant_ranks(scores: torch.Tensor, relevant: Relevance) -> tuple[torch.Ten
     if not valid.any(dim=1).all():
         bad = int((~valid.any(dim=1)).nonzero()[0])
         raise ValueError(f"Query {bad} has no relevant item: every query needs at least one.")
-    rel_scores = scores.gather(1, idx.clamp(min=0))  # (B, R)
-    ranks = (scores[:, None, :] > rel_scores[:, :, None]).sum(-1).float() + 1  # (B, R)
-    return ranks.masked_fill(~valid, float("inf")), valid
+    r = idx.shape[1]
+    earlier = torch.ones(r, r, dtype=torch.bool, device=idx.device).tril(-1)  # [i, j]: j is listed before i
+    repeat = ((idx[:, :, None] == idx[:, None, :]) & valid[:, None, :] & earlier).any(dim=2)
+    valid = valid & ~repeat
+    if scores.is_floating_point():
+        scores = torch.nan_to_num(scores, nan=float("-inf"))  # NaN ranks last (pessimistic), never first
+    rel = scores.gather(1, idx.clamp(min=0))  # (B, R)
+    ge_all = (scores[:, None, :] >= rel[:, :, None]).sum(-1)  # (B, R): every item scored >= s_i, i itself included
+    ge_rel = ((rel[:, None, :] >= rel[:, :, None]) & valid[:, None, :]).sum(-1)  # the relevant ones among them
+    ahead_rel = (((rel[:, None, :] > rel[:, :, None]) | ((rel[:, None, :] == rel[:, :, None]) & earlier)) & valid[:, None, :]).sum(-1)
+    ranks = 1 + (ge_all - ge_rel) + ahead_rel
+    return ranks.masked_fill(~valid, 0), valid
 
 
 class RetrievalMetricAccumulator:
-    """Accumulates per-query best rank and average precision over chunks of score rows."""
+    """Accumulates per-query best rank (integers) and average precision (float64) over chunks of score rows."""
 
     def __init__(self, ks: Iterable[int] = (1, 5, 10)):
         self.ks = tuple(int(k) for k in ks)
@@ -80,24 +100,25 @@ class RetrievalMetricAccumulator:
         self._ap: list[torch.Tensor] = []
 
     def update(self, scores: torch.Tensor, relevant: Relevance) -> None:
-        scores = scores.detach().float()
-        ranks, valid = relevant_ranks(scores, relevant)
-        self._best.append(ranks.min(dim=1).values.cpu())
-        sorted_ranks, _ = ranks.sort(dim=1)  # padding (inf) goes last
-        pos = torch.arange(1, ranks.shape[1] + 1, device=ranks.device, dtype=torch.float)
-        precision = pos / sorted_ranks  # precision at the k-th relevant item; 0 at padding
-        n_rel = valid.sum(1).float()
-        self._ap.append((precision.sum(1) / n_rel).cpu())
+        ranks, valid = relevant_ranks(scores.detach(), relevant)
+        big = torch.iinfo(ranks.dtype).max
+        self._best.append(ranks.masked_fill(~valid, big).min(dim=1).values.cpu())
+        sorted_ranks = ranks.masked_fill(~valid, big).sort(dim=1).values.double()  # padding goes last
+        pos = torch.arange(1, ranks.shape[1] + 1, device=ranks.device, dtype=torch.float64)
+        n_rel = valid.sum(1, keepdim=True)
+        precision = torch.where(pos <= n_rel, pos / sorted_ranks, 0.0)  # precision at the k-th relevant item
+        self._ap.append((precision.sum(1) / n_rel.squeeze(1).double()).cpu())
 
     def compute(self) -> dict[str, float]:
         if not self._best:
             raise ValueError("No scores were added.")
         best = torch.cat(self._best)
-        out = {f"R@{k}": 100.0 * (best <= k).float().mean().item() for k in self.ks}
-        out["medr"] = best.quantile(0.5).item()
-        out["meanr"] = best.mean().item()
-        out["mAP"] = 100.0 * torch.cat(self._ap).mean().item()
-        out["num_queries"] = int(best.numel())
+        n = int(best.numel())
+        out: dict[str, float] = {f"R@{k}": 100.0 * int((best <= k).sum()) / n for k in self.ks}
+        out["medr"] = float(best.double().quantile(0.5))
+        out["meanr"] = int(best.sum()) / n
+        out["mAP"] = 100.0 * float(torch.cat(self._ap).sum()) / n
+        out["num_queries"] = n
         return out
 
 

@@ -34,7 +34,9 @@ from hf_tta.metrics.recall import retrieval_metrics
 
 _DESCRIPTION = """Recall@K for cross-modal retrieval (the COCO/Flickr convention: the percentage of queries with at
 least one relevant gallery item among their top K), the median and mean rank (1-based) of the best-ranked relevant
-item, and the mean average precision over all relevant items (%). Several relevant items per query are allowed."""
+item, and the mean average precision over all relevant items (%). Several relevant items per query are allowed.
+Ties are counted pessimistically (an item tied with an irrelevant one ranks after it: a model whose scores are all
+equal gets R@1 = 0), and the arithmetic is exact (integer counts, float64 percentages: 1 hit in 5 is 20.0)."""
 
 _KWARGS_DESCRIPTION = """
 Args:
@@ -67,7 +69,7 @@ class RetrievalRecall(evaluate.Metric):
             inputs_description=_KWARGS_DESCRIPTION,
             features=datasets.Features(
                 {
-                    "predictions": datasets.List(datasets.Value("float32")),
+                    "predictions": datasets.List(datasets.Value("float64")),
                     "references": datasets.List(datasets.Value("int64")),
                 }
             ),
@@ -78,6 +80,6 @@ class RetrievalRecall(evaluate.Metric):
         lengths = {len(row) for row in predictions}
         if len(lengths) > 1:
             raise ValueError(f"Every prediction must score the whole gallery; got rows of lengths {sorted(lengths)}.")
-        scores = torch.tensor([list(row) for row in predictions], dtype=torch.float32)
+        scores = torch.tensor([list(row) for row in predictions], dtype=torch.float64)  # no ties created by rounding
         relevant = [[int(i) for i in ref] for ref in references]
         return retrieval_metrics(scores, relevant, ks=tuple(int(k) for k in k_values))
