@@ -36,7 +36,7 @@ OBJECTIVE_CASES = [
     # Untrained tiny models predict almost uniformly: the baselines' entropy/PLPD filters are opened so that updates
     # happen (the filters themselves are checked in test_objectives_math.py).
     ObjectiveCase("eata", {"e_margin": 1.0, "d_margin": 1.01}),
-    ObjectiveCase("sar", {"margin_mode": "log_classes", "margin_e0": 1.0}),
+    ObjectiveCase("sar", {"selection": "paper", "margin_e0": 1.0}),
     ObjectiveCase("read"),
     ObjectiveCase("deyo", {"deyo_margin": 1.0, "plpd_threshold": -1.0}),
     ObjectiveCase("pl"),

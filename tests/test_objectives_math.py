@@ -382,20 +382,25 @@ def test_titan_confounder_correction_and_file(tmp_path):
 
 # =============================================================================================== EATA
 def test_eata_selection_and_weighting():
+    # paper semantics: reliable = E < 0.4 ln C
     logits = torch.tensor([[4.0, 0.0], [0.0, 0.0], [0.0, 4.0]], requires_grad=True)
-    e0 = torch.tensor(0.4 * math.log(2))
-    ent, reliable, selected = eata_selection(logits, torch.zeros(0), e0, d_margin=0.05)
+    ent, reliable, selected, e0 = eata_selection(logits, torch.zeros(0), 0.4, d_margin=0.05, selection="paper")
+    assert e0.item() == pytest.approx(0.4 * math.log(2))
     assert reliable.tolist() == [True, False, True] and selected.tolist() == reliable.tolist()
     # redundancy: the average prediction points at class 0, so the row predicting class 0 is redundant
     avg = torch.tensor([1.0, 0.0])
-    _, _, selected = eata_selection(logits, avg, e0, d_margin=0.5)
+    _, _, selected, _ = eata_selection(logits, avg, 0.4, d_margin=0.5, selection="paper")
     assert selected.tolist() == [False, False, True]
     assert update_model_probs(torch.zeros(0), torch.tensor([[0.2, 0.8], [0.4, 0.6]])).tolist() == pytest.approx([0.3, 0.7])
     assert update_model_probs(avg, torch.tensor([[0.0, 1.0]])).tolist() == pytest.approx([0.9, 0.1])
-    eata = build_objective("eata", {"tau": 1.0})
+    eata = build_objective("eata", {"tau": 1.0, "selection": "paper"})
     out = eata(_inputs(logits), eata.init_state())
     e = _entropy_two(4)
     assert out.n_selected == 2 and out.loss.item() == pytest.approx(e / math.exp(e - 0.4 * math.log(2)), abs=1e-6)
+    # TCR port (default): k = int(0.4 * 3) = 1 lowest entropy and its ties (rows 0 and 2 tie), weight 1/exp(E - 0.40)
+    eata = build_objective("eata", {"tau": 1.0})
+    out = eata(_inputs(logits), eata.init_state())
+    assert out.n_selected == 2 and out.loss.item() == pytest.approx(e / math.exp(e - 0.4), abs=1e-6)
 
 
 def test_eata_fisher_penalty():
@@ -431,7 +436,7 @@ def test_sam_step_by_hand():
 
 
 def test_sar_two_passes_and_recovery(monkeypatch):
-    cfg = TTAConfig(objective="sar", query_modality="image", steps=2, objective_config={"margin_mode": "log_classes", "margin_e0": 1.0})
+    cfg = TTAConfig(objective="sar", query_modality="image", steps=2, objective_config={"selection": "paper", "margin_e0": 1.0})
     tta = TTAWrapper(make_model("clip"), cfg)
     g = tta.encode_gallery(batch("text", 10, seed=1))
     calls = []
@@ -455,7 +460,7 @@ def test_sar_two_passes_and_recovery(monkeypatch):
 
 
 def test_sar_second_pass_reuses_first_filter():
-    sar = build_objective("sar", {"tau": 1.0, "margin_mode": "log_classes", "margin_e0": 0.9})
+    sar = build_objective("sar", {"tau": 1.0, "selection": "paper", "margin_e0": 0.9})
     state = sar.init_state()
     first = torch.tensor([[5.0, 0.0], [0.0, 0.0], [0.0, 5.0]])  # E: low, ln 2 (not < 0.9 ln 2), low
     out1 = sar(_inputs(first), state)
@@ -504,7 +509,7 @@ def test_deyo_plpd_filter_and_loss():
         transform({"input_ids": torch.zeros(3, 5, dtype=torch.long)})
         return None, view
 
-    deyo = build_objective("deyo", {"tau": 1.0, "deyo_margin": 0.9, "plpd_threshold": 0.2})
+    deyo = build_objective("deyo", {"tau": 1.0, "selection": "paper", "deyo_margin": 0.9, "plpd_threshold": 0.2})
     out = deyo(_inputs(scores, reencode=reencode, query_modality="text"), {})
     p0 = math.exp(3) / (math.exp(3) + 2)
     d = p0 - 1 / 3  # PLPD of row 0; row 1's view is unchanged (PLPD 0, filtered)
@@ -534,7 +539,7 @@ RESUME_CASES = [
     ("rest", {}, {"gradient_decoupling": True}),
     ("tent", {}, {"score_transform": "dn", "score_transform_config": {"num_samples": 8}}),
     ("tcr", {}, {"gradient_decoupling": True, "gd_per_tensor": True, "score_transform": "dn"}),
-    ("sar", {"margin_mode": "log_classes", "margin_e0": 1.0}, {}),
+    ("sar", {"selection": "paper", "margin_e0": 1.0}, {}),
     ("cliptta", {"open_set": True}, {}),
     ("eata", {"e_margin": 1.0, "d_margin": 1.01, "fisher_alpha": 10.0, "fisher_batches": 3}, {}),
     ("titan", {"hub_threshold": 0, "query_bank_size": 8}, {}),

@@ -57,6 +57,8 @@ class ObjectiveInputs:
         params (`dict`, *optional*): the adapted parameters by name (with grad), for regularisers on them (EATA's
             Fisher penalty).
         source_params (`dict`, *optional*): the source values of ``params`` (no grad).
+        labels (`torch.Tensor` of shape `(B, N)`, *optional*): bool mask of each query's relevant gallery items, given
+            only to supervised objectives (``requires_labels``: the benchmark's oracle ceilings), never to TTA methods.
     """
 
     query_emb: torch.Tensor
@@ -72,6 +74,7 @@ class ObjectiveInputs:
     in_closure: bool = False
     params: Mapping[str, torch.Tensor] | None = None
     source_params: Mapping[str, torch.Tensor] | None = None
+    labels: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,6 +117,11 @@ class Objective:
         name: registry key (set by :func:`register_objective`).
         config_class: the dataclass of hyper-parameters.
         requires_grad: ``False`` for training-free objectives (no optimiser, no parameter change).
+        requires_labels: ``True`` for supervised objectives (the oracle ceilings): ``adapt_step`` must get ``labels``.
+        gallery_access: what the objective needs of the gallery, for top-k backends (``hf_tta.gallery``): ``"topk"``
+            only each query's top-``gallery_k`` items (exact on the candidates); ``"softmax"`` a softmax over the
+            gallery (taken over the batch's candidates with a top-k backend); ``"full"`` the whole gallery (refused).
+        gallery_k: the neighbours per query a ``"topk"`` objective needs (the backend searches ``max(k, gallery_k)``).
 
     Objectives must not write state tensors in place: they replace entries of ``state`` (the wrapper keeps the
     previous dict to roll back a step whose loss is not finite). An optimiser returned by :meth:`make_optimizer`
@@ -123,6 +131,9 @@ class Objective:
     name: ClassVar[str] = ""
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     requires_grad: ClassVar[bool] = True
+    requires_labels: ClassVar[bool] = False
+    gallery_access: ClassVar[str] = "softmax"
+    gallery_k: ClassVar[int] = 0
 
     def __init__(self, config: ObjectiveConfig | None = None):
         self.config = config if config is not None else self.config_class()
@@ -209,17 +220,35 @@ def config_field(default: Any, help: str, **kwargs) -> Any:
     return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
 
 
-def entropy_threshold(margin: float, mode: str, entropy: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """The entropy margin of EATA / SAR / DeYO, as a value.
+#: How the entropy-filtering baselines (EATA, SAR, DeYO) select queries: ``"tcr_port"`` as TCR's baseline ports ran
+#: them (the default: per-batch selection of the lowest fraction, k-th smallest entropy with ``<=``), ``"paper"`` as the
+#: upstream papers define them (absolute margins ``fraction * ln C``).
+SELECTIONS = ("tcr_port", "paper")
 
-    ``mode="log_classes"``: ``margin * ln(C)`` with ``C`` the number of columns of the softmax (the gallery size in
-    retrieval), as in the papers. ``mode="quantile"``: the ``margin``-quantile of the batch entropies (how TCR's
-    reference code ran SAR: ``margin_e0=0.40`` keeps the lowest-40% entropies)."""
-    if mode == "log_classes":
-        return torch.tensor(margin * math.log(num_classes), device=entropy.device)
-    if mode == "quantile":
-        return torch.quantile(entropy.detach().float(), margin)
-    raise ValueError(f"Unknown margin mode {mode!r}: use 'log_classes' or 'quantile'.")
+
+def lowest_fraction(entropy: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TCR's per-batch selection: ``(mask, threshold)`` with ``threshold`` the k-th smallest entropy of the batch,
+    ``k = int(fraction * B)`` (at least 1), and ``mask = E <= threshold`` (25 of 64 for ``fraction = 0.4``; ties at
+    the threshold are all kept)."""
+    e = entropy.detach()
+    k = min(max(1, int(fraction * e.shape[0])), e.shape[0])
+    threshold = e.kthvalue(k).values
+    return e <= threshold, threshold
+
+
+def log_classes_margin(fraction: float, entropy: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The papers' absolute entropy margin ``fraction * ln C``, with ``C`` the number of softmax columns (the gallery
+    size in retrieval), as a 0-d tensor on the entropies' device."""
+    return torch.tensor(fraction * math.log(num_classes), device=entropy.device, dtype=entropy.dtype)
+
+
+def select_rows(rows: torch.Tensor) -> Callable[[dict], dict]:
+    """A transform for :attr:`ObjectiveInputs.reencode` that keeps the rows ``rows`` of every batched tensor input."""
+
+    def take(inputs: dict) -> dict:
+        return {k: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in inputs.items()}
+
+    return take
 
 
 def gallery_fingerprint(gallery_emb: torch.Tensor) -> torch.Tensor:

@@ -54,9 +54,9 @@ from .base import (
     ObjectiveState,
     config_field,
     register_objective,
+    select_rows,
     softmax_entropy,
 )
-from .deyo import select_rows
 
 OOD_SCORES = ("max_log_prob", "max_prob")
 MEMORY_PREFIX = "memory."
@@ -90,7 +90,7 @@ class ClipTTAConfig(ObjectiveConfig):
         check_choice("ood_score", self.ood_score, OOD_SCORES)
 
     @classmethod
-    def for_classification(cls, num_classes: int, shots: int = 16, **overrides) -> "ClipTTAConfig":
+    def for_classification(cls, num_classes: int, shots: int = 16, **overrides) -> ClipTTAConfig:
         """The paper's classification memory: ``shots`` per class (code: 16 for CIFAR-100/ImageNet, 4 for CIFAR-10)."""
         return cls(memory_shots=shots, memory_size=shots * num_classes, **overrides)
 
@@ -155,6 +155,7 @@ def _pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @register_objective("cliptta", ClipTTAConfig)
 class ClipTTA(Objective):
     """Soft contrastive loss on pseudo-captions + marginal-entropy regulariser + confident memory (+ OCE, open set)."""
+    gallery_access = "full"  # memory keyed by gallery item
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -1,33 +1,45 @@
 """DeYO: Destroy Your Object (Lee, Jung, Chung, Kim, Shin, Park, ICLR 2024, https://arxiv.org/abs/2403.07366),
 applied to retrieval as TCR's baselines (Li et al., ICLR 2025): softmax over the whole gallery at tau = 0.01.
 
-Upstream: github.com/Jhyun17/DeYO (``deyo.py``). TCR's code instantiates ``DeYO(deyo_margin=0.50, margin_e0=0.40)``;
-as in DeYO's ``main.py`` both are fractions of ln C (C = the number of softmax columns, the gallery size here).
+Upstream: github.com/Jhyun17/DeYO (``deyo.py``). TCR's code instantiates ``DeYO(deyo_margin=0.50, margin_e0=0.40)``.
+How those two numbers are read depends on ``selection``.
 
-Per step:
+``selection="tcr_port"`` (default: DeYO as TCR's baseline port ran it, the source of TCR's table rows; the port's
+semantics as checked against it in issue 13):
+  1. entropy filter per batch: the lowest ``deyo_margin`` = 50% entropies (k-th smallest, k = int(0.5 B), ``E <= E_k``);
+  2. the shape-destroying view of the selected queries (below), re-embedded by the current model without grad; text
+     queries are **not** augmented (the view is the query itself, so PLPD = 0 and nothing passes the PLPD filter: DeYO
+     equals the source model on text->image, as in TCR's Table 8), so no re-encoding is spent on them;
+  3. PLPD filter: PLPD > ``plpd_threshold`` = 0.0;
+  4. loss = mean over the kept queries of E * (1/(exp(E - q40) + 0.1) + (exp(PLPD) + 0.1)), q40 the k-th smallest
+     entropy of the batch with k = int(``margin_e0`` B) (weights detached).
+
+``selection="paper"`` (DeYO as published, thresholds as fractions of ln C, C = the number of softmax columns, here the
+gallery size; ``plpd_threshold`` 0.2 in the paper — set it):
   1. entropy filter: E < deyo_margin * ln C;
-  2. a shape-destroying view of the selected queries, re-embedded by the current model without grad
-     (``ObjectiveInputs.reencode``): image queries are cut into a ``patch_len`` x ``patch_len`` grid whose patches are
-     shuffled (DeYO's default ``aug_type='patch'``; video frames share one permutation; any other array-like modality,
-     e.g. audio spectrograms, is shuffled the same way over its last two axes); text queries get the analogous
-     *token shuffle*: the tokens between the first and the last valid position (so [CLS]/<bos> and [SEP]/<eos>, where the
-     towers pool, stay put) are permuted, padding untouched. Draws use the wrapper's seeded RNG;
-  3. PLPD filter: PLPD = p(y_hat | x) - p(y_hat | x'), y_hat = argmax p(. | x); keep PLPD > plpd_threshold (0.2);
+  2. the shape-destroying view, text queries included (token shuffle);
+  3. PLPD filter: PLPD > plpd_threshold;
   4. loss = mean over the kept queries of E * (exp(-(E - margin_e0 ln C)) + exp(PLPD)) (``reweight_ent`` and
      ``reweight_plpd``, both on by default; weights detached).
+
+The shape-destroying view (``ObjectiveInputs.reencode``): image queries are cut into a ``patch_len`` x ``patch_len`` grid
+whose patches are shuffled (DeYO's default ``aug_type='patch'``; video frames share one permutation; any other
+array-like modality, e.g. audio spectrograms, is shuffled the same way over its last two axes); text queries (paper
+mode) get the analogous *token shuffle*: the tokens between the first and the last valid position (so [CLS]/<bos> and
+[SEP]/<eos>, where the towers pool, stay put) are permuted, padding untouched. Draws use the wrapper's seeded RNG.
+PLPD = p(y_hat | x) - p(y_hat | x'), y_hat = argmax p(. | x).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..configuration_utils import check_positive
+from ..configuration_utils import check_choice, check_positive
 from .base import (
+    SELECTIONS,
     LossOutput,
     Objective,
     ObjectiveConfig,
@@ -35,7 +47,10 @@ from .base import (
     ObjectiveState,
     config_field,
     gallery_tau_field,
+    log_classes_margin,
+    lowest_fraction,
     register_objective,
+    select_rows,
     softmax_entropy,
 )
 
@@ -45,9 +60,15 @@ TEXT_KEYS = ("input_ids", "token_type_ids", "position_ids")
 @dataclass
 class DeYOConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
-    deyo_margin: float = config_field(0.5, "Entropy filter E < deyo_margin * ln C (DeYO / TCR code: 0.5).")
-    margin_e0: float = config_field(0.4, "E_0 = margin_e0 * ln C of the entropy re-weighting (DeYO / TCR code: 0.4).")
-    plpd_threshold: float = config_field(0.2, "PLPD filter threshold (DeYO: 0.2).")
+    selection: str = config_field(
+        "tcr_port",
+        "'tcr_port' (default; TCR's port): lowest deyo_margin fraction of the batch (k-th smallest, <=), E_0 = the "
+        "margin_e0 batch quantile, weights 1/(exp(E - E_0) + 0.1) + (exp(PLPD) + 0.1), text queries not augmented. "
+        "'paper' (DeYO): E < deyo_margin * ln C, E_0 = margin_e0 * ln C, weights exp(-(E - E_0)) + exp(PLPD), token shuffle.",
+    )
+    deyo_margin: float = config_field(0.5, "Entropy filter: batch fraction kept ('tcr_port') or fraction of ln C ('paper'); TCR code: 0.5.")
+    margin_e0: float = config_field(0.4, "E_0 of the entropy weight: batch fraction ('tcr_port') or fraction of ln C ('paper'); TCR code: 0.4.")
+    plpd_threshold: float = config_field(0.0, "PLPD filter: keep PLPD > this (TCR's port: 0.0; DeYO paper: 0.2).")
     reweight_ent: bool = config_field(True, "Weight by exp(-(E - E_0)) (DeYO: on).")
     reweight_plpd: bool = config_field(True, "Weight by exp(PLPD) (DeYO: on).")
     patch_len: int = config_field(4, "Grid size of the patch shuffle of array-like queries (DeYO: 4, i.e. 4 x 4 patches).")
@@ -57,6 +78,7 @@ class DeYOConfig(ObjectiveConfig):
         check_positive("deyo_margin", self.deyo_margin)
         check_positive("margin_e0", self.margin_e0)
         check_positive("patch_len", self.patch_len)
+        check_choice("selection", self.selection, SELECTIONS)
 
 
 def patch_shuffle(x: torch.Tensor, patch_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -119,13 +141,6 @@ def destroy_view(inputs: dict, modality: str, patch_len: int, generator: torch.G
     raise ValueError(f"DeYO found no array-like {modality} input to shuffle (keys: {sorted(inputs)}).")
 
 
-def select_rows(rows: torch.Tensor) -> Callable[[dict], dict]:
-    def take(inputs: dict) -> dict:
-        return {k: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in inputs.items()}
-
-    return take
-
-
 def plpd(probs: torch.Tensor, probs_view: torch.Tensor) -> torch.Tensor:
     """Pseudo-label probability difference ``p(y_hat|x) - p(y_hat|x')`` with ``y_hat = argmax p(.|x)``."""
     y = probs.argmax(dim=1, keepdim=True)
@@ -141,19 +156,28 @@ class DeYO(Objective):
         if inputs.reencode is None:
             raise ValueError("DeYO needs ObjectiveInputs.reencode to embed the shuffled queries (TTAWrapper provides it).")
         logits = inputs.scores / c.tau
-        log_c = math.log(logits.shape[1])
         entropy = softmax_entropy(logits)
-        first = (entropy.detach() < c.deyo_margin * log_c).nonzero().flatten()
+        if c.selection == "tcr_port":
+            mask, _ = lowest_fraction(entropy, c.deyo_margin)
+            _, e_0 = lowest_fraction(entropy, c.margin_e0)
+        else:
+            mask = entropy.detach() < log_classes_margin(c.deyo_margin, entropy, logits.shape[1])
+            e_0 = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
+        first = mask.nonzero().flatten()
         logs = {"entropy_selected": float(first.numel())}
         if first.numel() == 0:
             return LossOutput(loss=None, n_selected=0, logs=logs)
-        gen = inputs.generator
-        with torch.no_grad():
-            _, view_scores = inputs.reencode(
-                lambda q: destroy_view(select_rows(first)(q), inputs.query_modality, c.patch_len, gen)
-            )
         probs = logits[first].detach().softmax(dim=1)
-        diff = plpd(probs, (view_scores / c.tau).softmax(dim=1))
+        text = inputs.query_modality == "text" or (inputs.queries is not None and "input_ids" in inputs.queries)
+        if c.selection == "tcr_port" and text:
+            diff = torch.zeros(first.numel(), device=probs.device)  # the port does not augment text: x' = x, PLPD = 0
+        else:
+            gen = inputs.generator
+            with torch.no_grad():
+                _, view_scores = inputs.reencode(
+                    lambda q: destroy_view(select_rows(first)(q), inputs.query_modality, c.patch_len, gen)
+                )
+            diff = plpd(probs, (view_scores / c.tau).softmax(dim=1))
         keep = diff > c.plpd_threshold
         logs["plpd"] = diff.mean()
         if not keep.any():
@@ -161,6 +185,10 @@ class DeYO(Objective):
         ent, d = entropy[first][keep], diff[keep]
         loss = ent
         if c.reweight_ent or c.reweight_plpd:
-            coeff = float(c.reweight_ent) * torch.exp(-(ent.detach() - c.margin_e0 * log_c)) + float(c.reweight_plpd) * torch.exp(d)
-            loss = ent * coeff
+            e = ent.detach()
+            if c.selection == "tcr_port":
+                w_ent, w_plpd = 1 / (torch.exp(e - e_0) + 0.1), torch.exp(d) + 0.1
+            else:
+                w_ent, w_plpd = torch.exp(-(e - e_0)), torch.exp(d)
+            loss = ent * (float(c.reweight_ent) * w_ent + float(c.reweight_plpd) * w_plpd)
         return LossOutput(loss=loss.mean(), n_selected=int(keep.sum()), logits=logits, temperature=c.tau, logs=logs)

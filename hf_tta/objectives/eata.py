@@ -5,12 +5,16 @@ cosine similarities over the whole gallery divided by tau = 0.01 (TCR App. B.2).
 Upstream: github.com/mr-eggplant/EATA (``eata.py``: ``forward_and_adapt_eata``, ``update_model_probs``).
 TCR's reference code instantiates ``EATA(e_margin=0.40, fishers=None)``: no Fisher penalty by default.
 
-Per step:
-  * reliable queries: entropy E < E_0 = e_margin * ln(C), C = gallery size (``margin_mode="log_classes"``, the paper's
-    0.4 ln C; ``"quantile"`` reads e_margin as a batch quantile instead);
+Per step, with ``selection="tcr_port"`` (the default: EATA as TCR's baseline port ran it, the source of the numbers of
+TCR's tables; the port's semantics as checked against it in issue 13):
+  * reliable queries: the lowest ``e_margin`` = 40% entropies of the batch (k-th smallest, k = int(0.4 B), ``E <= E_k``);
+  * loss weight 1/exp(E_i - e_margin), i.e. E_0 = 0.40 taken literally in the weight.
+With ``selection="paper"`` (EATA Eq. 3-4 as published):
+  * reliable queries: E < E_0 = e_margin * ln(C), C = gallery size; loss weight 1/exp(E_i - E_0).
+In both:
   * non-redundant queries: |cos(p_i, m)| < d_margin, with m the moving average (0.9 / 0.1) of the selected queries'
     predictions (state ``model_probs``; the first step has none, so nothing is filtered then);
-  * loss = mean over the selected queries of E_i / exp(E_i - E_0) (detached weight), plus, when ``fisher_alpha > 0``,
+  * loss = mean over the selected queries of E_i * weight_i (detached weight), plus, when ``fisher_alpha > 0``,
     the EWC penalty alpha * sum F (theta - theta_0)^2 (Eq. 9).
 
 The Fisher information needs in-distribution data, which a test-time library does not have (EATA used 2,000 held-out
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
+    SELECTIONS,
     LossOutput,
     Objective,
     ObjectiveConfig,
@@ -35,19 +40,22 @@ from .base import (
     ObjectiveState,
     config_field,
     gallery_tau_field,
-    entropy_threshold,
+    log_classes_margin,
+    lowest_fraction,
     register_objective,
     softmax_entropy,
 )
-
-MARGIN_MODES = ("log_classes", "quantile")
 
 
 @dataclass
 class EATAConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
-    e_margin: float = config_field(0.4, "Entropy margin E_0 = e_margin * ln(C) (EATA Eq. 3: 0.4 ln C).")
-    margin_mode: str = config_field("log_classes", "'log_classes' = e_margin * ln(gallery size); 'quantile' = batch quantile.")
+    selection: str = config_field(
+        "tcr_port",
+        "'tcr_port' (default; TCR's baseline port): keep the lowest e_margin fraction of the batch's entropies (k-th "
+        "smallest, <=), weight 1/exp(E - e_margin). 'paper' (EATA Eq. 3): keep E < e_margin * ln C, weight 1/exp(E - E_0).",
+    )
+    e_margin: float = config_field(0.4, "Entropy margin: batch fraction kept ('tcr_port': 0.40) or fraction of ln C ('paper': 0.4 ln C).")
     d_margin: float = config_field(0.05, "Redundancy threshold on |cos(p, moving average)| (EATA: 0.05).")
     probs_momentum: float = config_field(0.9, "Momentum of the moving average of predictions (EATA: 0.9).")
     fisher_alpha: float = config_field(0.0, "Weight of the Fisher (EWC) penalty; 0 = off, as TCR ran EATA (EATA paper: 2000).")
@@ -60,7 +68,7 @@ class EATAConfig(ObjectiveConfig):
         check_fraction("probs_momentum", self.probs_momentum)
         check_positive("fisher_alpha", self.fisher_alpha, allow_zero=True)
         check_positive("fisher_batches", self.fisher_batches)
-        check_choice("margin_mode", self.margin_mode, MARGIN_MODES)
+        check_choice("selection", self.selection, SELECTIONS)
 
 
 def update_model_probs(current: torch.Tensor, new_probs: torch.Tensor, momentum: float = 0.9) -> torch.Tensor:
@@ -74,21 +82,30 @@ def update_model_probs(current: torch.Tensor, new_probs: torch.Tensor, momentum:
 
 
 def eata_selection(
-    logits: torch.Tensor, model_probs: torch.Tensor, e_0: torch.Tensor, d_margin: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(entropy, reliable mask, selected mask)``: reliable = E < E_0; selected = reliable and non-redundant."""
+    logits: torch.Tensor, model_probs: torch.Tensor, e_margin: float, d_margin: float, selection: str = "tcr_port"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entropy, reliable mask, selected mask, E_0 of the weight)``; selected = reliable and non-redundant.
+
+    ``"tcr_port"``: reliable = the lowest ``e_margin`` fraction (k-th smallest, ``<=``), E_0 = ``e_margin``;
+    ``"paper"``: reliable = ``E < e_margin * ln C`` = E_0."""
     entropy = softmax_entropy(logits)
-    reliable = entropy.detach() < e_0
+    if selection == "tcr_port":
+        reliable, _ = lowest_fraction(entropy, e_margin)
+        e_0 = torch.tensor(e_margin, device=entropy.device, dtype=entropy.dtype)
+    else:
+        e_0 = log_classes_margin(e_margin, entropy, logits.shape[1])
+        reliable = entropy.detach() < e_0
     selected = reliable.clone()
     if model_probs.numel() == model_probs.shape[0] == logits.shape[1]:
         cos = F.cosine_similarity(model_probs[None, :], logits.detach().softmax(dim=1), dim=1)
         selected &= cos.abs() < d_margin
-    return entropy, reliable, selected
+    return entropy, reliable, selected, e_0
 
 
 @register_objective("eata", EATAConfig)
 class EATA(Objective):
     """Sample-efficient entropy minimisation with an optional Fisher anti-forgetting penalty."""
+    gallery_access = "full"  # running average of the softmax over every gallery item
 
     def init_state(self, device="cpu") -> ObjectiveState:
         return {
@@ -101,8 +118,7 @@ class EATA(Objective):
         logits = inputs.scores / c.tau
         if state["model_probs"].numel() not in (0, logits.shape[1]):  # another gallery: start the average again
             state["model_probs"] = state["model_probs"][:0]
-        e_0 = entropy_threshold(c.e_margin, c.margin_mode, softmax_entropy(logits.detach()), logits.shape[1])
-        entropy, reliable, selected = eata_selection(logits, state["model_probs"], e_0, c.d_margin)
+        entropy, reliable, selected, e_0 = eata_selection(logits, state["model_probs"], c.e_margin, c.d_margin, c.selection)
         if not inputs.in_closure:
             state["model_probs"] = update_model_probs(state["model_probs"], logits.detach()[selected].softmax(1), c.probs_momentum)
         logs = {"reliable": reliable.sum(), "selected": selected.sum(), "entropy_margin": e_0}

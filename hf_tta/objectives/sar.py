@@ -11,9 +11,15 @@ One step is SAM's two passes, run through the wrapper's optimiser-closure path (
   3. model recovery (``on_step_end``): an exponential moving average (0.9) of the second loss; below
      ``reset_constant`` = 0.2 the wrapper restores the source parameters and a fresh optimiser.
 
-E_0: TCR's code reads ``margin_e0=0.40`` as a percentile (the lowest-40% entropies of the batch:
-``margin_mode="quantile"``, the default here, since these are the baselines as TCR ran them); ``"log_classes"`` is
-the paper's 0.4 ln C with C the gallery size. The second pass reuses the first pass's threshold.
+Selection (``selection``):
+  * ``"tcr_port"`` (default; SAR as TCR's baseline port ran it, ``margin_e0=0.40`` read as a batch fraction): pass 1
+    keeps the k-th smallest entropy and below, k = int(0.4 B), ``E <= E_k`` (25 of 64; a linearly interpolated
+    0.4-quantile with ``<`` would keep 26); when the second pass keeps nothing, the EMA is still updated, with the mean
+    second-pass entropy of the pass-1 queries (SAR's ``loss_second_value``) — the port's behaviour as issue 13 reports
+    it; which value the port feeds the EMA then is our reading, since the digest does not quote that line;
+  * ``"paper"``: E_0 = 0.4 ln C with C the gallery size, ``E < E_0``; an empty second pass leaves the EMA alone (SAR's
+    ``if not np.isnan(loss_second)``).
+The second pass reuses the first pass's threshold (``E2 < E_0``) in both.
 
 Difference from the reference code: after a recovery SAR re-assigns the triggering EMA (so the next step usually
 resets again); here the EMA starts afresh, as ``reset()`` intends.
@@ -21,13 +27,14 @@ resets again); here the EMA starts afresh, as ``reset()`` intends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
+    SELECTIONS,
     LossOutput,
     Objective,
     ObjectiveConfig,
@@ -35,18 +42,22 @@ from .base import (
     ObjectiveState,
     config_field,
     gallery_tau_field,
-    entropy_threshold,
+    log_classes_margin,
+    lowest_fraction,
     register_objective,
     softmax_entropy,
 )
-from .eata import MARGIN_MODES
 
 
 @dataclass
 class SARConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
-    margin_e0: float = config_field(0.4, "Entropy margin: batch quantile (TCR's code) or fraction of ln C (paper), see margin_mode.")
-    margin_mode: str = config_field("quantile", "'quantile' (TCR's code: lowest 40%) or 'log_classes' (paper: 0.4 ln C).")
+    selection: str = config_field(
+        "tcr_port",
+        "'tcr_port' (default; TCR's port): keep the lowest margin_e0 fraction (k-th smallest, <=), an empty second pass "
+        "still updates the EMA. 'paper' (SAR): keep E < margin_e0 * ln C.",
+    )
+    margin_e0: float = config_field(0.4, "Entropy margin: batch fraction kept ('tcr_port': 0.40) or fraction of ln C ('paper': 0.4 ln C).")
     rho: float = config_field(0.05, "SAM neighbourhood radius (SAR: 0.05).")
     adaptive: bool = config_field(False, "Adaptive SAM (element-wise scaling by |theta|); SAR: False.")
     reset_constant: float = config_field(0.2, "Model recovery when the EMA of the second loss falls below this (SAR: 0.2).")
@@ -58,7 +69,7 @@ class SARConfig(ObjectiveConfig):
         check_positive("rho", self.rho)
         check_positive("reset_constant", self.reset_constant, allow_zero=True)
         check_fraction("ema_momentum", self.ema_momentum)
-        check_choice("margin_mode", self.margin_mode, MARGIN_MODES)
+        check_choice("selection", self.selection, SELECTIONS)
 
 
 class SAM(torch.optim.Optimizer):
@@ -151,16 +162,20 @@ class SAR(Objective):
         logits = inputs.scores / c.tau
         entropy = softmax_entropy(logits)
         if inputs.in_closure and self._first_pass is not None:  # pass 2, at the perturbed parameters
-            threshold = self._first_pass["threshold"]
-            selected = self._first_pass["selected"] & (entropy.detach() < threshold)
+            threshold, first = self._first_pass["threshold"], self._first_pass["selected"]
+            selected = first & (entropy.detach() < threshold)
             if not selected.any():
-                self._second_loss = None
+                # tcr_port: the EMA still moves, with the mean pass-2 entropy of the pass-1 queries; paper: it does not
+                self._second_loss = entropy.detach()[first].mean() if c.selection == "tcr_port" and first.any() else None
                 return LossOutput(loss=None, n_selected=0)
             loss = entropy[selected].mean()
             self._second_loss = loss.detach()
             return LossOutput(loss=loss, n_selected=int(selected.sum()), logits=logits, temperature=c.tau)
-        threshold = entropy_threshold(c.margin_e0, c.margin_mode, entropy, logits.shape[1])
-        selected = entropy.detach() < threshold
+        if c.selection == "tcr_port":
+            selected, threshold = lowest_fraction(entropy, c.margin_e0)
+        else:
+            threshold = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
+            selected = entropy.detach() < threshold
         self._first_pass = {"threshold": threshold, "selected": selected}
         self._second_loss = None
         logs = {"selected": selected.sum(), "entropy_margin": threshold}
