@@ -239,6 +239,21 @@ def test_dn_means():
     assert torch.allclose(st["gallery_mean"], zg[idx].mean(0), atol=1e-6)
 
 
+def test_dn_default_lambda_is_the_authors_code():
+    """lambda = 0.25 by default (authors' code and reported numbers); 0.5 (theory) is an option."""
+    torch.manual_seed(1)
+    zg = F.normalize(torch.randn(6, 4), dim=1)
+    zq = F.normalize(torch.randn(3, 4), dim=1)
+    dn = build_objective("dn", {"gallery_mean": "all"})
+    assert dn.config.lam == 0.25
+    mq, mg = zq.mean(0), zg.mean(0)
+    out = dn(_inputs(zq @ zg.T, zq, zg), dn.init_state())
+    assert torch.allclose(out.scores, (zq - 0.25 * mq) @ (zg - 0.25 * mg).T, atol=1e-6)
+    theory = build_objective("dn", {"gallery_mean": "all", "lam": 0.5})
+    out = theory(_inputs(zq @ zg.T, zq, zg), theory.init_state())
+    assert torch.allclose(out.scores, (zq - 0.5 * mq) @ (zg - 0.5 * mg).T, atol=1e-6)
+
+
 def test_dn_composes_on_top_of_an_objective():
     """steps=1: the output scores are the source forward's, so DN's result is computable from the source embeddings."""
     model = make_model("clip")

@@ -131,7 +131,37 @@ def test_queue_updates_only_at_step0_of_first_10_batches():
             zq = torch.nn.functional.normalize(torch.randn(10, 4), dim=1)
             tcr(_inputs(zq, gallery, step=step, batch_index=b), state)
     assert int(state["queue_updates"]) == 10
-    assert state["queue_si"].numel() == 10  # capacity = batch size B
+    assert state["queue_si"].numel() == 30  # 10 batches x int(0.3 * 10) pairs, below the capacity of 64
+
+
+def test_queue_capacity_is_the_configured_size_not_the_current_batch():
+    """Authors' runs: B = 64, 19 pairs a batch, capacity 64. A short batch (8 queries, 2 pairs) among the first ten
+    must not cut the queue to 8: it keeps the 64 lowest-SI pairs of all 83 seen."""
+    g = torch.Generator().manual_seed(4)
+    gallery = torch.nn.functional.normalize(torch.randn(50, 4, generator=g), dim=1)
+    tcr = build_objective("tcr")
+    assert tcr.config.queue_size == 64
+    state = tcr.init_state()
+    entered = []
+    for b, size in enumerate([64, 64, 64, 8, 64]):
+        zq = torch.nn.functional.normalize(torch.randn(size, 4, generator=g), dim=1)
+        nn_idx = (zq @ gallery.T).argmax(1)
+        si = si_score(zq, gallery[nn_idx])
+        entered.append(si[si.argsort()[: int(0.3 * size)]])
+        tcr(_inputs(zq, gallery, step=0, batch_index=b), state)
+        seen = torch.cat(entered)
+        assert state["queue_si"].numel() == min(64, seen.numel())  # 19, 38, 57, 59 (the short batch), 64
+        assert torch.allclose(state["queue_si"].sort().values, seen.sort().values[:64])
+
+
+def test_queue_keeps_the_embeddings_dtype():
+    g = torch.Generator().manual_seed(5)
+    gallery = torch.nn.functional.normalize(torch.randn(20, 4, generator=g), dim=1).bfloat16()
+    zq = torch.nn.functional.normalize(torch.randn(10, 4, generator=g), dim=1).bfloat16()
+    tcr = build_objective("tcr")
+    state = tcr.init_state()
+    tcr(_inputs(zq, gallery), state)
+    assert {state[k].dtype for k in ("queue_si", "queue_q", "queue_g", "queue_entropy")} == {torch.bfloat16}
 
 
 def test_training_free_rectification_eq12_eq13():

@@ -6,7 +6,8 @@ models/tta_baselines/tcr.py, commit de2e102). Equation numbers below are the pap
 Per step, with B queries:
   * candidates: each query's nearest gallery item (Eq. 4); refined prediction p̂ = softmax(z^Q Z^{G'}^T / tau),
     a B x B matrix over the batch's candidates (Eq. 5), tau = 0.02;
-  * source-like pairs: the 30% lowest SI scores (Eq. 6) enter a queue of size B, updated at step 0 of the
+  * source-like pairs: the 30% lowest SI scores (Eq. 6) enter a queue of size B (``queue_size``, 64 as in the
+    authors' runs; a short batch does not shrink it), updated at step 0 of the
     first 10 batches only (App. B.3 and the code's ``num_update_signal``); from the queue come the source gap
     Delta_S (Eq. 7) and the entropy threshold E_m (Eq. 8);
   * L = L_NA (Eq. 11) + L_MU (Eq. 9) + L_MG (Eq. 10).
@@ -60,29 +61,30 @@ def noise_robust_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 11 as the code computes it: weight ``S = max(1 - E.detach() / (E_m + eps), 0)`` and the mean of
     ``S * E`` over queries with ``E <= E_m``. Returns ``(loss, selected_mask)``; with nothing selected the loss
-    is a zero that still depends on the inputs (the reference code would return NaN here)."""
+    is a zero that still depends on the inputs (the reference code would return NaN here). Computed as a masked
+    sum over the count, so no host sync is needed."""
     weight = (1 - entropy.detach() / (e_max + eps)).clamp(min=0)
     mask = entropy.detach() <= e_max
-    if not mask.any():
-        return (entropy * 0).sum(), mask
-    return (entropy * weight)[mask].mean(), mask
+    return torch.where(mask, entropy * weight, 0).sum() / mask.sum().clamp(min=1), mask
 
 
 def update_queue(
     state: ObjectiveState, zq: torch.Tensor, zg: torch.Tensor, refined_logits: torch.Tensor, ratio: float, size: int
 ) -> None:
     """Append the ``int(ratio * B)`` lowest-SI pairs of the batch to the queue; once it holds ``size`` pairs or more,
-    keep the ``size`` lowest-SI ones (code: ``losses.update_queue``). Entropies are those at insertion time."""
+    keep the ``size`` lowest-SI ones (code: ``losses.update_queue``, ``max_queue_size = 64``). ``size`` is the configured
+    capacity, never the current batch's size, so a short batch does not shrink the queue. Entropies are those at
+    insertion time. The queue is kept in the embeddings' dtype (as the code keeps CLIP's fp16 features)."""
     with torch.no_grad():
-        zq, zg = zq.detach().float(), zg.detach().float()
+        zq, zg = zq.detach(), zg.detach().to(zq.dtype)
         si = si_score(zq, zg)
-        ent = softmax_entropy(refined_logits.detach().float())
+        ent = softmax_entropy(refined_logits.detach()).to(zq.dtype)
         k = max(1, int(ratio * zq.shape[0]))  # the code's int(0.3 * 64) = 19; max(1, .) keeps tiny batches usable
         idx = si.argsort()[:k]
-        q_si = torch.cat([state["queue_si"], si[idx]])
-        q_q = torch.cat([state["queue_q"].reshape(-1, zq.shape[1]), zq[idx]])
-        q_g = torch.cat([state["queue_g"].reshape(-1, zg.shape[1]), zg[idx]])
-        q_e = torch.cat([state["queue_entropy"], ent[idx]])
+        q_si = torch.cat([state["queue_si"].to(zq.dtype), si[idx]])
+        q_q = torch.cat([state["queue_q"].to(zq.dtype).reshape(-1, zq.shape[1]), zq[idx]])
+        q_g = torch.cat([state["queue_g"].to(zq.dtype).reshape(-1, zg.shape[1]), zg[idx]])
+        q_e = torch.cat([state["queue_entropy"].to(zq.dtype), ent[idx]])
         if q_si.numel() >= size:
             keep = q_si.argsort(stable=True)[:size]
             q_si, q_q, q_g, q_e = q_si[keep], q_q[keep], q_g[keep], q_e[keep]
@@ -114,7 +116,9 @@ class TCRConfig(ObjectiveConfig):
     tau: float = config_field(0.02, "Temperature of the refined prediction (Eq. 5); 0.02 in all TCR experiments.")
     uniformity_t: float = config_field(10.0, "t of Eq. 9 (the code's multiplier 0.1 = 1/t).")
     source_ratio: float = config_field(0.3, "Fraction of lowest-SI pairs taken as source-like (Eq. 6; code con_ratio).")
-    queue_size: int | None = config_field(None, "Queue capacity; None = the batch size B (Alg. 1).")
+    queue_size: int = config_field(
+        64, "Queue capacity: the configured batch size B (Alg. 1; 64 in the authors' runs), not the current batch's size."
+    )
     queue_update_batches: int = config_field(10, "The queue is updated at step 0 of the first N batches only (App. B.3).")
     entropy_eps: float = config_field(1e-3, "eps in S = max(1 - E/(E_m + eps), 0) (code).")
     weight_na: float = config_field(1.0, "Weight of L_NA (Eq. 3: 1).")
@@ -142,13 +146,14 @@ def refine(inputs: ObjectiveInputs, tau: float) -> tuple[torch.Tensor, torch.Ten
 def maybe_update_queue(config, inputs: ObjectiveInputs, state: ObjectiveState, zg, logits) -> None:
     """Queue update at step 0 while fewer than ``queue_update_batches`` updates were made."""
     if inputs.step == 0 and int(state["queue_updates"]) < config.queue_update_batches:
-        size = config.queue_size or inputs.query_emb.shape[0]
-        update_queue(state, inputs.query_emb, zg, logits, config.source_ratio, size)
+        update_queue(state, inputs.query_emb, zg, logits, config.source_ratio, config.queue_size)
 
 
 @register_objective("tcr", TCRConfig)
 class TCR(Objective):
     """``L = L_NA + L_MU + L_MG`` on the refined B x B prediction (TCR Eq. 3)."""
+    gallery_access = "topk"  # top-1 candidates only (Eq. 4): exact with any top-k backend
+    gallery_k = 1
 
     def init_state(self, device="cpu") -> ObjectiveState:
         return init_queue_state(device)
@@ -168,7 +173,7 @@ class TCR(Objective):
         loss = c.weight_na * l_na + c.weight_mu * l_mu + c.weight_mg * l_mg
         return LossOutput(
             loss=loss,
-            n_selected=int(mask.sum()),
+            n_selected=mask.sum(),  # a 0-d tensor: the wrapper reads it without a sync per step (TTAConfig.fast_step)
             logits=logits,
             candidates=nn_idx[None, :].expand(len(nn_idx), -1),
             temperature=c.tau,
