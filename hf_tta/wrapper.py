@@ -212,7 +212,7 @@ class TTAWrapper:
         with self.disabled():
             for chunk in tqdm(chunks, total=total, desc=f"Encoding {self.gallery_modality} gallery", disable=not show):
                 chunk = self._check_inputs(chunk, self.gallery_modality)
-                embs.append(self.adapter.embed(self.gallery_modality, chunk))
+                embs.append(self.adapter.encode(self.gallery_modality, chunk))
         if not embs:
             raise ValueError("The gallery is empty.")
         return GalleryCache(torch.cat(embs), self.gallery_modality)
@@ -225,16 +225,17 @@ class TTAWrapper:
 
     # ------------------------------------------------------------------------------------------ checks
     def _check_inputs(self, inputs: Mapping[str, Any], modality: str) -> dict[str, torch.Tensor]:
-        selected = self.adapter.select_inputs(modality, inputs)
+        """One batch checked at the boundary, before anything runs: keys, dtypes, layouts, sizes and vocabulary by the
+        adapter's input specs (floating-point features cast once to the model's dtype), then batch size, device and
+        finiteness. Returns a new dict (the caller's is never modified), selected once for every embed of the batch."""
+        selected = self.adapter.check_inputs(modality, inputs)
         n = _batch_size(selected)
         if n == 0:
             raise ValueError(f"Empty {modality} batch: adapt_step needs at least one query.")
         device = self.device
         for key, value in selected.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{modality} input {key!r} must be a torch.Tensor, got {type(value).__name__}.")
-            if value.shape[0] != n:
-                raise ValueError(f"{modality} inputs disagree on the batch size: {key!r} has {value.shape[0]}, expected {n}.")
+            if value.dim() == 0 or value.shape[0] != n:
+                raise ValueError(f"{modality} inputs disagree on the batch size: {key!r} has shape {tuple(value.shape)}, expected {n} rows.")
             if value.device != device:
                 raise ValueError(
                     f"{modality} input {key!r} is on {value.device} but the model is on {device}: move it with .to({str(device)!r})."
@@ -262,7 +263,7 @@ class TTAWrapper:
     # ------------------------------------------------------------------------------------------ the online step
     def _embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
         with self._autocast():
-            q = self.adapter.embed(self.query_modality, queries)
+            q = self.adapter.encode(self.query_modality, queries)
         if q.shape[-1] != gallery.dim:
             raise ValueError(
                 f"Query embeddings have dimension {q.shape[-1]} but the gallery has {gallery.dim}: "

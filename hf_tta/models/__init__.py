@@ -1,5 +1,6 @@
 """Model adapters: one module per Hugging Face architecture, behind :class:`ModelAdapter`."""
 
+from . import blip, blip2, clap, clip, clip_video, siglip, vision_text_dual_encoder, xclip  # noqa: F401  (registration)
 from .base import (
     ADAPTERS,
     MODALITIES,
@@ -9,11 +10,11 @@ from .base import (
     register_adapter,
     supported_architectures,
 )
-from . import blip, blip2, clap, clip, clip_video, siglip, vision_text_dual_encoder, xclip  # noqa: F401  (registration)
 from .clap import ClapAdapter
 from .clip_video import CLIPVideoAdapter, FrameMeanPoolingMixin
-from .xclip import XCLIPAdapter
 from .generic import DualEncoderAdapter
+from .inputs import InputSpec
+from .xclip import XCLIPAdapter
 
 __all__ = [
     "ADAPTERS",
@@ -22,6 +23,7 @@ __all__ = [
     "ClapAdapter",
     "DualEncoderAdapter",
     "FrameMeanPoolingMixin",
+    "InputSpec",
     "ModelAdapter",
     "XCLIPAdapter",
     "get_adapter",

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .inputs import FEATURES, IDS, MASK, InputSpec, check_input
+
 MODALITIES = ("image", "text", "audio", "video")
 
 # Normalisation layers TTA adapts by default (TCR: "the parameters within the normalization layers").
@@ -35,6 +37,13 @@ class ModelAdapter:
         default_lr: per query modality, the AdamW learning rate of the papers.
         multi_vector: modalities whose embedding is a set of vectors scored by a max (BLIP-2 images).
         excluded_norms: per modality, norm layers of the tower that the reference code does not adapt.
+        preprocess_as: modalities whose inputs are prepared by another modality's processor (CLIP over videos: frames
+            are images, so ``{"video": "image"}``); benchmark tasks read it to pick the processor.
+        processors: per modality, what prepares the inputs (named in the input errors).
+        vocab_config: the sub-config whose ``vocab_size`` bounds the text ids (``"text_config"``).
+
+    What each input key must look like is declared by :meth:`input_specs` (from the model's config) and checked by
+    :meth:`check_inputs` before anything runs; adapters override :meth:`input_specs`, never the wrapper.
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -48,6 +57,14 @@ class ModelAdapter:
     default_lr: ClassVar[dict[str, float]] = {"image": 3e-4, "text": 3e-4}
     multi_vector: ClassVar[frozenset[str]] = frozenset()
     excluded_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
+    preprocess_as: ClassVar[dict[str, str]] = {}
+    processors: ClassVar[dict[str, str]] = {
+        "image": "the model's processor (AutoProcessor / AutoImageProcessor)",
+        "text": "the model's tokenizer (AutoProcessor / AutoTokenizer)",
+        "audio": "the model's feature extractor (AutoProcessor / AutoFeatureExtractor)",
+        "video": "the model's processor (AutoProcessor / AutoImageProcessor on the frames)",
+    }
+    vocab_config: ClassVar[str] = "text_config"
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -74,10 +91,76 @@ class ModelAdapter:
             )
         return {k: inputs[k] for k in names if k in inputs and inputs[k] is not None}
 
+    def input_specs(self, modality: str) -> dict[str, InputSpec]:
+        """Per input key of ``modality``, what the tensor must look like (dtype kind, layout, sizes from the config).
+
+        The defaults cover the Hugging Face conventions: images ``(B, C, H, W)`` with ``C`` from
+        ``vision_config.num_channels``, videos ``(B, T, C, H, W)``, text ids ``(B, L)`` within
+        ``<vocab_config>.vocab_size``, masks of the ids' shape. Adapters override this for their own layouts.
+        """
+        self.check_modality(modality)
+        proc = self.processors.get(modality, "the model's processor")
+        config = getattr(self.model, "config", None)
+        if modality in ("image", "video"):
+            vision = getattr(config, "vision_config", None)
+            # BLIP / BLIP-2 vision configs have no num_channels: their patch embedding is Conv2d(3, ...).
+            channels = getattr(vision, "num_channels", 3) if config is not None else None
+            sizes = () if channels is None else ((-3, channels, f"vision_config.num_channels={channels}"),)
+            layout = ("B", "C", "H", "W") if modality == "image" else ("B", "T", "C", "H", "W")
+            specs = {"pixel_values": InputSpec(FEATURES, layout, sizes, processor=proc, description="normalised pixel values")}
+            if modality == "video":
+                specs["frame_mask"] = InputSpec(MASK, ("B", "T"), processor=proc)
+            return specs
+        if modality == "text":
+            text = getattr(config, self.vocab_config, None)
+            vocab = getattr(text, "vocab_size", None)
+            types = getattr(text, "type_vocab_size", None)
+            ids = ("B", "L")
+            return {
+                "input_ids": InputSpec(IDS, ids, vocab_size=vocab, vocab_source=f"{self.vocab_config}.vocab_size={vocab}", processor=proc),
+                "attention_mask": InputSpec(MASK, ids, processor=proc, like="input_ids"),
+                "token_type_ids": InputSpec(
+                    IDS, ids, vocab_size=types, vocab_source=f"{self.vocab_config}.type_vocab_size={types}", processor=proc, like="input_ids"
+                ),
+                "position_ids": InputSpec(IDS, processor=proc),
+            }
+        return {  # audio: layouts differ per model (waveforms, spectrograms): adapters declare them
+            "input_features": InputSpec(FEATURES, processor=proc, description="audio features"),
+            "input_values": InputSpec(FEATURES, processor=proc, description="audio values"),
+            "attention_mask": InputSpec(MASK, processor=proc),
+        }
+
+    def input_dtype(self) -> torch.dtype | None:
+        """The dtype floating-point inputs are cast to: the model's (its first floating-point parameter's)."""
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return None
+
+    def check_inputs(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Selected inputs checked against :meth:`input_specs`: a new dict (the caller's is never modified), with
+        floating-point features cast once to :meth:`input_dtype`. Raises ``TypeError``/``ValueError`` naming the fix."""
+        selected = self.select_inputs(modality, inputs)
+        specs = self.input_specs(modality)
+        dtype = self.input_dtype()
+        for name, spec in specs.items():
+            if spec.required and name not in selected:
+                raise ValueError(f"{modality} inputs need {name!r} for this model ({spec.processor} returns it).")
+        out = {}
+        for name, value in selected.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{modality} input {name!r} must be a torch.Tensor, got {type(value).__name__}.")
+            out[name] = check_input(modality, name, value, specs[name], dtype, selected) if name in specs else value
+        return out
+
     def embed(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """L2-normalised projected embeddings ``(B, D)`` (``(B, Q, D)`` for multi-vector modalities)."""
-        emb = self._embed(modality, self.select_inputs(modality, inputs))
-        return F.normalize(emb.float(), dim=-1)
+        """L2-normalised projected embeddings ``(B, D)`` (``(B, Q, D)`` for multi-vector modalities) of raw inputs
+        (selected and checked here)."""
+        return self.encode(modality, self.check_inputs(modality, inputs))
+
+    def encode(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """:meth:`embed` for inputs already returned by :meth:`check_inputs` (no second selection or check)."""
+        return F.normalize(self._embed(modality, inputs).float(), dim=-1)
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError

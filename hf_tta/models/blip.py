@@ -13,6 +13,7 @@ class BlipAdapter(ModelAdapter):
     towers = {"image": ("vision_model", "vision_proj"), "text": ("text_encoder", "text_proj")}
     # TCR App. B.2: 3e-4 for image queries, 3e-5 for text queries with BLIP.
     default_lr = {"image": 3e-4, "text": 3e-5}
+    processors = {"image": "BlipProcessor / BlipImageProcessor", "text": "BlipProcessor / BertTokenizer"}
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         m = self.model

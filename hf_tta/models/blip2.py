@@ -12,9 +12,12 @@ keep the Q-Former frozen, pass ``exclude_modules=["qformer"]`` in the :class:`~h
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .base import ModelAdapter, register_adapter
+from .inputs import InputSpec
 
 
 @register_adapter
@@ -28,6 +31,19 @@ class Blip2Adapter(ModelAdapter):
     multi_vector = frozenset({"image"})
     # Not given by the papers for BLIP-2; BLIP's rates (TCR App. B.2).
     default_lr = {"image": 3e-4, "text": 3e-5}
+    processors = {"image": "Blip2Processor / BlipImageProcessor", "text": "Blip2Processor (its Q-Former tokenizer)"}
+    vocab_config = "qformer_config"
+
+    def input_specs(self, modality: str) -> dict[str, InputSpec]:
+        specs = super().input_specs(modality)
+        token = self.model.config.image_token_index
+        if modality == "text" and token is not None and specs["input_ids"].vocab_size is not None:
+            # the processor prepends num_query_tokens image tokens (dropped before the Q-Former, as forward() does)
+            vocab = max(specs["input_ids"].vocab_size, token + 1)
+            specs["input_ids"] = dataclasses.replace(
+                specs["input_ids"], vocab_size=vocab, vocab_source=f"qformer_config.vocab_size and image_token_index={token}"
+            )
+        return specs
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         m = self.model

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .base import ModelAdapter, pooled, register_adapter
+from .inputs import FEATURES, MASK, InputSpec
 
 
 @register_adapter
@@ -43,6 +44,24 @@ class ClapAdapter(ModelAdapter):
     # No paper adapts CLAP. Audio queries take the rate of the papers' non-text query towers (3e-4); the RoBERTa
     # text tower takes TCR's rate for BERT-style text towers (BLIP, 3e-5).
     default_lr = {"audio": 3e-4, "text": 3e-5}
+    processors = {"audio": "ClapProcessor / ClapFeatureExtractor", "text": "ClapProcessor / RobertaTokenizer"}
+
+    def input_specs(self, modality: str) -> dict[str, InputSpec]:
+        """Audio: log-mel ``input_features`` ``(B, C, time, mel)``; C = 4 for the fusion checkpoints (the global mel
+        and three local crops, with ``is_longer`` required), else ``audio_config.patch_embed_input_channels``;
+        mel = ``audio_config.num_mel_bins`` (the input BatchNorm's width)."""
+        if modality != "audio":
+            return super().input_specs(modality)
+        audio = self.model.config.audio_config
+        channels = 4 if audio.enable_fusion else audio.patch_embed_input_channels
+        source = "audio_config.enable_fusion=True" if audio.enable_fusion else f"audio_config.patch_embed_input_channels={channels}"
+        proc = self.processors["audio"]
+        sizes = ((1, channels, source), (3, audio.num_mel_bins, f"audio_config.num_mel_bins={audio.num_mel_bins}"))
+        return {
+            "input_features": InputSpec(FEATURES, ("B", "C", "time", "mel"), sizes, processor=proc, description="log-mel features"),
+            "is_longer": InputSpec(MASK, processor=proc, required=audio.enable_fusion),
+            "attention_mask": InputSpec(MASK, processor=proc),
+        }
 
     def norm_layer_names(self, modality: str) -> list[str]:
         """The tower's normalisation layers without its BatchNorms (see the module docstring)."""

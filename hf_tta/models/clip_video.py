@@ -29,6 +29,8 @@ from .clip import CLIPAdapter
 class FrameMeanPoolingMixin:
     """Adds a ``"video"`` modality to an image-text adapter: mean of the normalised per-frame image embeddings."""
 
+    preprocess_as = {"video": "image"}  # frames go through the model's image processor
+
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if modality != "video":
             return super()._embed(modality, inputs)
@@ -56,3 +58,4 @@ class CLIPVideoAdapter(FrameMeanPoolingMixin, CLIPAdapter):
     towers = {"video": CLIPAdapter.towers["image"], "text": CLIPAdapter.towers["text"]}
     # TITAN/TCR use CLIP's image-query rate for video queries.
     default_lr = {"video": 3e-4, "text": 3e-4}
+    processors = {"video": "CLIPImageProcessor (on the frames, reshaped to (B, T, C, H, W))", "text": CLIPAdapter.processors["text"]}

@@ -18,12 +18,14 @@ tower: the default adapted parameters are the normalisation layers under the que
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from .base import EncodeFn, ModelAdapter
+from .inputs import InputSpec
 
 
 class DualEncoderAdapter(ModelAdapter):
@@ -39,6 +41,9 @@ class DualEncoderAdapter(ModelAdapter):
         shared (`list[str]`, *optional*): prefixes of modules used by several towers.
         default_lr (`dict[str, float]`, *optional*): AdamW learning rate per query modality (default 3e-4).
         multi_vector (`list[str]`, *optional*): modalities whose encoder returns ``(B, Q, D)``.
+        input_specs (`dict[str, dict[str, InputSpec]]`, *optional*): per modality, what each input must look like
+            (:class:`~hf_tta.models.inputs.InputSpec`). Without it, only dtypes are checked (floating-point
+            pixel/audio values, integer token ids): a custom model's layouts are its own.
     """
 
     _DEFAULT_INPUTS = {
@@ -57,6 +62,7 @@ class DualEncoderAdapter(ModelAdapter):
         shared: Iterable[str] = (),
         default_lr: Mapping[str, float] | None = None,
         multi_vector: Iterable[str] = (),
+        input_specs: Mapping[str, Mapping[str, InputSpec]] | None = None,
     ):
         super().__init__(model)
         if len(encoders) < 2:
@@ -74,6 +80,13 @@ class DualEncoderAdapter(ModelAdapter):
         self.shared = tuple(shared)
         self.default_lr = {m: 3e-4 for m in self.modalities} | dict(default_lr or {})
         self.multi_vector = frozenset(multi_vector)
+        self._specs = {m: dict(s) for m, s in (input_specs or {}).items()}
+
+    def input_specs(self, modality: str) -> dict[str, InputSpec]:
+        if modality in self._specs:
+            return self._specs[modality]
+        # the defaults' dtype kinds only: no config tells a custom model's layouts or vocabulary
+        return {k: dataclasses.replace(s, layout=None, sizes=(), like=None) for k, s in super().input_specs(modality).items()}
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.encoders[modality](self.model, inputs)

@@ -13,6 +13,7 @@ class SiglipAdapter(ModelAdapter):
     towers = {"image": ("vision_model",), "text": ("text_model",)}
     # Not in the papers; CLIP-family contrastive models use TCR's CLIP rates.
     default_lr = {"image": 3e-4, "text": 3e-4}
+    processors = {"image": "SiglipProcessor / SiglipImageProcessor", "text": "SiglipProcessor / AutoTokenizer"}
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if modality == "image":

@@ -21,9 +21,12 @@ scores.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .base import ModelAdapter, pooled, register_adapter
+from .inputs import InputSpec
 
 
 @register_adapter
@@ -34,15 +37,17 @@ class XCLIPAdapter(ModelAdapter):
     towers = {"video": ("vision_model", "visual_projection", "mit"), "text": ("text_model", "text_projection")}
     # CLIP-family contrastive model: TCR's CLIP rates.
     default_lr = {"video": 3e-4, "text": 3e-4}
+    processors = {"video": "XCLIPProcessor / VideoMAEImageProcessor", "text": "XCLIPProcessor / CLIPTokenizer"}
+
+    def input_specs(self, modality: str) -> dict[str, InputSpec]:
+        specs = super().input_specs(modality)
+        if modality == "video":  # X-CLIP's temporal modules are built for exactly num_frames frames
+            frames = self.model.config.vision_config.num_frames
+            spec = specs["pixel_values"]
+            specs["pixel_values"] = dataclasses.replace(spec, sizes=((1, frames, f"vision_config.num_frames={frames}"),) + spec.sizes)
+        return specs
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if modality == "video":
-            pixel_values = inputs["pixel_values"]
-            num_frames = self.model.config.vision_config.num_frames
-            if pixel_values.dim() != 5 or pixel_values.shape[1] != num_frames:
-                raise ValueError(
-                    f"X-CLIP videos must be pixel_values of shape (B, {num_frames}, C, H, W) "
-                    f"(vision_config.num_frames={num_frames}); got {tuple(pixel_values.shape)}."
-                )
+        if modality == "video":  # shape checked by input_specs: (B, num_frames, C, H, W)
             return pooled(self.model.get_video_features(**inputs))
         return pooled(self.model.get_text_features(**inputs))

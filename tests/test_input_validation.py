@@ -1,0 +1,226 @@
+"""Inputs checked at the boundary, per modality (issue 12, item 1): each refused case names the fix, and a refused
+call leaves the adapted parameters, the optimiser state, the objective state, the counters and the RNG bit-identical
+(and the caller's dict untouched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_av_models import clap_audio_batch, tiny_clap, tiny_clip, tiny_xclip, video_batch
+from tiny_models import TINY_MODELS, batch, make_model, text_batch
+from torch import nn
+
+from hf_tta import DualEncoderAdapter, TTAConfig, TTAWrapper
+from hf_tta.models.inputs import FEATURES, InputSpec
+
+IMAGE_PROCESSOR = {
+    "clip": "CLIPProcessor / CLIPImageProcessor",
+    "siglip": "SiglipProcessor / SiglipImageProcessor",
+    "blip": "BlipProcessor / BlipImageProcessor",
+    "blip2": "Blip2Processor / BlipImageProcessor",
+    "vtde": "VisionTextDualEncoderProcessor / AutoImageProcessor",
+}
+TEXT_VOCAB = {"clip": 99, "siglip": 99, "blip": 99, "blip2": 99, "vtde": 99}
+
+
+def _image_cases(processor):
+    px = batch("image", 3, seed=5)["pixel_values"]
+    return {
+        "uint8 pixels": ({"pixel_values": (px.clamp(-1, 1) * 127 + 128).to(torch.uint8)}, TypeError, processor),
+        "int64 pixels": ({"pixel_values": px.long()}, TypeError, "not raw integer/bool"),
+        "bool pixels": ({"pixel_values": px > 0}, TypeError, processor),
+        "3-D pixels": ({"pixel_values": px[0]}, ValueError, r"shape \(B, C, H, W\).*unsqueeze\(0\)"),
+        "5-D pixels": ({"pixel_values": px[None]}, ValueError, r"\(B, C, H, W\), 4 dimensions"),
+        "1 channel": ({"pixel_values": px[:, :1]}, ValueError, r"size 1 on axis -3 \(C\).*expects 3 \(vision_config.num_channels=3\)"),
+        "4 channels": ({"pixel_values": torch.cat([px, px[:, :1]], 1)}, ValueError, "expects 3"),
+    }
+
+
+def _text_cases(vocab, processor="Tokenizer"):
+    t = text_batch(3, seed=5)
+    ids, mask = t["input_ids"], t["attention_mask"]
+    return {
+        "float ids": ({"input_ids": ids.float(), "attention_mask": mask}, TypeError, "token ids must be integers"),
+        "bool ids": ({"input_ids": ids > 50, "attention_mask": mask}, TypeError, "token ids must be integers"),
+        "ids >= vocab": ({"input_ids": ids + vocab, "attention_mask": mask}, ValueError, f"vocabulary has {vocab} tokens"),
+        "negative ids": ({"input_ids": ids - 200, "attention_mask": mask}, ValueError, r"ids in \[-"),
+        "1-D ids": ({"input_ids": ids[0]}, ValueError, r"shape \(B, L\).*unsqueeze"),
+        "mask shape": ({"input_ids": ids, "attention_mask": mask[:, :-1]}, ValueError, "the shape of 'input_ids'"),
+    }
+
+
+CASES = []  # (model key, query modality, case name, inputs, error, message pattern)
+for name in sorted(TINY_MODELS):
+    CASES += [(name, "image", c, *v) for c, v in _image_cases(IMAGE_PROCESSOR[name]).items()]
+    CASES += [(name, "text", c, *v) for c, v in _text_cases(TEXT_VOCAB[name]).items()]
+
+_px = clap_audio_batch(3, seed=5)["input_features"]
+CASES += [
+    ("clap", "audio", "int features", {"input_features": _px.long()}, TypeError, "ClapProcessor / ClapFeatureExtractor"),
+    ("clap", "audio", "3-D features", {"input_features": _px[:, 0]}, ValueError, r"\(B, C, time, mel\)"),
+    ("clap", "audio", "2 channels", {"input_features": _px.repeat(1, 2, 1, 1)}, ValueError, "patch_embed_input_channels=1"),
+    ("clap", "audio", "wrong mel bins", {"input_features": _px[..., :8]}, ValueError, "num_mel_bins=16"),
+]
+CASES += [("clap", "text", c, *v) for c, v in _text_cases(99).items() if c in ("float ids", "ids >= vocab")]
+_vid = video_batch(2, seed=5)["pixel_values"]
+CASES += [
+    ("xclip", "video", "uint8 video", {"pixel_values": _vid.to(torch.uint8)}, TypeError, "XCLIPProcessor / VideoMAEImageProcessor"),
+    ("xclip", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
+    ("xclip", "video", "3 frames", {"pixel_values": _vid[:, :3]}, ValueError, "vision_config.num_frames=4"),
+    ("xclip", "video", "1 channel", {"pixel_values": _vid[:, :, :1]}, ValueError, "vision_config.num_channels=3"),
+    ("clip_video", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
+    ("clip_video", "video", "int video", {"pixel_values": _vid.long()}, TypeError, "CLIPImageProcessor"),
+    ("clip_video", "video", "frame_mask rank", {"pixel_values": _vid, "frame_mask": torch.ones(2)}, ValueError, r"\(B, T\)"),
+]
+
+GOOD = {
+    "image": lambda: batch("image", 4, seed=2),
+    "text": lambda: text_batch(4, seed=2),
+    "audio": lambda: clap_audio_batch(4, seed=2),
+    "video": lambda: video_batch(4, seed=2),
+}
+GALLERY = {"image": "text", "text": "image", "audio": "text", "video": "text"}
+
+
+def _model(key):
+    if key == "clap":
+        return tiny_clap()
+    if key == "xclip":
+        return tiny_xclip()
+    if key == "clip_video":
+        return tiny_clip()
+    return make_model(key)
+
+
+def _gallery_inputs(modality):
+    return {"image": batch("image", 6, seed=1), "text": text_batch(6, seed=1), "audio": clap_audio_batch(6, seed=1)}[modality]
+
+
+_WRAPPERS: dict = {}
+
+
+def _wrapper(key, query):
+    """One adapted wrapper per (model, query modality), with non-trivial optimiser and objective state."""
+    if (key, query) not in _WRAPPERS:
+        tta = TTAWrapper(_model(key), TTAConfig(objective="tcr", query_modality=query, steps=1))
+        g = tta.encode_gallery(_gallery_inputs(tta.gallery_modality))
+        out = tta.adapt_step(GOOD[query](), g)
+        assert out.num_updates == 1 and tta.optimizer.state and tta.state
+        _WRAPPERS[key, query] = (tta, g)
+    return _WRAPPERS[key, query]
+
+
+def _snapshot(tta):
+    opt = {id_: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for id_, st in tta.optimizer.state_dict()["state"].items()}
+    return (
+        {n: p.detach().clone() for n, p in tta.params.items()},
+        opt,
+        {k: v.clone() for k, v in tta.state.items()},
+        tta.batch_index,
+        tta.generator.get_state().clone(),
+    )
+
+
+def _assert_bit_identical(before, after):
+    params_b, opt_b, state_b, index_b, rng_b = before
+    params_a, opt_a, state_a, index_a, rng_a = after
+    assert params_a.keys() == params_b.keys() and all(torch.equal(params_a[n], params_b[n]) for n in params_b)
+    assert opt_a.keys() == opt_b.keys()
+    for pid in opt_b:
+        for k, v in opt_b[pid].items():
+            assert torch.equal(opt_a[pid][k], v) if torch.is_tensor(v) else opt_a[pid][k] == v
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_b)
+    assert index_a == index_b and torch.equal(rng_a, rng_b)
+
+
+@pytest.mark.parametrize(
+    "key,query,case,inputs,error,message", CASES, ids=[f"{c[0]}-{c[1]}-{c[2].replace(' ', '_')}" for c in CASES]
+)
+def test_refused_input_names_the_fix_and_changes_nothing(key, query, case, inputs, error, message):
+    tta, g = _wrapper(key, query)
+    before = _snapshot(tta)
+    originals = {k: v.clone() for k, v in inputs.items()}
+    with pytest.raises(error, match=message):
+        tta.adapt_step(inputs, g)
+    _assert_bit_identical(before, _snapshot(tta))
+    assert all(torch.equal(inputs[k], originals[k]) and inputs[k].dtype == originals[k].dtype for k in originals)
+
+
+@pytest.mark.parametrize("key,query,case,inputs,error,message", [c for c in CASES if c[0] == "clip"][:: 3])
+def test_gallery_inputs_are_checked_the_same_way(key, query, case, inputs, error, message):
+    """encode_gallery applies the gallery modality's specs (here: CLIP with the refused case as the gallery)."""
+    tta = TTAWrapper(make_model("clip"), TTAConfig(query_modality=GALLERY[query]))
+    with pytest.raises(error, match=message):
+        tta.encode_gallery(inputs)
+
+
+def test_the_adapter_embed_checks_too():
+    adapter = _wrapper("clip", "image")[0].adapter
+    with pytest.raises(TypeError, match="CLIPProcessor / CLIPImageProcessor"):
+        adapter.embed("image", {"pixel_values": torch.zeros(2, 3, 32, 32, dtype=torch.uint8)})
+
+
+def test_other_float_dtype_is_cast_once_to_the_models():
+    """float64 pixels give exactly the float32 result (cast at the boundary); the caller's tensor keeps its dtype."""
+    q = batch("image", 4, seed=2)
+    q64 = {"pixel_values": q["pixel_values"].double()}
+    runs = []
+    for inputs in (q, q64):
+        tta = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image"))
+        g = tta.encode_gallery(text_batch(6, seed=1))
+        runs.append((tta.adapt_step(inputs, g).scores, {n: p.detach().clone() for n, p in tta.params.items()}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    assert q64["pixel_values"].dtype == torch.float64
+    tta = TTAWrapper(make_model("clip").to(torch.bfloat16), TTAConfig(objective="dn", query_modality="image"))
+    checked = tta._check_inputs(q, "image")
+    assert checked["pixel_values"].dtype == torch.bfloat16 and q["pixel_values"].dtype == torch.float32
+
+
+def test_blip2_accepts_the_processors_image_tokens():
+    """Blip2Processor prepends num_query_tokens image tokens whose id may lie past the Q-Former vocabulary."""
+    model = make_model("blip2")
+    model.config.image_token_index = 99
+    tta = TTAWrapper(model, TTAConfig(objective="dn", query_modality="text"))
+    t = text_batch(2, seed=3)
+    prefix = torch.full((2, model.config.num_query_tokens), 99)
+    ids = torch.cat([prefix, t["input_ids"]], 1)
+    checked = tta._check_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "text")
+    assert torch.equal(checked["input_ids"], ids)
+    with pytest.raises(ValueError, match="image_token_index=99"):
+        tta._check_inputs({"input_ids": ids + 1}, "text")
+
+
+class _TwoTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.img = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8))
+        self.txt = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8))
+
+
+def _two_tower(**kwargs):
+    torch.manual_seed(0)
+    return DualEncoderAdapter(
+        _TwoTower(),
+        encoders={"image": lambda m, x: m.img(x["pixel_values"]), "text": lambda m, x: m.txt(x["input_ids"]).mean(1)},
+        towers={"image": ["img"], "text": ["txt"]},
+        **kwargs,
+    )
+
+
+def test_custom_dual_encoder_checks_dtypes_and_declared_specs():
+    adapter = _two_tower()
+    with pytest.raises(TypeError, match="not raw integer/bool"):
+        adapter.check_inputs("image", {"pixel_values": torch.zeros(2, 6, dtype=torch.long)})
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        adapter.check_inputs("text", {"input_ids": torch.zeros(2, 5)})
+    assert adapter.check_inputs("image", {"pixel_values": torch.zeros(2, 6)})["pixel_values"].shape == (2, 6)  # any layout
+    spec = InputSpec(FEATURES, layout=("B", "F"), sizes=((1, 6, "img.0.in_features=6"),), processor="my_featurizer")
+    declared = _two_tower(input_specs={"image": {"pixel_values": spec}})
+    with pytest.raises(ValueError, match=r"expects 6 \(img.0.in_features=6\).*my_featurizer"):
+        declared.check_inputs("image", {"pixel_values": torch.zeros(2, 5)})
+
+
+def test_input_spec_kind_is_validated():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        InputSpec("pixels")
