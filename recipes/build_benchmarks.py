@@ -33,7 +33,7 @@ import logging
 import sys
 from typing import Callable
 
-from hf_tta.data.builders import BENCHMARKS, BenchmarkBuilder, default_configs, push_benchmark
+from hf_tta.data.builders import IMAGE_TEXT_BENCHMARKS, BenchmarkBuilder, default_configs, push_benchmark
 from hf_tta.data.corruptions import (
     IMAGE_CORRUPTIONS,
     IMAGE_SEVERITIES,
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("Examples::", 1)[1] if "Examples::" in __doc__ else None,
     )
     src = p.add_argument_group("sources and output")
-    src.add_argument("--benchmark", choices=sorted(BENCHMARKS), required=True, help="which benchmark to build")
+    src.add_argument("--benchmark", choices=sorted(IMAGE_TEXT_BENCHMARKS), required=True, help="which benchmark to build")
     src.add_argument("--karpathy-json", required=True, help="dataset_coco.json / dataset_flickr30k.json (Karpathy split)")
     src.add_argument("--images-root", required=True, help="folder with the images (COCO: the one holding val2014/)")
     src.add_argument("--output-dir", required=True, help="one sub-folder per config; re-running resumes")

@@ -14,7 +14,7 @@ from fake_hub import fake_hub  # noqa: F401  (fixture)
 from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.data.builders.audioset import (
     AUDIOSET_O_CONFIGS,
-    DIRECTIONS,
+    AV_MODALITY_PAIRS,
     AVCorruptionSettings,
     MissingRecordingsError,
     build_av_benchmark,
@@ -29,8 +29,9 @@ from hf_tta.data.builders.audioset import (
     select_pairs,
     to_model_inputs,
 )
-from hf_tta.data.corruptions._utils import derive_seed
-from hf_tta.data.corruptions.audio import NoiseBank, decode_wav, encode_wav
+from hf_tta.data.corruptions.audio import NoiseBank
+from hf_tta.data.corruptions.audio_io import decode_wav, encode_wav
+from hf_tta.data.corruptions.base import derive_seed
 from tiny_av_models import cav_mae_adapter, frame_stacks, tiny_cav_mae, waveforms
 
 pytest.importorskip("imagecorruptions", reason="the video corruptions need the `data` extra")
@@ -145,7 +146,7 @@ def test_missing_recordings_are_named(fixture):
     assert set(built["video_diverse"][0]["corruptions"]) <= {"contrast", "pixelate"}
 
 
-@pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: f"{d[0]}->{d[1]}")
+@pytest.mark.parametrize("direction", AV_MODALITY_PAIRS, ids=lambda d: f"{d[0]}->{d[1]}")
 def test_loading_every_direction(fixture, direction):
     query, gallery = direction
     config = {"video": "video_noise_blur_digital", "audio": "audio_noise_weather"}.get(query, "clean")

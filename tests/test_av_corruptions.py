@@ -7,18 +7,11 @@ import wave
 import numpy as np
 import pytest
 
-from hf_tta.data.corruptions._utils import derive_seed
-from hf_tta.data.corruptions.audio import (
-    AUDIO_SEVERITY_SNR_DB,
-    NoiseBank,
-    corrupt_audio,
-    decode_wav,
-    encode_wav,
-    read_audio,
-    signal_power,
-)
-from hf_tta.data.corruptions.segments import diverse_shift_plan, multi_shift_plan, segment_bounds
 from hf_tta.data.builders.audioset import corrupt_audio_query, corrupt_video_query
+from hf_tta.data.corruptions.audio import AUDIO_SEVERITY_SNR_DB, NoiseBank, corrupt_audio, signal_power
+from hf_tta.data.corruptions.audio_io import decode_wav, encode_wav, read_audio
+from hf_tta.data.corruptions.base import derive_seed
+from hf_tta.data.corruptions.segments import diverse_shift_plan, multi_shift_plan, segment_bounds
 from tiny_av_models import frame_stacks, waveforms
 
 SR = 8000

@@ -22,7 +22,7 @@ from hf_tta.data.builders import (
     push_benchmark,
     text_features,
 )
-from hf_tta.data.builders.benchmark import COCO_C
+from hf_tta.data.builders.specs import COCO_C
 from hf_tta.data.corruptions import IMAGE_CORRUPTIONS as IMAGE_NAMES
 from hf_tta.metrics import retrieval_metrics
 

@@ -27,7 +27,8 @@ from hf_tta.data.corruptions import (
     draw_corruption,
     make_pool,
 )
-from hf_tta.data.corruptions import text as text_mod
+from hf_tta.data.corruptions import seq2seq as text_mod
+from hf_tta.data.corruptions import wordnet as wordnet_mod
 
 CAPTION = "A train traveling down tracks next to a brick building."
 H, W = 40, 56  # small and not square
@@ -207,8 +208,8 @@ def test_wordnet_synonym_corruptions(name):
 def test_missing_wordnet_names_what_to_install(monkeypatch, tmp_path):
     import nltk.data
 
-    monkeypatch.setattr(text_mod, "_WORDNET", None)
-    monkeypatch.setattr(text_mod, "WORDNET_SYSTEM_DIRS", (str(tmp_path / "nowhere"),))
+    monkeypatch.setattr(wordnet_mod, "_WORDNET", None)
+    monkeypatch.setattr(wordnet_mod, "WORDNET_SYSTEM_DIRS", (str(tmp_path / "nowhere"),))
     monkeypatch.delenv("HF_TTA_WORDNET", raising=False)
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
     monkeypatch.setattr(nltk.data, "find", lambda *a, **k: (_ for _ in ()).throw(LookupError("no")))

@@ -1,55 +1,115 @@
-"""COCO-C / Flickr-C builders (from the user's local images + the Karpathy split JSON), Hub publishing and the
-loading helpers that turn a config into queries, gallery and relevance for ``TTAWrapper``."""
+"""Benchmark builders and loaders: COCO-C / Flickr-C (from the user's local images + the Karpathy split JSON) and
+AudioSet-O / AudioSet-D / VGGSound (from local clips; also under :mod:`hf_tta.data.builders.audioset`), Hub
+publishing with dataset cards, and the loading helpers that turn a config into queries, gallery and relevance for
+``TTAWrapper``.
 
-from .benchmark import (
-    BENCHMARKS,
-    CLEAN,
+Layout, dependencies one way (a module imports only from the lines above it):
+
+- :mod:`.base`: shared names and helpers (split, clean config, complete-config check, package versions);
+- :mod:`.specs`: what each benchmark is (sources, licences, config names, features, modality pairs);
+- :mod:`.karpathy` (COCO / Flickr30K sources) and :mod:`.clips` (local audio-video clips);
+- :mod:`.benchmark` (the COCO-C / Flickr-C builder), :mod:`.av_plans` (how audio-video queries are corrupted) and
+  :mod:`.av_builder` (the audio-video builder);
+- :mod:`.loading`: the one loading module (lazy columns, config loading, processor calls, retrieval splits);
+- :mod:`.card` (dataset cards), then :mod:`.hub` (publishing).
+"""
+
+import warnings
+
+from . import audioset  # noqa: F401  (the audio-video names under hf_tta.data.builders.audioset)
+from .av_builder import build_av_benchmark, save_av_benchmark
+from .av_plans import AVCorruptionSettings, MissingRecordingsError
+from .base import BUILD_INFO, CLEAN, SPLIT
+from .benchmark import BenchmarkBuilder, build_benchmark
+from .card import card_metadata, card_text, dataset_card
+from .clips import AVClip, ClipReport, read_clip_list, select_pairs
+from .hub import push_av_benchmark, push_benchmark, push_card, remote_configs
+from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
+from .loading import (
+    AVRetrievalSplit,
+    LazyImages,
+    LazyItems,
+    RetrievalSplit,
+    load_av_retrieval,
+    load_config,
+    load_retrieval_split,
+    to_model_inputs,
+)
+from .specs import (
+    AUDIOSET_D_CONFIGS,
+    AUDIOSET_O_CONFIGS,
+    AV_BENCHMARKS,
+    AV_MODALITY_PAIRS,
     COCO_C,
     FLICKR_C,
-    BenchmarkBuilder,
+    IMAGE_TEXT_BENCHMARKS,
     BenchmarkSpec,
     ConfigSpec,
-    build_benchmark,
     config_name,
     default_configs,
     image_features,
     parse_config_name,
+    parse_direction,
     text_features,
     text_severities,
 )
-from . import audioset  # AudioSet-O / AudioSet-D / VGGSound (audio-video): hf_tta.data.builders.audioset
-from .card import card_metadata, card_text
-from .hub import push_benchmark, push_card, remote_configs
-from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
-from .loading import LazyImages, RetrievalSplit, load_config, load_retrieval_split
+
+
+def __getattr__(name: str):
+    if name == "BENCHMARKS":  # renamed: the audio-video builders have their own benchmark table
+        warnings.warn("hf_tta.data.builders.BENCHMARKS is now IMAGE_TEXT_BENCHMARKS.", DeprecationWarning, stacklevel=2)
+        return IMAGE_TEXT_BENCHMARKS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "BENCHMARKS",
+    "AUDIOSET_D_CONFIGS",
+    "AUDIOSET_O_CONFIGS",
+    "AVClip",
+    "AVCorruptionSettings",
+    "AVRetrievalSplit",
+    "AV_BENCHMARKS",
+    "AV_MODALITY_PAIRS",
+    "BUILD_INFO",
     "BenchmarkBuilder",
     "BenchmarkSpec",
     "CLEAN",
     "COCO_C",
+    "ClipReport",
     "ConfigSpec",
     "FLICKR_C",
+    "IMAGE_TEXT_BENCHMARKS",
     "KarpathyImage",
     "LazyImages",
+    "LazyItems",
+    "MissingRecordingsError",
     "RetrievalSplit",
+    "SPLIT",
     "SourceReport",
+    "build_av_benchmark",
     "build_benchmark",
     "card_metadata",
     "card_text",
     "config_name",
+    "dataset_card",
     "default_configs",
     "image_features",
     "karpathy_images",
+    "load_av_retrieval",
     "load_config",
     "load_retrieval_split",
     "parse_config_name",
+    "parse_direction",
+    "push_av_benchmark",
     "push_benchmark",
     "push_card",
+    "read_clip_list",
     "read_karpathy_json",
     "remote_configs",
+    "save_av_benchmark",
     "scan_sources",
+    "select_pairs",
     "text_features",
     "text_severities",
+    "to_model_inputs",
 ]

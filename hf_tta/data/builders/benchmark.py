@@ -26,225 +26,28 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from ..corruptions._utils import derive_seed
-from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL
-from ..corruptions.image import IMAGE_CORRUPTIONS, IMAGE_SEVERITIES
-from ..corruptions.text import (
-    MAX_TEXT_SEVERITY,
-    PAPER_TEXT_SEVERITIES,
-    SENTENCE_CORRUPTIONS,
-    TEXT_CORRUPTION_LEVELS,
-    TEXT_CORRUPTIONS,
-    TEXT_SEVERITIES,
-)
+from ..corruptions.base import derive_seed
+from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
+from ..corruptions.image import corrupt_image
+from ..corruptions.text import TEXT_CORRUPTION_LEVELS, check_text_resources, corrupt_text, corrupt_texts
+from .base import BUILD_INFO, SPLIT, built_configs, is_built, package_versions
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
+from .specs import (
+    IMAGE_TEXT_BENCHMARKS,
+    BenchmarkSpec,
+    ConfigSpec,
+    default_configs,
+    image_features,
+    parse_config_name,
+    text_features,
+)
 
 logger = logging.getLogger(__name__)
-
-SPLIT = "test"
-CLEAN = "clean"
-BUILD_INFO = "build_info.json"
-
-
-# ------------------------------------------------------------------------------------------------ benchmarks
-@dataclass(frozen=True)
-class BenchmarkSpec:
-    """What a benchmark is built from, for the builder and the dataset card."""
-
-    name: str
-    pretty_name: str
-    source_name: str
-    split_file: str
-    expected_images: int
-    expected_captions: int
-    image_license: str
-    annotation_license: str
-    license_id: str
-    source_url: str
-    citations: tuple[str, ...] = field(default_factory=tuple)
-
-
-_KARPATHY = """@inproceedings{karpathy2015deep,
-  title={Deep Visual-Semantic Alignments for Generating Image Descriptions},
-  author={Karpathy, Andrej and Fei-Fei, Li},
-  booktitle={CVPR}, year={2015}
-}"""
-
-COCO_C = BenchmarkSpec(
-    name="coco-c",
-    pretty_name="COCO-C (query-shift image-text retrieval)",
-    source_name="MS-COCO 2014, Karpathy 5k test split",
-    split_file="dataset_coco.json",
-    expected_images=5000,
-    expected_captions=25000,
-    image_license=(
-        "The COCO images come from Flickr under the Flickr Terms of Use; the COCO Consortium does not own their "
-        "copyright. Use them under those terms (see https://cocodataset.org/#termsofuse)."
-    ),
-    annotation_license="COCO annotations (captions): Creative Commons Attribution 4.0 (CC BY 4.0).",
-    license_id="cc-by-4.0",
-    source_url="https://cocodataset.org",
-    citations=(
-        """@inproceedings{lin2014microsoft,
-  title={Microsoft {COCO}: Common Objects in Context},
-  author={Lin, Tsung-Yi and Maire, Michael and Belongie, Serge and Hays, James and Perona, Pietro and Ramanan, Deva and Doll{\\'a}r, Piotr and Zitnick, C. Lawrence},
-  booktitle={ECCV}, year={2014}
-}""",
-        _KARPATHY,
-    ),
-)
-
-FLICKR_C = BenchmarkSpec(
-    name="flickr-c",
-    pretty_name="Flickr-C (query-shift image-text retrieval)",
-    source_name="Flickr30K, Karpathy 1k test split",
-    split_file="dataset_flickr30k.json",
-    expected_images=1000,
-    expected_captions=5000,
-    image_license=(
-        "The Flickr30K images are Flickr photos distributed for non-commercial research and educational use only, "
-        "under the Flickr Terms of Use (see the Flickr30K terms at https://shannon.cs.illinois.edu/DenotationGraph/)."
-    ),
-    annotation_license="Flickr30K captions: distributed by their authors for non-commercial research use.",
-    license_id="other",
-    source_url="https://shannon.cs.illinois.edu/DenotationGraph/",
-    citations=(
-        """@article{young2014image,
-  title={From image descriptions to visual denotations: New similarity metrics for semantic inference over event descriptions},
-  author={Young, Peter and Lai, Alice and Hodosh, Micah and Hockenmaier, Julia},
-  journal={TACL}, volume={2}, pages={67--78}, year={2014}
-}""",
-        _KARPATHY,
-    ),
-)
-
-BENCHMARKS: dict[str, BenchmarkSpec] = {COCO_C.name: COCO_C, FLICKR_C.name: FLICKR_C}
-
-
-# ------------------------------------------------------------------------------------------------ config names
-@dataclass(frozen=True)
-class ConfigSpec:
-    modality: str | None  # "image", "text" or None for clean
-    corruption: str | None  # a corruption name, "diverse", or None for clean
-    severity: int | None
-
-    @property
-    def name(self) -> str:
-        if self.modality is None:
-            return CLEAN
-        if self.corruption == "diverse":
-            return f"{self.modality}-diverse"
-        return f"{self.modality}-{self.corruption}-{self.severity}"
-
-    @property
-    def has_images(self) -> bool:
-        return self.modality != "text"
-
-
-def config_name(modality: str | None, corruption: str | None = None, severity: int | None = None) -> str:
-    """``clean``, ``image-<name>-<severity>``, ``text-<name>-<severity>``, ``image-diverse``, ``text-diverse``."""
-    return parse_config_name(ConfigSpec(modality, corruption, severity).name).name
-
-
-def parse_config_name(name: str) -> ConfigSpec:
-    """Check a config name and split it into modality, corruption and severity."""
-    if name == CLEAN:
-        return ConfigSpec(None, None, None)
-    parts = name.split("-")
-    if len(parts) == 2 and parts[1] == "diverse" and parts[0] in ("image", "text"):
-        return ConfigSpec(parts[0], "diverse", None)
-    if len(parts) == 3 and parts[0] in ("image", "text"):
-        modality, corruption, sev = parts
-        known = IMAGE_CORRUPTIONS if modality == "image" else TEXT_CORRUPTIONS
-        allowed = IMAGE_SEVERITIES if modality == "image" else TEXT_SEVERITIES.get(corruption, ())
-        if corruption in known and sev.isdigit() and int(sev) in allowed:
-            return ConfigSpec(modality, corruption, int(sev))
-        if corruption in known:
-            raise ValueError(f"Config {name!r}: {corruption!r} has severities {list(allowed)}.")
-    raise ValueError(
-        f"Unknown config {name!r}: use 'clean', 'image-<corruption>-<1..5>', 'text-<corruption>-<severity>', "
-        f"'image-diverse' or 'text-diverse' (image corruptions: {list(IMAGE_CORRUPTIONS)}; text corruptions: "
-        f"{list(TEXT_CORRUPTIONS)})."
-    )
-
-
-def text_severities(mode: str | Sequence[int] = "max") -> dict[str, tuple[int, ...]]:
-    """Severities per text corruption: ``"max"`` (char/word 7, sentence 1: the benchmark tables), ``"paper"`` (the
-    released TCR data: char 1..7, word 6..7, sentence 1), ``"all"`` (char/word 1..7), or a list (clipped to each
-    corruption's range)."""
-    if mode == "max":
-        return {n: (MAX_TEXT_SEVERITY[n],) for n in TEXT_CORRUPTIONS}
-    if mode == "paper":
-        return dict(PAPER_TEXT_SEVERITIES)
-    if mode == "all":
-        return dict(TEXT_SEVERITIES)
-    if isinstance(mode, str):
-        raise ValueError(f"text severities must be 'max', 'paper', 'all' or a list; got {mode!r}.")
-    return {n: tuple(s for s in mode if s in TEXT_SEVERITIES[n]) or (MAX_TEXT_SEVERITY[n],) for n in TEXT_CORRUPTIONS}
-
-
-def default_configs(
-    image_corruptions: Iterable[str] | None = None,
-    image_severities: Iterable[int] = IMAGE_SEVERITIES,
-    text_corruptions: Iterable[str] | None = None,
-    text_severity_mode: str | Sequence[int] = "max",
-    diverse: bool = True,
-    clean: bool = True,
-) -> list[str]:
-    """The config names of a full build: clean, 16x5 image configs, 15 text configs (at maximum severity by
-    default) and the two diverse configs."""
-    names = [CLEAN] if clean else []
-    image_corruptions = list(IMAGE_CORRUPTIONS if image_corruptions is None else image_corruptions)
-    names += [f"image-{n}-{s}" for n in image_corruptions for s in image_severities]
-    sev = text_severities(text_severity_mode)
-    text_corruptions = list(TEXT_CORRUPTIONS if text_corruptions is None else text_corruptions)
-    names += [f"text-{n}-{s}" for n in text_corruptions for s in sev[n]]
-    if diverse:
-        names += ["image-diverse", "text-diverse"]
-    for n in names:
-        parse_config_name(n)
-    return names
-
-
-# ------------------------------------------------------------------------------------------------ features
-def image_features():
-    from datasets import Features, Image, List, Value
-
-    return Features(
-        {
-            "image_id": Value("int64"),
-            "source_id": Value("string"),
-            "filename": Value("string"),
-            "image": Image(),
-            "captions": List(Value("string")),
-            "caption_ids": List(Value("int64")),
-            "corruption": Value("string"),
-            "severity": Value("int8"),
-        }
-    )
-
-
-def text_features():
-    from datasets import Features, List, Value
-
-    return Features(
-        {
-            "image_id": Value("int64"),
-            "source_id": Value("string"),
-            "filename": Value("string"),
-            "captions": List(Value("string")),
-            "clean_captions": List(Value("string")),
-            "caption_ids": List(Value("int64")),
-            "corruption": List(Value("string")),
-            "severity": List(Value("int8")),
-        }
-    )
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -259,9 +62,6 @@ def _encode_image(img, fmt: str, quality: int) -> bytes:
 
 def _image_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
     from PIL import Image
-
-    from ..corruptions.diverse import corrupt_image_diverse
-    from ..corruptions.image import corrupt_image
 
     ext = ".jpg" if opts["image_format"] == "JPEG" else ".png"
     for rec in records:
@@ -294,9 +94,6 @@ def _image_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
 
 
 def _text_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
-    from ..corruptions.diverse import corrupt_text_diverse
-    from ..corruptions.text import corrupt_text, corrupt_texts
-
     kw = dict(opts["text_kwargs"])
     for rec in records:
         caps, ids = rec["captions"], rec["caption_ids"]
@@ -388,7 +185,7 @@ class BenchmarkBuilder:
         check_decode: bool = True,
         show_progress: bool = True,
     ):
-        self.spec = BENCHMARKS[benchmark] if isinstance(benchmark, str) else benchmark
+        self.spec = IMAGE_TEXT_BENCHMARKS[benchmark] if isinstance(benchmark, str) else benchmark
         self.karpathy_json = Path(karpathy_json)
         self.images_root = Path(images_root)
         self.output_dir = Path(output_dir)
@@ -469,12 +266,10 @@ class BenchmarkBuilder:
         return self.output_dir / config
 
     def is_complete(self, config: str) -> bool:
-        return (self.config_dir(config) / "dataset_info.json").is_file()
+        return is_built(self.config_dir(config))
 
     def built_configs(self) -> list[str]:
-        if not self.output_dir.is_dir():
-            return []
-        return sorted(p.name for p in self.output_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and self.is_complete(p.name))
+        return built_configs(self.output_dir)
 
     def _read_info(self) -> dict | None:
         path = self.output_dir / BUILD_INFO
@@ -485,7 +280,7 @@ class BenchmarkBuilder:
             "params": self._params(),
             "source_report": self.report.to_dict() if self.report else None,
             "configs": {c: self._config_meta(c) for c in self.built_configs()},
-            "versions": _versions(),
+            "versions": package_versions(),
         }
         tmp = self.output_dir / (BUILD_INFO + ".tmp")
         tmp.write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
@@ -510,8 +305,6 @@ class BenchmarkBuilder:
     # ---------------------------------------------------------------------------------------- preflight
     def check_resources(self, configs: Iterable[str]) -> None:
         """Fail fast, before hours of work, when a text corruption lacks WordNet, nlpaug or a seq2seq model."""
-        from ..corruptions.text import _char_augmenter, load_wordnet, sentence_generators
-
         needed: set[str] = set()
         for c in configs:
             spec = parse_config_name(c)
@@ -521,12 +314,7 @@ class BenchmarkBuilder:
                 needed.update(n for n, _ in self.text_pool)
             else:
                 needed.add(spec.corruption)
-        if any(TEXT_CORRUPTION_LEVELS[n] == "char" for n in needed):
-            _char_augmenter("ocr", 1)
-        if needed & {"synonym_replacement", "random_insertion"}:
-            load_wordnet(self.text_kwargs["wordnet"])
-        for n in sorted(needed & set(SENTENCE_CORRUPTIONS)):
-            sentence_generators(n, self.text_kwargs["models"], self.text_kwargs["device"])
+        check_text_resources(needed, self.text_kwargs["wordnet"], self.text_kwargs["models"], self.text_kwargs["device"])
 
     # ---------------------------------------------------------------------------------------- build
     def build(self, configs: Iterable[str] | None = None, overwrite: bool = False) -> dict[str, Any]:
@@ -626,12 +414,6 @@ class BenchmarkBuilder:
 
         return DatasetDict({SPLIT: self.load(config)})
 
-    def push_to_hub(self, repo_id: str, configs: Iterable[str] | None = None, **kwargs):
-        """Publish the built configs and a generated dataset card (see :func:`hf_tta.data.builders.hub.push_benchmark`)."""
-        from .hub import push_benchmark
-
-        return push_benchmark(self.output_dir, repo_id, configs=configs, spec=self.spec, **kwargs)
-
 
 def _describe_models(models: Mapping[str, Any] | None) -> dict[str, Any]:
     def one(spec):
@@ -644,17 +426,6 @@ def _describe_models(models: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: one(v) for k, v in sorted((models or {}).items())}
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("hf_tta", "imagecorruptions-imaug", "nlpaug", "nltk", "datasets", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
 
 def build_benchmark(
     benchmark: str | BenchmarkSpec,
@@ -666,3 +437,6 @@ def build_benchmark(
 ) -> dict[str, Any]:
     """Build (or resume) a benchmark: ``{config: Dataset}``. ``kwargs`` go to :class:`BenchmarkBuilder`."""
     return BenchmarkBuilder(benchmark, karpathy_json, images_root, output_dir, **kwargs).build(configs)
+
+
+__all__ = ["BenchmarkBuilder", "build_benchmark"]

@@ -1,18 +1,16 @@
-"""The dataset card of a built benchmark: sources and licences, construction, corruption constants, citations."""
+"""Dataset cards: for COCO-C / Flickr-C (sources and licences, construction, corruption constants, citations) and
+for AudioSet-O / AudioSet-D / VGGSound (protocol, configs, how each was corrupted)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ..corruptions.image import IMAGE_CORRUPTION_CATEGORIES, IMAGE_CORRUPTION_CONSTANTS, IMAGE_CORRUPTIONS
-from ..corruptions.text import (
-    DEFAULT_TEXT_MODELS,
-    STYLE_PREFIXES,
-    TEXT_CORRUPTION_ABBREVIATIONS,
-    TEXT_CORRUPTION_LEVELS,
-    TEXT_CORRUPTIONS,
-)
-from .benchmark import BenchmarkSpec, parse_config_name
+from ..corruptions.seq2seq import DEFAULT_TEXT_MODELS, STYLE_PREFIXES
+from ..corruptions.text import TEXT_CORRUPTION_ABBREVIATIONS, TEXT_CORRUPTION_LEVELS, TEXT_CORRUPTIONS
+from ..corruptions.video import VIDEO_CORRUPTION_CATEGORIES
+from .av_plans import AVCorruptionSettings
+from .specs import AUDIOSET_O_CONFIGS, BenchmarkSpec, parse_config_name
 
 CITATIONS: dict[str, str] = {
     "tcr": """@inproceedings{li2025tcr,
@@ -250,3 +248,80 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
     for c in configs:
         parse_config_name(c)
     return "\n".join(lines)
+
+
+def dataset_card(
+    benchmark: str,
+    configs: Sequence[str],
+    settings: AVCorruptionSettings,
+    num_pairs: int,
+    sampling_rate: int,
+    source_description: str = "",
+    license: str = "other",
+) -> Any:
+    """A dataset card describing the protocol, the configs and exactly how each was corrupted."""
+    from huggingface_hub import DatasetCard, DatasetCardData
+
+    title = {"audioset-o": "AudioSet-O", "audioset-d": "AudioSet-D", "vggsound": "VGGSound (AudioSet2VGG)"}[benchmark]
+    rows = []
+    for c in configs:
+        if c == "clean":
+            rows.append("| `clean` | - | the clean pairs: galleries (and queries of the real-world shift) |")
+        elif c in AUDIOSET_O_CONFIGS:
+            modality, cats = AUDIOSET_O_CONFIGS[c]
+            subtypes = " + ".join(settings.corruptions_needed(c))
+            rows.append(f"| `{c}` | {modality} | {len(cats)} equal segments, in order: {subtypes} |")
+        else:
+            pool = ", ".join(settings.corruptions_needed(c))
+            rows.append(f"| `{c}` | {c.split('_')[0]} | {settings.num_segments} equal segments, each drawn from: {pool} |")
+    video_cats = sorted(set(VIDEO_CORRUPTION_CATEGORIES.values()))
+    text = f"""# {title}
+
+Query-shift benchmark for video-audio (and audio/video-text) retrieval, built with
+`hf_tta.data.builders` (the hf_tta library) following REST (Li, Yang, Peng, "Toward Robust and
+Harmonious Adaptation for Cross-modal Retrieval", §3, Table IV).
+
+{source_description}
+
+## Protocol
+
+- {num_pairs} video-audio pairs (1-to-1), split `test`. Row *i* of every config is the same clip (`id`).
+- The gallery is always clean (config `clean`); only queries are corrupted.
+- Directions: video->audio (AR), audio->video (VR), and with the `text` column audio<->text and video<->text
+  (texts are the clip's caption or label names; equal texts form one gallery item).
+- R@1 is REST's metric.
+
+| config | corrupted modality | construction |
+|---|---|---|
+{chr(10).join(rows)}
+
+## Corruptions
+
+- Video ({', '.join(video_cats)}): ImageNet-C functions (`imagecorruptions-imaug`) applied frame by frame at
+  severity {settings.video_severity}; frame *t* of a segment is seeded from the segment's seed.
+- Audio: noise mixed into the waveform at {settings.audio_snr_db:g} dB SNR relative to the whole clean clip's power;
+  Gaussian noise, or a user-provided recording of crowd / traffic / rain / thunder / wind noise looped from a seeded
+  offset.
+- Multi-distribution shift (-O): *k* corruptions -> *k* equal temporal segments. Diverse shift (-D): each segment
+  draws its corruption uniformly. Seed: {settings.seed}. Columns `corruptions`, `severity`/`snr_db` and `segments`
+  ([start, end) in frames or samples) record what each query got.
+- Representatives: video {settings.video_representatives}; audio {settings.audio_representatives}.
+
+## Storage
+
+- `video`: a list of frames (`Image`); `audio`: mono 32-bit float WAV bytes (`binary`) at {sampling_rate} Hz,
+  decoded with `hf_tta.data.corruptions.audio.decode_wav` (or cast to `datasets.Audio()` where torchcodec works).
+- Load queries, gallery and relevance with `hf_tta.data.builders.audioset.load_av_retrieval(repo_id, config, direction)`.
+
+## License
+
+The clips come from YouTube (AudioSet / VGGSound); their rights belong to their owners. Check that you may
+redistribute them before making this dataset public.
+"""
+    data = DatasetCardData(license=license, task_categories=["audio-classification", "video-classification"],
+                           tags=["hf_tta", "test-time-adaptation", "query-shift", "cross-modal-retrieval", benchmark],
+                           pretty_name=title)
+    return DatasetCard(f"---\n{data.to_yaml()}\n---\n{text}")
+
+
+__all__ = ["CITATIONS", "card_metadata", "card_text", "dataset_card"]

@@ -1,5 +1,6 @@
-"""Publish a built benchmark to the Hugging Face Hub: every config with ``push_to_hub(config_name=...)`` and a
-generated dataset card (``huggingface_hub.DatasetCard``)."""
+"""Publish built benchmarks to the Hugging Face Hub (the top of the builders): every config with
+``push_to_hub(config_name=...)``, then the generated dataset card (``huggingface_hub.DatasetCard``), keeping the
+``configs`` / ``dataset_info`` metadata that ``push_to_hub`` wrote."""
 
 from __future__ import annotations
 
@@ -7,22 +8,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from tqdm.auto import tqdm
 
-from .benchmark import BENCHMARKS, BUILD_INFO, CLEAN, SPLIT, BenchmarkSpec, parse_config_name
+from .base import BUILD_INFO, CLEAN, SPLIT, built_configs
 from .card import card_metadata, card_text
+from .specs import IMAGE_TEXT_BENCHMARKS, BenchmarkSpec, parse_config_name
 
 logger = logging.getLogger(__name__)
-
-
-def _built(output_dir: Path) -> list[str]:
-    return sorted(
-        p.name
-        for p in output_dir.iterdir()
-        if p.is_dir() and not p.name.startswith(".") and (p / "dataset_info.json").is_file()
-    )
 
 
 def _order(configs: Iterable[str]) -> list[str]:
@@ -46,6 +40,20 @@ def read_remote_card(repo_id: str, api, revision: str | None = None):
     return DatasetCard.load(path)
 
 
+def _commit_card(api, repo_id: str, data: dict, body: str, commit_message: str, revision: str | None = None):
+    """Commit ``README.md`` = YAML ``data`` + Markdown ``body`` to the dataset repository."""
+    from huggingface_hub import CommitOperationAdd, DatasetCard, DatasetCardData
+
+    card = DatasetCard(f"---\n{DatasetCardData(**data).to_yaml()}\n---\n\n{body.lstrip()}")
+    return api.create_commit(
+        repo_id,
+        operations=[CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8"))],
+        commit_message=commit_message,
+        repo_type="dataset",
+        revision=revision,
+    )
+
+
 def remote_configs(repo_id: str, api, revision: str | None = None) -> list[str]:
     """Config names declared in the repository's card (what ``push_to_hub`` already published)."""
     card = read_remote_card(repo_id, api, revision)
@@ -64,7 +72,7 @@ def push_card(
     commit_message: str = "Update dataset card",
 ):
     """Write the generated card, keeping the ``configs`` and ``dataset_info`` that ``push_to_hub`` wrote."""
-    from huggingface_hub import CommitOperationAdd, DatasetCard, DatasetCardData, HfApi
+    from huggingface_hub import HfApi
 
     api = api or HfApi(token=token)
     old = read_remote_card(repo_id, api, revision)
@@ -72,16 +80,8 @@ def push_card(
     configs = [c["config_name"] for c in data.get("configs") or [] if c.get("config_name")]
     num_rows = max((m.get("num_rows", 0) for m in build_info.get("configs", {}).values()), default=None)
     data.update(card_metadata(spec, num_rows))
-    card = DatasetCard(
-        f"---\n{DatasetCardData(**data).to_yaml()}\n---\n\n" + card_text(spec, repo_id, build_info, _order(configs))
-    )
-    return api.create_commit(
-        repo_id,
-        operations=[CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8"))],
-        commit_message=commit_message,
-        repo_type="dataset",
-        revision=revision,
-    )
+    body = card_text(spec, repo_id, build_info, _order(configs))
+    return _commit_card(api, repo_id, data, body, commit_message, revision)
 
 
 def push_benchmark(
@@ -119,8 +119,8 @@ def push_benchmark(
     build_info = json.loads(info_path.read_text(encoding="utf-8"))
     if spec is None:
         spec = build_info["params"]["benchmark"]
-    spec = BENCHMARKS[spec] if isinstance(spec, str) else spec
-    built = _built(output_dir)
+    spec = IMAGE_TEXT_BENCHMARKS[spec] if isinstance(spec, str) else spec
+    built = built_configs(output_dir)
     configs = _order(built if configs is None else configs)
     missing = [c for c in configs if c not in built]
     if missing:
@@ -148,3 +148,42 @@ def push_benchmark(
         )
     push_card(repo_id, spec, build_info, api=api, token=token, revision=revision)
     return todo
+
+
+def push_av_benchmark(
+    built: Mapping[str, Any],
+    repo_id: str,
+    card: Any = None,
+    *,
+    private: bool | None = True,
+    token: str | None = None,
+    api=None,
+) -> list[str]:
+    """Push every config of ``built`` (config -> ``Dataset``, e.g. from :func:`build_av_benchmark`) to ``repo_id``
+    (split ``test``, ``clean`` the default config), then the card (:func:`dataset_card`), keeping the ``configs``
+    and ``dataset_info`` metadata that ``push_to_hub`` wrote. Private by default: see the card's licence note.
+
+    Args:
+        api: an ``HfApi``-like object for the card (tests pass a fake Hub).
+
+    Returns:
+        The configs pushed.
+    """
+    from huggingface_hub import HfApi
+
+    configs = sorted(built, key=lambda c: (c != CLEAN, c))
+    for config in configs:
+        built[config].push_to_hub(
+            repo_id, config_name=config, split=SPLIT, set_default=True if config == CLEAN else None,
+            private=private, token=token, commit_message=f"Add config {config}",
+        )
+    if card is not None:
+        api = api or HfApi(token=token)
+        old = read_remote_card(repo_id, api)
+        data = old.data.to_dict() if old is not None else {}
+        data.update({k: v for k, v in card.data.to_dict().items() if v is not None})
+        _commit_card(api, repo_id, data, card.text, "Update dataset card")
+    return configs
+
+
+__all__ = ["push_av_benchmark", "push_benchmark", "push_card", "read_remote_card", "remote_configs"]

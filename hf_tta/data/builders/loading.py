@@ -1,4 +1,5 @@
-"""Load a built or published benchmark config as retrieval queries + gallery + relevance, ready for ``TTAWrapper``.
+"""Load a built or published benchmark config as retrieval queries + gallery + relevance, ready for ``TTAWrapper``:
+the one loading module of the image-text (COCO-C / Flickr-C) and audio-video (AudioSet-O / -D, VGGSound) benchmarks.
 
 Example (with a CLIP processor and a ``TTAWrapper`` ``tta``)::
 
@@ -6,6 +7,11 @@ Example (with a CLIP processor and a ``TTAWrapper`` ``tta``)::
     gallery = tta.encode_gallery(split.gallery_inputs(processor, batch_size=256))
     scores = tta.adapt_stream(list(split.query_inputs(processor, batch_size=64)), gallery)
     print(split.evaluate(scores))                                              # R@1/5/10, medr, mAP
+
+    av = load_av_retrieval("me/audioset-o", "video_noise_blur", "video->audio")  # the same interface
+
+One lazy column (:class:`LazyItems`), one config loader (:func:`load_config`) and one processor call
+(:func:`to_model_inputs`) serve both.
 """
 
 from __future__ import annotations
@@ -13,36 +19,88 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .benchmark import CLEAN, SPLIT, parse_config_name
+import numpy as np
+
+from ..corruptions.audio_io import decode_wav, resample
+from .base import CLEAN, SPLIT, is_built
+from .clips import frames_to_array
+from .specs import parse_config_name, parse_direction
 
 
-class LazyImages(Sequence):
-    """The ``image`` column of a dataset, decoded (as RGB PIL images) only when indexed."""
+class LazyItems(Sequence):
+    """A column decoded on access (``items[i]``, ``items[a:b]``), so 3,000 videos are never all in memory."""
 
-    def __init__(self, dataset):
-        self._ds = dataset.select_columns(["image"])
+    def __init__(self, dataset, column: str, decode: Callable[[Any], Any]):
+        self._ds, self.decode = dataset.select_columns([column]), decode
+        self.column = column
 
     def __len__(self) -> int:
         return len(self._ds)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [im.convert("RGB") for im in self._ds[i]["image"]]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._ds[int(i)]["image"].convert("RGB")
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.decode(v) for v in self._ds[index][self.column]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.decode(self._ds[int(index)][self.column])
 
 
-def _call_processor(processor, batch: list, modality: str, **kwargs) -> dict:
+def _to_rgb(image):
+    return image.convert("RGB")
+
+
+class LazyImages(LazyItems):
+    """The ``image`` column of a dataset, decoded (as RGB PIL images) only when indexed."""
+
+    def __init__(self, dataset):
+        super().__init__(dataset, "image", _to_rgb)
+
+
+def to_model_inputs(items: Sequence, modality: str, processor, sampling_rate: int | None = None, **kwargs) -> dict:
+    """Model inputs for a slice of raw items, with a Hugging Face processor.
+
+    - image: ``processor(images=items)``;
+    - text: ``processor(text=items, padding=True, truncation=True)``;
+    - audio: a feature extractor (``ClapFeatureExtractor``) or a processor taking ``audio=`` (``ClapProcessor``);
+    - video: a processor taking ``videos=`` (``XCLIPProcessor``) gives ``(B, T, C, H, W)``; an image processor
+      (``CLIPImageProcessor``, for :class:`~hf_tta.models.CLIPVideoAdapter`) is applied to all frames, and clips with
+      fewer frames are padded by repeating their last frame, with ``frame_mask`` marking the real ones.
+    """
+    items = list(items)
     if modality == "image":
-        out = processor(images=batch, return_tensors="pt", **kwargs)
-    else:
-        out = processor(text=batch, return_tensors="pt", **{"padding": True, "truncation": True, **kwargs})
-    return dict(out)
+        return dict(processor(images=items, return_tensors="pt", **kwargs))
+    if modality == "text":
+        return dict(processor(text=items, return_tensors="pt", **{"padding": True, "truncation": True, **kwargs}))
+    if modality == "audio":
+        from transformers.feature_extraction_utils import FeatureExtractionMixin
+
+        if isinstance(processor, FeatureExtractionMixin):
+            return dict(processor(items, sampling_rate=sampling_rate, return_tensors="pt", **kwargs))
+        return dict(processor(audio=items, sampling_rate=sampling_rate, return_tensors="pt", **kwargs))
+    if modality != "video":
+        raise ValueError(f"Unknown modality {modality!r}.")
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    is_image_processor = isinstance(processor, BaseImageProcessor) and "videomae" not in type(processor).__name__.lower()
+    if not is_image_processor:
+        try:
+            return dict(processor(videos=[list(v) for v in items], return_tensors="pt", **kwargs))
+        except TypeError:
+            return dict(processor([list(v) for v in items], return_tensors="pt", **kwargs))
+    import torch
+
+    lengths = [len(v) for v in items]
+    t = max(lengths)
+    frames = [f for v in items for f in list(v) + [v[-1]] * (t - len(v))]
+    pixel_values = processor(images=frames, return_tensors="pt", **kwargs)["pixel_values"]
+    out = {"pixel_values": pixel_values.view(len(items), t, *pixel_values.shape[1:])}
+    if min(lengths) < t:
+        out["frame_mask"] = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return out
 
 
 @dataclass
@@ -62,6 +120,8 @@ class RetrievalSplit:
     query_ids: list[int]
     gallery_ids: list[int]
     query_corruptions: list[tuple[str, int]] = field(default_factory=list)
+    #: The audio rate of audio queries/galleries (``None`` for the other modalities).
+    sampling_rate: int | None = None
 
     @property
     def query_modality(self) -> str:
@@ -89,12 +149,12 @@ class RetrievalSplit:
     def query_inputs(self, processor, batch_size: int = 64, **processor_kwargs) -> Iterator[dict]:
         """Query batches through a Hugging Face processor: dicts of tensors for ``TTAWrapper.adapt_step``."""
         for batch in self.query_batches(batch_size):
-            yield _call_processor(processor, batch, self.query_modality, **processor_kwargs)
+            yield to_model_inputs(batch, self.query_modality, processor, self.sampling_rate, **processor_kwargs)
 
     def gallery_inputs(self, processor, batch_size: int = 256, **processor_kwargs) -> list[dict]:
         """Gallery batches through a processor: a list of dicts for ``TTAWrapper.encode_gallery``."""
         return [
-            _call_processor(processor, b, self.gallery_modality, **processor_kwargs)
+            to_model_inputs(b, self.gallery_modality, processor, self.sampling_rate, **processor_kwargs)
             for b in self.gallery_batches(batch_size)
         ]
 
@@ -105,12 +165,37 @@ class RetrievalSplit:
         return retrieval_metrics(scores, self.relevant, ks=ks)
 
 
+@dataclass
+class AVRetrievalSplit(RetrievalSplit):
+    """Queries, gallery and relevance of one direction of one audio-video config: the image benchmarks'
+    :class:`~hf_tta.data.builders.RetrievalSplit` (``query_inputs``, ``gallery_inputs``, ``evaluate``) with
+    ``task = "<query>-><gallery>"``.
+
+    ``queries``/``gallery`` hold raw items, decoded lazily: texts (``str``), waveforms (1-D float32 at
+    ``sampling_rate``) or videos (``(T, H, W, 3)`` uint8). ``relevant[i]`` lists the gallery positions relevant to
+    query ``i``; ``query_corruptions[i]`` the corruption of each segment of query ``i``.
+    """
+
+    @property
+    def query_modality(self) -> str:
+        return self.task.split("->")[0]
+
+    @property
+    def gallery_modality(self) -> str:
+        return self.task.split("->")[1]
+
+
 def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     """One config as a ``Dataset`` from a builder output folder, a local Hub-layout folder, a Hub repo id, a
     :class:`~hf_tta.data.builders.BenchmarkBuilder` or a mapping ``{config: Dataset | DatasetDict}``."""
+    parse_config_name(config)
+    return _load_any(source, config, split, **load_kwargs)
+
+
+def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
+    """:func:`load_config` without checking ``config`` against the COCO-C / Flickr-C names."""
     from datasets import DatasetDict, load_dataset, load_from_disk
 
-    parse_config_name(config)
     if hasattr(source, "load") and hasattr(source, "config_dir"):  # a BenchmarkBuilder
         return source.load(config)
     if isinstance(source, Mapping):
@@ -120,7 +205,7 @@ def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
         return ds[split] if isinstance(ds, DatasetDict) else ds
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         folder = Path(source)
-        if (folder / config / "dataset_info.json").is_file():
+        if is_built(folder / config):
             ds = load_from_disk(str(folder / config))
             return ds[split] if isinstance(ds, DatasetDict) else ds
         if (folder / "README.md").is_file():
@@ -181,3 +266,88 @@ def load_retrieval_split(
             relevant.append([pos[iid]])
             corr.append((n, s))
     return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr)
+
+
+def _decode_audio(sampling_rate: int | None) -> Callable[[bytes], np.ndarray]:
+    def decode(blob: bytes) -> np.ndarray:
+        wav, rate = decode_wav(blob)
+        return wav if sampling_rate is None or rate == sampling_rate else resample(wav, rate, sampling_rate)
+
+    return decode
+
+
+def load_av_retrieval(
+    source: str | os.PathLike | Mapping[str, Any],
+    config: str,
+    direction: str | Sequence[str],
+    *,
+    sampling_rate: int | None = None,
+    split: str = SPLIT,
+) -> AVRetrievalSplit:
+    """Queries, gallery and relevance for one direction of one config.
+
+    Args:
+        source: a Hub repo id, a :func:`~hf_tta.data.builders.av_builder.save_av_benchmark` folder, or the mapping :func:`~hf_tta.data.builders.av_builder.build_av_benchmark` returns.
+        config: ``"clean"`` or a corruption config. A corruption config corrupts one modality, which must be the
+            direction's query modality (the gallery always comes from ``clean``).
+        direction: one of :data:`~hf_tta.data.builders.specs.AV_MODALITY_PAIRS` (``"video->audio"``, ``"text->audio"``, ...). Text sides hold the
+            distinct texts; a text query is relevant to every clip with that text.
+        sampling_rate: resample audio to this rate (CLAP: 48000); default the stored rate.
+    """
+    query, gallery = parse_direction(direction)
+    corrupted = None if config == "clean" else config.split("_", 1)[0]
+    if corrupted is not None and corrupted != query:
+        raise ValueError(
+            f"Config {config!r} corrupts {corrupted} queries; for {query}->{gallery} use 'clean' or one of the "
+            f"{query}_* configs (the gallery is never corrupted)."
+        )
+    clean = _load_any(source, CLEAN, split)
+    qsource = clean if config == CLEAN else _load_any(source, config, split)
+    meta = clean.select_columns(["id", "text", "sampling_rate"])[:]
+    ids = list(meta["id"])
+    if list(qsource.select_columns(["id"])[:]["id"]) != ids:
+        raise ValueError(f"Config {config!r} and 'clean' list different clips: build them together.")
+    rate = sampling_rate or (int(meta["sampling_rate"][0]) if ids else None)
+    decoders = {"audio": _decode_audio(rate), "video": frames_to_array}
+    positions = list(range(len(ids)))
+    relevant = [[i] for i in positions]
+    query_items: Sequence = LazyItems(qsource, query, decoders[query]) if query != "text" else []
+    gallery_items: Sequence = LazyItems(clean, gallery, decoders[gallery]) if gallery != "text" else []
+    query_ids, gallery_ids = ids, ids
+    if "text" in (query, gallery):
+        texts = list(meta["text"])
+        if not all(texts):
+            raise ValueError("Some clips have no text: text directions need a caption or label names for every clip.")
+        unique = list(dict.fromkeys(texts))
+        if gallery == "text":
+            position = {t: k for k, t in enumerate(unique)}
+            gallery_items, gallery_ids, relevant = unique, unique, [[position[t]] for t in texts]
+        else:
+            members: dict[str, list[int]] = {}
+            for i, t in enumerate(texts):
+                members.setdefault(t, []).append(i)
+            query_items, query_ids, relevant = unique, unique, [members[t] for t in unique]
+    corruptions = list(qsource.select_columns(["corruptions"])[:]["corruptions"]) if config != "clean" else []
+    return AVRetrievalSplit(
+        task=f"{query}->{gallery}",
+        config=config,
+        queries=query_items,
+        gallery=gallery_items,
+        relevant=relevant,
+        query_ids=list(query_ids),
+        gallery_ids=list(gallery_ids),
+        query_corruptions=corruptions,
+        sampling_rate=rate if "audio" in (query, gallery) else None,
+    )
+
+
+__all__ = [
+    "AVRetrievalSplit",
+    "LazyImages",
+    "LazyItems",
+    "RetrievalSplit",
+    "load_av_retrieval",
+    "load_config",
+    "load_retrieval_split",
+    "to_model_inputs",
+]

@@ -1,10 +1,16 @@
-"""Query-shift corruptions: 16 ImageNet-C image corruptions, 15 text corruptions and the diverse (per-query) mode.
+"""Query-shift corruptions: 16 ImageNet-C image corruptions, 15 text corruptions and the diverse (per-query) mode;
+the audio, video and segment-wise corruptions live in :mod:`.audio`, :mod:`.video` and :mod:`.segments`.
+
+Layout: :mod:`.base` (seeds, severity checks, the missing-resource error) at the bottom; :mod:`.image`,
+:mod:`.wordnet` and :mod:`.seq2seq` (the resource stacks of the word- and sentence-level text corruptions) above it;
+:mod:`.text` (the 15 text corruptions) on those; :mod:`.diverse`, :mod:`.video`, :mod:`.audio` (+ :mod:`.audio_io`)
+and :mod:`.segments` on top.
 
 Heavy dependencies (``imagecorruptions-imaug``, ``nlpaug``, ``nltk``, seq2seq models) are imported on first use;
 install them with ``pip install 'hf_tta[data]'``.
 """
 
-from ._utils import derive_seed
+from .base import MissingResourceError, derive_seed
 from .diverse import (
     DEFAULT_IMAGE_POOL,
     DEFAULT_TEXT_POOL,
@@ -25,9 +31,9 @@ from .image import (
     corrupt_image,
     corrupt_images,
 )
+from .seq2seq import DEFAULT_TEXT_MODELS, Seq2SeqGenerator, clear_text_model_cache, register_text_model
 from .text import (
     CHAR_CORRUPTIONS,
-    DEFAULT_TEXT_MODELS,
     MAX_TEXT_SEVERITY,
     PAPER_TEXT_SEVERITIES,
     SENTENCE_CORRUPTIONS,
@@ -36,14 +42,11 @@ from .text import (
     TEXT_CORRUPTIONS,
     TEXT_SEVERITIES,
     WORD_CORRUPTIONS,
-    MissingResourceError,
-    Seq2SeqGenerator,
-    clear_text_model_cache,
+    check_text_resources,
     corrupt_text,
     corrupt_texts,
-    load_wordnet,
-    register_text_model,
 )
+from .wordnet import load_wordnet
 
 __all__ = [
     "CHAR_CORRUPTIONS",
@@ -65,6 +68,7 @@ __all__ = [
     "TEXT_CORRUPTION_LEVELS",
     "TEXT_SEVERITIES",
     "WORD_CORRUPTIONS",
+    "check_text_resources",
     "clear_text_model_cache",
     "corrupt_image",
     "corrupt_image_diverse",

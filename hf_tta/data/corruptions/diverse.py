@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterable, Mapping, Sequence
 
-from ._utils import derive_seed
+from .base import derive_seed
 from .image import IMAGE_CORRUPTIONS, IMAGE_SEVERITIES, MAX_IMAGE_SEVERITY, corrupt_image
 from .text import MAX_TEXT_SEVERITY, TEXT_CORRUPTIONS, TEXT_SEVERITIES, corrupt_text
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._utils import check_severity, derive_seed, seeded
+from .base import check_severity, derive_seed, seeded
 
 IMAGE_CORRUPTIONS: tuple[str, ...] = (
     "gaussian_noise",

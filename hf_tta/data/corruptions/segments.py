@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ._utils import derive_seed
+from .base import derive_seed
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,11 @@ from __future__ import annotations
 import os
 import random
 import re
-import threading
-import warnings
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ._utils import check_severity, derive_seed, seeded
+from .base import MissingResourceError, bare_word, check_severity, derive_seed, seeded
+from .seq2seq import DEFAULT_TEXT_MODELS, SENTENCE_CORRUPTIONS, sentence_corrupt, sentence_generators
+from .wordnet import load_wordnet, synonyms
 
 CHAR_CORRUPTIONS: tuple[str, ...] = ("ocr", "char_insert", "char_replace", "char_swap", "char_delete")
 WORD_CORRUPTIONS: tuple[str, ...] = (
@@ -62,7 +61,6 @@ WORD_CORRUPTIONS: tuple[str, ...] = (
     "random_deletion",
     "insert_punctuation",
 )
-SENTENCE_CORRUPTIONS: tuple[str, ...] = ("formal", "casual", "passive", "active", "back_translation")
 TEXT_CORRUPTIONS: tuple[str, ...] = CHAR_CORRUPTIONS + WORD_CORRUPTIONS + SENTENCE_CORRUPTIONS
 
 #: Paper abbreviations (Table 6 of TCR).
@@ -99,25 +97,6 @@ PAPER_TEXT_SEVERITIES: dict[str, tuple[int, ...]] = {
     n: {"char": tuple(range(1, 8)), "word": (6, 7), "sentence": (1,)}[TEXT_CORRUPTION_LEVELS[n]] for n in TEXT_CORRUPTIONS
 }
 
-#: The checkpoints the benchmark used (Styleformer and fairseq WMT19 via nlpaug). Tried when no model is given.
-DEFAULT_TEXT_MODELS: dict[str, Any] = {
-    "formal": "prithivida/informal_to_formal_styletransfer",
-    "casual": "prithivida/formal_to_informal_styletransfer",
-    "passive": "prithivida/active_to_passive_styleformer",
-    "active": "prithivida/passive_to_active_styleformer",
-    "back_translation": ("facebook/wmt19-en-de", "facebook/wmt19-de-en"),
-}
-#: Styleformer's task prefixes.
-STYLE_PREFIXES: dict[str, str] = {
-    "formal": "transfer Casual to Formal: ",
-    "casual": "transfer Formal to Casual: ",
-    "passive": "transfer Active to Passive: ",
-    "active": "transfer Passive to Active: ",
-}
-#: Styleformer's sampling settings for the style models.
-STYLE_GENERATE_KWARGS: dict[str, Any] = {"do_sample": True, "top_k": 50, "top_p": 0.95, "max_length": 32}
-BACK_TRANSLATION_GENERATE_KWARGS: dict[str, Any] = {"max_new_tokens": 128}
-
 PUNCTUATION_MARKS: tuple[str, ...] = (".", ",", "!", "?", ";", ":")
 
 # EDA's stop-word list (Wei & Zou 2019): never replaced by a synonym.
@@ -131,13 +110,8 @@ STOP_WORDS = frozenset(
 )
 
 
-class MissingResourceError(RuntimeError):
-    """A corruption needs data or a model that is not available here; the message says what to install."""
-
-
 # ------------------------------------------------------------------------------------------------ char level
 _CHAR_AUGMENTERS: dict[tuple[str, int], Any] = {}
-_LOCK = threading.Lock()
 
 
 def _char_augmenter(name: str, severity: int):
@@ -165,141 +139,6 @@ def _char_corrupt(text: str, name: str, severity: int) -> str:
     return out[0] if isinstance(out, list) else out
 
 
-# ------------------------------------------------------------------------------------------------ WordNet
-_LEXNAMES = (
-    "adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body noun.cognition "
-    "noun.communication noun.event noun.feeling noun.food noun.group noun.location noun.motive noun.object noun.person "
-    "noun.phenomenon noun.plant noun.possession noun.process noun.quantity noun.relation noun.shape noun.state "
-    "noun.substance noun.time verb.body verb.change verb.cognition verb.communication verb.competition "
-    "verb.consumption verb.contact verb.creation verb.emotion verb.motion verb.perception verb.possession verb.social "
-    "verb.stative verb.weather adj.ppl"
-).split()
-_LEX_POS = {"adj": 3, "adv": 4, "noun": 1, "verb": 2}
-_WORDNET_FILES = tuple(f"{k}.{p}" for k in ("index", "data") for p in ("noun", "verb", "adj", "adv"))
-#: Folders searched for a WordNet database after ``HF_TTA_WORDNET`` and nltk's data dirs.
-WORDNET_SYSTEM_DIRS: tuple[str, ...] = ("/usr/share/wordnet", "/usr/local/share/wordnet", "/usr/share/wordnet/dict")
-_WORDNET: Any = None
-_WORDNET_BY_PATH: dict[str, Any] = {}
-_WORDNET_SOURCE: str | None = None
-
-WORDNET_INSTALL_HINT = (
-    "Install the WordNet 3.0 database with `apt-get install wordnet-base` (Debian/Ubuntu, files in /usr/share/wordnet), "
-    "or `python -m nltk.downloader wordnet` (nltk data), or point the HF_TTA_WORDNET environment variable (or the "
-    "`wordnet=` argument) at a WordNet dict folder (with index.noun, data.noun, ...)."
-)
-
-
-def _wordnet_reader_class():
-    from nltk.corpus.reader.wordnet import WordNetCorpusReader
-
-    class LocalWordNetReader(WordNetCorpusReader):
-        """nltk's reader without the multilingual (OMW) version mapping, which needs nltk's own data files."""
-
-        def map_wn(self, version="wordnet"):
-            return None
-
-    return LocalWordNetReader
-
-
-def _allow_nltk_root(folder: Path) -> None:
-    import nltk.data
-
-    # nltk >= 3.9 refuses to read outside its data roots ("Security Violation"): add the folder as a root.
-    if str(folder) not in [str(p) for p in nltk.data.path]:
-        nltk.data.path.append(str(folder))
-
-
-def _stage_folder(folder: Path) -> Path:
-    """A copy of a WordNet folder that lacks nltk's ``lexnames`` file (Debian's ``wordnet-base``), with it added."""
-    from ._utils import derive_seed as _digest
-
-    cache = Path(os.environ.get("HF_TTA_CACHE", Path.home() / ".cache" / "hf_tta")) / "wordnet"
-    target = cache / f"{folder.name}-{_digest(str(folder.resolve())):08x}"
-    if (target / "lexnames").is_file():
-        return target
-    import shutil
-    import tempfile
-
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".staging-"))
-    for f in folder.iterdir():
-        if f.is_file():
-            shutil.copyfile(f, tmp / f.name)
-    (tmp / "lexnames").write_text(
-        "".join(f"{i:02d}\t{n}\t{_LEX_POS[n.split('.')[0]]}\n" for i, n in enumerate(_LEXNAMES)), encoding="utf-8"
-    )
-    try:
-        tmp.rename(target)
-    except OSError:  # another process staged it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _read_wordnet_folder(folder: Path):
-    missing = [f for f in _WORDNET_FILES if not (folder / f).is_file()]
-    if missing:
-        raise MissingResourceError(f"{folder} is not a WordNet dict folder: it lacks {missing}. {WORDNET_INSTALL_HINT}")
-    if not (folder / "lexnames").is_file():
-        folder = _stage_folder(folder)
-    _allow_nltk_root(folder)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "The multilingual functions are not available with this Wordnet version"
-        return _wordnet_reader_class()(str(folder), None)
-
-
-def load_wordnet(path: str | os.PathLike | None = None):
-    """An nltk WordNet reader from ``path``, ``$HF_TTA_WORDNET``, nltk's data dirs or a system folder (cached).
-
-    Raises:
-        MissingResourceError: when no WordNet database is found; the message says what to install.
-    """
-    global _WORDNET, _WORDNET_SOURCE
-    if path is None and _WORDNET is not None:
-        return _WORDNET
-    if path is not None and str(path) in _WORDNET_BY_PATH:
-        return _WORDNET_BY_PATH[str(path)]
-    try:
-        import nltk  # noqa: F401
-        import nltk.data
-    except ImportError as err:
-        raise MissingResourceError(
-            f"The WordNet-based text corruptions need `nltk`: `pip install 'hf_tta[data]'` or `pip install nltk`. ({err})"
-        ) from err
-    if path is not None:
-        reader = _read_wordnet_folder(Path(path))
-        _WORDNET_BY_PATH[str(path)] = reader
-        return reader
-    searched = []
-    env = os.environ.get("HF_TTA_WORDNET")
-    if env:
-        reader, source = _read_wordnet_folder(Path(env)), env
-    else:
-        reader = source = None
-        for res in ("corpora/wordnet", "corpora/wordnet.zip/wordnet/"):
-            try:
-                root = nltk.data.find(res)
-            except LookupError:
-                searched.append(f"nltk data '{res}'")
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                reader, source = _wordnet_reader_class()(root, None), str(root)
-            break
-        if reader is None:
-            for d in WORDNET_SYSTEM_DIRS:
-                if all((Path(d) / f).is_file() for f in _WORDNET_FILES):
-                    reader, source = _read_wordnet_folder(Path(d)), d
-                    break
-                searched.append(d)
-    if reader is None:
-        raise MissingResourceError(
-            "The word-level synonym corruptions (synonym_replacement, random_insertion) need WordNet, and none was "
-            f"found (searched: HF_TTA_WORDNET, {', '.join(searched)}). {WORDNET_INSTALL_HINT}"
-        )
-    _WORDNET, _WORDNET_SOURCE = reader, source
-    return reader
-
-
 # ------------------------------------------------------------------------------------------------ word level (EDA)
 _TRAILING = re.compile(r"^(.*?)([.!?]+)$")
 
@@ -323,38 +162,14 @@ def _join_words(words: list[str], tail: str) -> str:
     return " ".join(words) + tail
 
 
-def _bare(word: str) -> str:
-    return re.sub(r"[^a-z]", "", word.lower())
-
-
-def _synonyms(wordnet, word: str, cache: dict) -> list[str]:
-    """EDA's ``get_synonyms``, sorted so that a seed gives the same choice in every process."""
-    word = _bare(word)
-    if not word:
-        return []
-    if word not in cache:
-        syns = set()
-        for syn in wordnet.synsets(word):
-            for lemma in syn.lemmas():
-                s = lemma.name().replace("_", " ").replace("-", " ").lower()
-                s = "".join(ch for ch in s if ch in " qwertyuiopasdfghjklzxcvbnm").strip()
-                if s:
-                    syns.add(s)
-        syns.discard(word)
-        cache[word] = sorted(syns)
-    return cache[word]
-
-
-_SYN_CACHE: dict[str, list[str]] = {}
-
 
 def _synonym_replacement(words: list[str], n: int, wordnet) -> list[str]:
     new_words = words.copy()
-    candidates = sorted({w for w in words if _bare(w) not in STOP_WORDS and _bare(w)})
+    candidates = sorted({w for w in words if bare_word(w) not in STOP_WORDS and bare_word(w)})
     random.shuffle(candidates)
     replaced = 0
     for cand in candidates:
-        syns = _synonyms(wordnet, cand, _SYN_CACHE)
+        syns = synonyms(wordnet, cand)
         if syns:
             choice = random.choice(syns)
             new_words = [choice if w == cand else w for w in new_words]
@@ -369,7 +184,7 @@ def _random_insertion(words: list[str], n: int, wordnet) -> list[str]:
     for _ in range(n):
         syns: list[str] = []
         for _try in range(10):
-            syns = _synonyms(wordnet, new_words[random.randint(0, len(new_words) - 1)], _SYN_CACHE)
+            syns = synonyms(wordnet, new_words[random.randint(0, len(new_words) - 1)])
             if syns:
                 break
         if not syns:
@@ -433,136 +248,6 @@ def _word_corrupt(text: str, name: str, severity: int, wordnet=None) -> str:
     return _join_words(_random_insertion(words, n, wn), tail)
 
 
-# ------------------------------------------------------------------------------------------------ sentence level
-_TEXT_MODELS: dict[str, Any] = {}
-_LOADED: dict[tuple, "Seq2SeqGenerator"] = {}
-
-
-def register_text_model(name: str, model: Any) -> None:
-    """Set the seq2seq model of a sentence-level corruption for this process.
-
-    ``model`` is a checkpoint path or Hub id, a ``(model, tokenizer)`` pair or a :class:`Seq2SeqGenerator`; for
-    ``back_translation`` a pair ``(en→de, de→en)`` of those. ``None`` removes the registration.
-    """
-    if name not in SENTENCE_CORRUPTIONS:
-        raise ValueError(f"Only sentence-level corruptions take a model: {list(SENTENCE_CORRUPTIONS)}; got {name!r}.")
-    if model is None:
-        _TEXT_MODELS.pop(name, None)
-    else:
-        _TEXT_MODELS[name] = model
-
-
-def clear_text_model_cache() -> None:
-    """Forget the loaded seq2seq models."""
-    _LOADED.clear()
-
-
-class Seq2SeqGenerator:
-    """A seq2seq model + tokenizer that maps a batch of strings to a batch of strings."""
-
-    def __init__(self, model, tokenizer, device=None):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        if device is not None:
-            self.model.to(device)
-
-    @classmethod
-    def from_pretrained(cls, spec: str | os.PathLike, device=None, purpose: str = "") -> "Seq2SeqGenerator":
-        try:
-            import torch
-            from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-        except ImportError as err:  # pragma: no cover
-            raise MissingResourceError(f"{purpose} needs `transformers` and `torch`. ({err})") from err
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(spec))
-            model = AutoModelForSeq2SeqLM.from_pretrained(str(spec), dtype=torch.float32)
-        except (OSError, ValueError, ImportError) as err:
-            raise MissingResourceError(
-                f"{purpose} could not load the seq2seq checkpoint {str(spec)!r}: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}. Give a local checkpoint directory or a Hub id that "
-                "is in your Hugging Face cache (download it first, e.g. `hf download <id>`, when offline)."
-            ) from err
-        return cls(model, tokenizer, device)
-
-    @property
-    def device(self):
-        return next(self.model.parameters()).device
-
-    def __call__(self, texts: Sequence[str], prefix: str = "", **generate_kwargs) -> list[str]:
-        import torch
-
-        enc = self.tokenizer([prefix + t for t in texts], return_tensors="pt", padding=True, truncation=True)
-        enc = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-        with torch.no_grad():
-            out = self.model.generate(**enc, **generate_kwargs)
-        return [s.strip() for s in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
-
-
-def _resolve_generator(spec: Any, name: str, device, role: str = "") -> Seq2SeqGenerator:
-    if isinstance(spec, Seq2SeqGenerator):
-        return spec
-    if isinstance(spec, (tuple, list)) and len(spec) == 2 and not isinstance(spec[0], (str, os.PathLike)):
-        return Seq2SeqGenerator(spec[0], spec[1], device)
-    key = (str(spec), str(device))
-    if key not in _LOADED:
-        purpose = f"The sentence-level text corruption {name!r}{role}"
-        with _LOCK:
-            if key not in _LOADED:
-                _LOADED[key] = Seq2SeqGenerator.from_pretrained(spec, device, purpose)
-    return _LOADED[key]
-
-
-def _model_spec(name: str, models: Mapping[str, Any] | None) -> Any:
-    if models and name in models:
-        return models[name]
-    if name in _TEXT_MODELS:
-        return _TEXT_MODELS[name]
-    return DEFAULT_TEXT_MODELS[name]
-
-
-def _missing_model_error(name: str, err: Exception) -> MissingResourceError:
-    default = DEFAULT_TEXT_MODELS[name]
-    how = (
-        "models={'back_translation': (en_de_path, de_en_path)}" if name == "back_translation" else f"models={{{name!r}: path}}"
-    )
-    return MissingResourceError(
-        f"{err} The benchmark used {default!r}. Pass your own checkpoint(s) with `{how}` (any Hugging Face seq2seq "
-        f"model; {'translation models' if name == 'back_translation' else 'Styleformer-style T5 prompted with ' + repr(STYLE_PREFIXES[name])}), "
-        f"or `register_text_model({name!r}, ...)`."
-    )
-
-
-def sentence_generators(name: str, models: Mapping[str, Any] | None = None, device=None) -> list[Seq2SeqGenerator]:
-    """The loaded generator(s) of a sentence-level corruption (two for back-translation); raises a clear error."""
-    spec = _model_spec(name, models)
-    try:
-        if name == "back_translation":
-            if isinstance(spec, Mapping):
-                spec = (spec["forward"], spec["backward"])
-            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
-                raise MissingResourceError("back_translation needs two models: (en→de, de→en).")
-            return [
-                _resolve_generator(spec[0], name, device, " (en→de)"),
-                _resolve_generator(spec[1], name, device, " (de→en)"),
-            ]
-        return [_resolve_generator(spec, name, device)]
-    except MissingResourceError as err:
-        raise _missing_model_error(name, err) from err
-
-
-def _sentence_corrupt(
-    texts: Sequence[str], name: str, models=None, device=None, generate_kwargs: Mapping[str, Any] | None = None
-) -> list[str]:
-    gens = sentence_generators(name, models, device)
-    if name == "back_translation":
-        kw = {**BACK_TRANSLATION_GENERATE_KWARGS, **(generate_kwargs or {})}
-        return gens[1](gens[0](texts, **kw), **kw)
-    kw = {**STYLE_GENERATE_KWARGS, **(generate_kwargs or {})}
-    if "max_new_tokens" in kw:
-        kw.pop("max_length", None)
-    return gens[0](texts, prefix=STYLE_PREFIXES[name], **kw)
-
-
 # ------------------------------------------------------------------------------------------------ public API
 def _check(name: str, severity: int) -> int:
     if name not in TEXT_CORRUPTIONS:
@@ -577,7 +262,7 @@ def _draw(text: str, name: str, severity: int, seed: int | None, wordnet, models
             return _char_corrupt(text, name, severity)
         if level == "word":
             return _word_corrupt(text, name, severity, wordnet)
-        return _sentence_corrupt([text], name, models, device, generate_kwargs)[0]
+        return sentence_corrupt([text], name, models, device, generate_kwargs)[0]
 
 
 def _filtered(
@@ -667,7 +352,7 @@ def corrupt_texts(
             chunk = texts[start : start + batch_size]
             with seeded(None if seed is None else derive_seed(seed, "batch", start), torch_too=True):
                 out.extend(
-                    _sentence_corrupt(chunk, name, kwargs.get("models"), kwargs.get("device"), kwargs.get("generate_kwargs"))
+                    sentence_corrupt(chunk, name, kwargs.get("models"), kwargs.get("device"), kwargs.get("generate_kwargs"))
                 )
         return out
     return [
@@ -697,28 +382,40 @@ def text_corruption_requirements(name: str) -> str:
     return f"a seq2seq checkpoint (default {DEFAULT_TEXT_MODELS[name]!r})"
 
 
+def check_text_resources(
+    names, wordnet: Any = None, models: Mapping[str, Any] | None = None, device: Any = None
+) -> None:
+    """Load what the text corruptions ``names`` need (nlpaug, WordNet, seq2seq checkpoints), so that a long build
+    fails at once, not hours in.
+
+    Raises:
+        MissingResourceError: naming what to install or pass.
+    """
+    names = set(names)
+    unknown = sorted(names - set(TEXT_CORRUPTIONS))
+    if unknown:
+        raise ValueError(f"Unknown text corruptions {unknown}; choose from {list(TEXT_CORRUPTIONS)}.")
+    if any(TEXT_CORRUPTION_LEVELS[n] == "char" for n in names):
+        _char_augmenter("ocr", 1)
+    if names & {"synonym_replacement", "random_insertion"}:
+        load_wordnet(wordnet)
+    for n in sorted(names & set(SENTENCE_CORRUPTIONS)):
+        sentence_generators(n, models, device)
+
+
 __all__ = [
-    "BACK_TRANSLATION_GENERATE_KWARGS",
     "CHAR_CORRUPTIONS",
-    "DEFAULT_TEXT_MODELS",
     "MAX_TEXT_SEVERITY",
-    "MissingResourceError",
     "PAPER_TEXT_SEVERITIES",
     "PUNCTUATION_MARKS",
     "SENTENCE_CORRUPTIONS",
-    "STYLE_GENERATE_KWARGS",
-    "STYLE_PREFIXES",
-    "Seq2SeqGenerator",
     "TEXT_CORRUPTIONS",
     "TEXT_CORRUPTION_ABBREVIATIONS",
     "TEXT_CORRUPTION_LEVELS",
     "TEXT_SEVERITIES",
     "WORD_CORRUPTIONS",
-    "clear_text_model_cache",
+    "check_text_resources",
     "corrupt_text",
     "corrupt_texts",
-    "load_wordnet",
-    "register_text_model",
-    "sentence_generators",
     "text_corruption_requirements",
 ]

@@ -1,10 +1,12 @@
-"""Seeding helpers shared by the corruption modules."""
+"""Helpers shared by the corruption modules: stable seeds, seeded global RNGs, severity checks, the missing-resource
+error and word normalisation."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import random
+import re
 from typing import Iterator
 
 import numpy as np
@@ -53,3 +55,12 @@ def check_severity(name: str, severity: int, allowed: tuple[int, ...]) -> int:
     if isinstance(severity, bool) or not isinstance(severity, (int, np.integer)) or int(severity) not in allowed:
         raise ValueError(f"Severity of {name!r} must be one of {list(allowed)}; got {severity!r}.")
     return int(severity)
+
+
+class MissingResourceError(RuntimeError):
+    """A corruption needs data or a model that is not available here; the message says what to install."""
+
+
+def bare_word(word: str) -> str:
+    """``word`` lower-cased with everything but ``a``..``z`` removed (EDA's normalisation)."""
+    return re.sub(r"[^a-z]", "", word.lower())
