@@ -2,7 +2,8 @@
 
 from .version import __version__
 from .config import TTAConfig
-from .metrics import retrieval_metrics
+from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
+from .metrics import retrieval_metrics, topk_retrieval_metrics
 from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
 from .models.clap import ClapAdapter
 from .models.clip_video import CLIPVideoAdapter
@@ -19,6 +20,11 @@ from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
 __all__ = [
     "CLIPVideoAdapter",
+    "ChunkedGallery",
+    "FaissGallery",
+    "GalleryBackend",
+    "ShardedGallery",
+    "TopKScores",
     "ClapAdapter",
     "DualEncoderAdapter",
     "GalleryCache",
@@ -37,5 +43,6 @@ __all__ = [
     "register_objective",
     "retrieval_metrics",
     "supported_architectures",
+    "topk_retrieval_metrics",
     "__version__",
 ]

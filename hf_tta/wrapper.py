@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import TTAConfig
+from .gallery.base import GalleryBackend, TopKScores
 from .gradient_decoupling import apply_gradient_decoupling
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, ObjectiveInputs, build_objective
@@ -65,20 +66,23 @@ class TTAOutput:
 
     Args:
         scores (`torch.Tensor` of shape `(B, N)`): the queries' scores against the whole gallery, from the forward
-            of the last step (as TCR's reference code reports them).
+            of the last step (as TCR's reference code reports them); ``None`` with a top-k gallery backend.
         loss (`float`, *optional*): the last step's loss (``None`` for training-free objectives).
         num_updates (`int`): parameter updates made on this batch.
         n_selected (`int`): queries that contributed to the last step's loss.
         skipped (`list[str]`): why steps were skipped (nothing selected, non-finite loss or gradient).
         logs (`dict`): the objective's diagnostics of the last step.
+        topk (`TopKScores`, *optional*): with a top-k gallery backend (``hf_tta.gallery``), each query's ``k`` best
+            items (scores and global gallery indices, best first) from the last step's forward, instead of ``scores``.
     """
 
-    scores: torch.Tensor
+    scores: torch.Tensor | None
     loss: float | None
     num_updates: int
     n_selected: int
     skipped: list[str] = field(default_factory=list)
     logs: dict[str, float] = field(default_factory=dict)
+    topk: TopKScores | None = None
 
 
 class TTAWrapper:
@@ -244,7 +248,9 @@ class TTAWrapper:
                 raise ValueError(f"{modality} input {key!r} contains NaN or inf values.")
         return selected
 
-    def _check_gallery(self, gallery: GalleryCache | torch.Tensor) -> GalleryCache:
+    def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
+        if isinstance(gallery, GalleryBackend):
+            return self._check_backend(gallery)
         if isinstance(gallery, torch.Tensor):
             gallery = GalleryCache(gallery, self.gallery_modality)
         if not isinstance(gallery, GalleryCache):
@@ -260,10 +266,49 @@ class TTAWrapper:
             raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {self.device}: use gallery.to(...).")
         return gallery
 
+    def _check_backend(self, gallery: GalleryBackend) -> GalleryBackend:
+        """A top-k backend: objectives see the batch's candidates (see ``hf_tta.gallery.base``); refuse objectives that
+        need the whole gallery (``Objective.gallery_access == "full"``)."""
+        if gallery.modality != self.gallery_modality:
+            raise ValueError(
+                f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
+                f"items for {self.query_modality} queries."
+            )
+        for role, obj in (("objective", self.objective), ("score_transform", self.score_transform)):
+            if obj is not None and getattr(obj, "gallery_access", "softmax") == "full":
+                raise ValueError(
+                    f"The {role} {obj.name!r} needs the whole gallery (gallery statistics or per-item state), which a "
+                    f"top-k backend ({type(gallery).__name__}) does not provide: pass the dense GalleryCache instead."
+                )
+        return gallery
+
+    def _candidate_view(self, q: torch.Tensor, gallery: GalleryBackend) -> tuple[torch.Tensor, GalleryCache]:
+        """The union ``C`` of the batch's top-k items (sorted global indices) and their cached embeddings, as a small
+        dense gallery that the queries are scored against exactly (so gradients flow as with the dense gallery)."""
+        k = max(gallery.k, getattr(self.objective, "gallery_k", 0) or 0)
+        with torch.no_grad():
+            ids = torch.unique(gallery.search_tokens(q.detach().float(), k).flatten().to(q.device))
+            emb = gallery.gather(ids).to(q.device)
+        return ids, GalleryCache(emb, gallery.modality)
+
+    def _topk_output(self, out: TTAOutput, gallery: GalleryBackend) -> TTAOutput:
+        """Replace the candidate scores ``(B, |C|)`` of the reported step by each query's top-k over the gallery."""
+        # a stable sort: equal scores keep the smaller gallery index first (the columns are in index order)
+        values, local = out.scores.sort(dim=1, descending=True, stable=True)
+        k = min(gallery.k, out.scores.shape[1])
+        values, local = values[:, :k], local[:, :k]
+        return dataclasses.replace(out, scores=None, topk=TopKScores(values, self._candidate_ids[local]))
+
     # ------------------------------------------------------------------------------------------ the online step
-    def _embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _embed_queries(self, queries: dict) -> torch.Tensor:
+        """The query embeddings with grad (``DistributedTTAWrapper`` embeds its shard and all-gathers them)."""
         with self._autocast():
-            q = self.adapter.encode(self.query_modality, queries)
+            return self.adapter.encode(self.query_modality, queries)
+
+    def _embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._score(self._embed_queries(queries), gallery)
+
+    def _score(self, q: torch.Tensor, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[-1] != gallery.dim:
             raise ValueError(
                 f"Query embeddings have dimension {q.shape[-1]} but the gallery has {gallery.dim}: "
@@ -272,8 +317,15 @@ class TTAWrapper:
         scores = self.adapter.score(q, gallery.embeddings)
         return self.adapter.single_vector(q, scores, gallery.single), scores
 
-    def _inputs(self, queries: dict, gallery: GalleryCache, step: int) -> ObjectiveInputs:
-        q, scores = self._embed_and_score(queries, gallery)
+    def _inputs(self, queries: dict, gallery: GalleryCache | GalleryBackend, step: int, record: bool = True) -> ObjectiveInputs:
+        if isinstance(gallery, GalleryBackend):  # objectives see the batch's candidates, re-scored exactly
+            q_raw = self._embed_queries(queries)
+            ids, gallery = self._candidate_view(q_raw, gallery)
+            if record:  # the columns of the scores this step reports (the SAM closure's pass does not report)
+                self._candidate_ids = ids
+            q, scores = self._score(q_raw, gallery)
+        else:
+            q, scores = self._embed_and_score(queries, gallery)
         source_cache: list[torch.Tensor] = []
 
         def source_scores() -> torch.Tensor:
@@ -319,6 +371,8 @@ class TTAWrapper:
         else:
             with torch.enable_grad():
                 out = self._adapt(queries, gallery)
+        if isinstance(gallery, GalleryBackend):
+            out = self._topk_output(out, gallery)
         self.batch_index += 1
         if self.config.reset_policy == "episodic":
             self.reset()
@@ -400,7 +454,7 @@ class TTAWrapper:
 
         def closure() -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
-            inputs = dataclasses.replace(self._inputs(queries, gallery, step), in_closure=True)
+            inputs = dataclasses.replace(self._inputs(queries, gallery, step, record=False), in_closure=True)
             res = self.objective(inputs, dict(self.state))
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
             if loss is None or not torch.isfinite(loss):
@@ -411,14 +465,16 @@ class TTAWrapper:
         return closure
 
     def adapt_stream(
-        self, batches: Iterable[Mapping[str, torch.Tensor]], gallery: GalleryCache, show_progress: bool = True
-    ) -> torch.Tensor:
-        """Adapt on every batch of a stream; return the concatenated ``(num_queries, N)`` score matrix."""
+        self, batches: Iterable[Mapping[str, torch.Tensor]], gallery: GalleryCache | GalleryBackend, show_progress: bool = True
+    ) -> torch.Tensor | TopKScores:
+        """Adapt on every batch of a stream; return the concatenated ``(num_queries, N)`` score matrix (the concatenated
+        :class:`~hf_tta.gallery.TopKScores` with a top-k gallery backend)."""
         rows = []
         total = len(batches) if hasattr(batches, "__len__") else None
         for batch in tqdm(batches, total=total, desc=f"TTA ({self.config.objective})", disable=not show_progress):
-            rows.append(self.adapt_step(batch, gallery).scores)
-        return torch.cat(rows)
+            out = self.adapt_step(batch, gallery)
+            rows.append(out.topk if out.scores is None else out.scores)
+        return TopKScores.cat(rows) if isinstance(rows[0], TopKScores) else torch.cat(rows)
 
     # ------------------------------------------------------------------------------------------ state
     @torch.no_grad()

@@ -10,6 +10,7 @@ from .recall import (
     retrieval_metrics,
     uniformity,
 )
+from .topk import topk_relevant_ranks, topk_retrieval_metrics
 
 #: Folder of the ``evaluate`` metric module: ``evaluate.load(RETRIEVAL_RECALL_PATH)`` (offline).
 RETRIEVAL_RECALL_PATH = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "retrieval_recall")
@@ -21,5 +22,7 @@ __all__ = [
     "relevance_to_index",
     "relevant_ranks",
     "retrieval_metrics",
+    "topk_relevant_ranks",
+    "topk_retrieval_metrics",
     "uniformity",
 ]

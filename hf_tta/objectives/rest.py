@@ -198,6 +198,7 @@ def hard_mining_loss(
 @register_objective("rest", RESTConfig)
 class REST(Objective):
     """``L = L_U + L_G + L_REM + L_RHM`` on the refined candidate sets of Eq. 4-5 (REST Eq. 3)."""
+    gallery_access = "full"  # k-means centroids of the whole gallery (Eq. 4)
 
     def init_state(self, device="cpu") -> ObjectiveState:
         state = init_queue_state(device)

@@ -178,6 +178,7 @@ def occlusion_masks(
 @register_objective("titan", TITANConfig)
 class TITAN(Objective):
     """Rematched pseudo-pairs (+ counterfactual text queries) fitted with a contrastive loss."""
+    gallery_access = "full"  # per-item match counts (hubs)
 
     def init_state(self, device="cpu") -> ObjectiveState:
         state = {

@@ -1,0 +1,19 @@
+"""Gallery backends behind one interface: the dense in-memory default (:class:`hf_tta.GalleryCache`) and the top-k
+backends (exact chunked, FAISS, sharded across processes) for galleries too large for a dense score matrix."""
+
+from .base import GalleryBackend, TopKScores, merge_topk
+from .chunked import ChunkedGallery
+from .faiss_index import PRESETS as FAISS_PRESETS
+from .faiss_index import FaissGallery, default_nlist
+from .sharded import ShardedGallery
+
+__all__ = [
+    "FAISS_PRESETS",
+    "ChunkedGallery",
+    "FaissGallery",
+    "GalleryBackend",
+    "ShardedGallery",
+    "TopKScores",
+    "default_nlist",
+    "merge_topk",
+]

@@ -1,0 +1,166 @@
+"""Exact chunked gallery: top-k by blocks of the ``B x N`` score matrix, never the whole matrix at once.
+
+The embeddings are held in memory in any float dtype (``float16`` halves the footprint: 10^7 x 512 items take 10 GB)
+or read block by block from a memory-mapped safetensors file (:meth:`ChunkedGallery.load` with ``mmap=True``). Each
+block is cast to float32 before scoring, so the search is exact for the stored values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .base import GalleryBackend, TopKScores, check_k, merge_topk
+
+EMBEDDINGS_FILE = "gallery.safetensors"
+MANIFEST_FILE = "gallery.json"
+_KEY = "embeddings"
+
+
+class ChunkedGallery(GalleryBackend):
+    """Exact top-k over ``(N, D)`` embeddings, scored ``chunk_size`` items at a time.
+
+    Args:
+        embeddings (`torch.Tensor` of shape `(N, D)`): L2-normalised single-vector embeddings (any float dtype; kept
+            as given, so pass ``float16`` to halve the memory).
+        modality (`str`): the gallery modality.
+        k (`int`): neighbours per query (candidate set and returned width). Default 100.
+        chunk_size (`int`): items scored per block; memory of a block is ``B x chunk_size`` scores plus the block cast
+            to float32. Default 65,536.
+    """
+
+    exact = True
+
+    def __init__(self, embeddings: torch.Tensor, modality: str, k: int = 100, chunk_size: int = 65536):
+        self.check_embeddings(embeddings)
+        if not embeddings.is_floating_point():
+            raise TypeError(f"Gallery embeddings must be floating point, got {embeddings.dtype}.")
+        self.embeddings = embeddings.detach()
+        self.modality = modality
+        self.k = check_k(k)
+        self.chunk_size = check_k(chunk_size)
+        self._file: str | None = None
+        self._n, self._dim = embeddings.shape
+
+    # ---------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_chunks(
+        cls, chunks: Iterable[torch.Tensor], num_items: int, dim: int, modality: str, dtype=torch.float16, **kwargs
+    ) -> "ChunkedGallery":
+        """Fill a preallocated ``(num_items, dim)`` store of ``dtype`` from an iterable of ``(n_i, dim)`` blocks, so no
+        full float32 copy ever exists (e.g. the output of ``encode_gallery`` run over a DataLoader, block by block)."""
+        store = torch.empty(num_items, dim, dtype=dtype)
+        start = 0
+        for block in chunks:
+            if block.dim() != 2 or block.shape[1] != dim:
+                raise ValueError(f"Every block must be (n, {dim}), got {tuple(block.shape)}.")
+            if start + block.shape[0] > num_items:
+                raise ValueError(f"The blocks hold more than num_items={num_items} rows.")
+            store[start : start + block.shape[0]] = block.detach().to("cpu", dtype)
+            start += block.shape[0]
+        if start != num_items:
+            raise ValueError(f"The blocks hold {start} rows, expected num_items={num_items}.")
+        return cls(store, modality, **kwargs)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """``gallery.safetensors`` (the embeddings) and ``gallery.json`` (modality, k, chunk size)."""
+        os.makedirs(directory, exist_ok=True)
+        if self._file is None:
+            save_file({_KEY: self.embeddings.cpu().contiguous()}, os.path.join(directory, EMBEDDINGS_FILE))
+        elif os.path.abspath(self._file) != os.path.abspath(os.path.join(directory, EMBEDDINGS_FILE)):
+            save_file({_KEY: self._read(0, self._n)}, os.path.join(directory, EMBEDDINGS_FILE))
+        manifest = {"backend": "chunked", "modality": self.modality, "k": self.k, "chunk_size": self.chunk_size}
+        with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
+            json.dump(manifest, fh, indent=2)
+
+    @classmethod
+    def load(
+        cls, directory: str | os.PathLike, mmap: bool = False, device: str = "cpu", **overrides
+    ) -> "ChunkedGallery":
+        """Load what :meth:`save` wrote. ``mmap=True`` keeps the embeddings on disk (page cache) and reads one block
+        per chunk at search time, so a gallery larger than the free memory can still be searched exactly."""
+        path = os.path.join(directory, EMBEDDINGS_FILE)
+        with open(os.path.join(directory, MANIFEST_FILE)) as fh:
+            manifest = json.load(fh)
+        kwargs = {"k": manifest["k"], "chunk_size": manifest["chunk_size"], **overrides}
+        if not mmap:
+            with safe_open(path, framework="pt", device=device) as fh:
+                return cls(fh.get_tensor(_KEY), manifest["modality"], **kwargs)
+        store = _memmap_safetensors(path, _KEY)
+        self = cls(torch.from_numpy(np.array(store[:1])), manifest["modality"], **kwargs)  # validated on one row
+        self._file, (self._n, self._dim) = path, store.shape
+        self._memmap, self.embeddings = store, None
+        return self
+
+    # ---------------------------------------------------------------------------------------- interface
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self._file is not None else self.embeddings.device
+
+    def to(self, device) -> "ChunkedGallery":
+        if self._file is not None:
+            raise ValueError(
+                "A memory-mapped ChunkedGallery stays on the CPU: its blocks are moved to the queries' device."
+            )
+        return ChunkedGallery(self.embeddings.to(device), self.modality, self.k, self.chunk_size)
+
+    def _read(self, start: int, end: int) -> torch.Tensor:
+        if self._file is None:
+            return self.embeddings[start:end]
+        return torch.from_numpy(np.array(self._memmap[start:end]))  # a writable copy of the block
+
+    @torch.no_grad()
+    def search(self, queries: torch.Tensor, k: int) -> TopKScores:
+        k = min(check_k(k), self._n)
+        q = queries.detach().float()
+        best_v = best_i = None
+        for start in range(0, self._n, self.chunk_size):
+            block = self._read(start, min(start + self.chunk_size, self._n)).to(q.device, torch.float32)
+            s = q @ block.T
+            v, i = s.topk(min(k, s.shape[1]), dim=1)
+            i = i + start
+            if best_v is None:
+                best_v, best_i = v, i
+            else:
+                merged = merge_topk(torch.cat([best_v, v], 1), torch.cat([best_i, i], 1), k)
+                best_v, best_i = merged.values, merged.indices
+        return merge_topk(best_v, best_i, k)
+
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        if self._file is None:
+            return self.embeddings[indices.to(self.embeddings.device)].float()
+        rows = self._memmap[indices.cpu().numpy()]  # fancy indexing reads only these rows from the file
+        return torch.from_numpy(rows).float()
+
+
+_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+
+def _memmap_safetensors(path: str, key: str) -> np.ndarray:
+    """A read-only ``numpy.memmap`` of one tensor of a safetensors file (format: 8-byte little-endian header length,
+    JSON header with ``dtype``/``shape``/``data_offsets``, then the raw buffer), so rows are read from disk on demand."""
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(header_len))
+    info = header[key]
+    if info["dtype"] not in _NUMPY_DTYPES:
+        raise ValueError(
+            f"mmap=True supports float16/32/64 embeddings, the file holds {info['dtype']}: load with mmap=False."
+        )
+    begin = info["data_offsets"][0]
+    return np.memmap(
+        path, dtype=_NUMPY_DTYPES[info["dtype"]], mode="r", offset=8 + header_len + begin, shape=tuple(info["shape"])
+    )

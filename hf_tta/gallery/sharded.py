@@ -1,0 +1,96 @@
+"""A gallery sharded across processes: each process holds ``1/P`` of the items in any local backend; a search runs
+on every shard, the per-shard top-k are all-gathered and merged, and candidate embeddings are assembled from their
+owners (an all-reduce of rows owned by exactly one process, so the result is exact).
+
+Every call is a collective: all processes must call :meth:`ShardedGallery.search` / :meth:`gather` with the same
+queries and indices, which is what the one-stream distributed wrapper (:class:`hf_tta.DistributedTTAWrapper`) does
+(its query embeddings are all-gathered, so every process holds the global batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import GalleryBackend, TopKScores, check_k, merge_topk
+
+
+class ShardedGallery(GalleryBackend):
+    """Items ``[offset, offset + len(local))`` of a global gallery live in this process's ``local`` backend.
+
+    Args:
+        local (`GalleryBackend`): this process's shard (a :class:`ChunkedGallery` or :class:`FaissGallery`); shards
+            are concatenated in rank order to form the global gallery.
+        k (`int`, *optional*): neighbours per query; default ``local.k``.
+        group: the process group (default: the world).
+    """
+
+    def __init__(self, local: GalleryBackend, k: int | None = None, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedGallery needs an initialised torch.distributed process group (hf_tta.init_distributed())."
+            )
+        if isinstance(local, ShardedGallery):
+            raise TypeError("The local shard must be a single-process backend, not a ShardedGallery.")
+        self.local, self.group = local, group
+        self.modality = local.modality
+        self.k = check_k(k if k is not None else local.k)
+        self.exact = local.exact
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        sizes = torch.zeros(self.world, dtype=torch.long)
+        sizes[self.rank] = len(local)
+        dist.all_reduce(sizes, group=group)
+        dims = torch.zeros(self.world, dtype=torch.long)
+        dims[self.rank] = local.dim
+        dist.all_reduce(dims, group=group)
+        if (dims != local.dim).any():
+            raise ValueError(f"The shards disagree on the embedding dimension: {dims.tolist()}.")
+        self.sizes = sizes.tolist()
+        self.offset = sum(self.sizes[: self.rank])
+        self._n = sum(self.sizes)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def dim(self) -> int:
+        return self.local.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def _comm_device(self) -> torch.device:
+        return (
+            torch.device("cpu")
+            if dist.get_backend(self.group) == "gloo"
+            else torch.device("cuda", torch.cuda.current_device())
+        )
+
+    @torch.no_grad()
+    def search(self, queries: torch.Tensor, k: int) -> TopKScores:
+        k = min(check_k(k), self._n)
+        dev = self._comm_device()
+        res = self.local.search(queries, min(k, len(self.local)))
+        values = torch.full((queries.shape[0], k), float("-inf"), device=dev)
+        indices = torch.full((queries.shape[0], k), -1, dtype=torch.long, device=dev)
+        values[:, : res.k] = res.values.to(dev, torch.float32)
+        indices[:, : res.k] = res.indices.to(dev) + self.offset
+        all_v = [torch.empty_like(values) for _ in range(self.world)]
+        all_i = [torch.empty_like(indices) for _ in range(self.world)]
+        dist.all_gather(all_v, values, group=self.group)
+        dist.all_gather(all_i, indices, group=self.group)
+        merged = merge_topk(torch.cat(all_v, 1), torch.cat(all_i, 1), k)  # padding (-inf) never wins: k <= N
+        return merged.to(queries.device)
+
+    @torch.no_grad()
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        dev = self._comm_device()
+        ids = indices.to(dev)
+        own = (ids >= self.offset) & (ids < self.offset + len(self.local))
+        rows = torch.zeros(ids.shape[0], self.dim, device=dev)
+        if own.any():
+            rows[own] = self.local.gather(ids[own] - self.offset).to(dev, torch.float32)
+        dist.all_reduce(rows, group=self.group)  # each row is owned by exactly one process: the sum is exact
+        return rows.to(self.local.device)
