@@ -2,6 +2,7 @@
 
 from .version import __version__
 from .config import TTAConfig
+from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
 from .metrics import retrieval_metrics, topk_retrieval_metrics
 from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
@@ -26,6 +27,7 @@ __all__ = [
     "ShardedGallery",
     "TopKScores",
     "ClapAdapter",
+    "DistributedTTAWrapper",
     "DualEncoderAdapter",
     "GalleryCache",
     "LossOutput",
@@ -39,6 +41,7 @@ __all__ = [
     "XCLIPAdapter",
     "available_objectives",
     "get_adapter",
+    "init_distributed",
     "register_adapter",
     "register_objective",
     "retrieval_metrics",
