@@ -137,6 +137,18 @@ class TTAConfig(ConfigMixin):
             return None
         return _build(self.score_transform, self.score_transform_config, "score_transform_config")
 
+    def resolved(self, **values: Any) -> "TTAConfig":
+        """This config with every default written out, as PEFT saves its configs: the objective's and the score
+        transform's full hyper-parameters, plus ``values`` (e.g. the wrapper's resolved ``lr`` and
+        ``gallery_modality``). Saved checkpoints keep their meaning when a default changes."""
+        transform = self.build_score_transform_config()
+        return dataclasses.replace(
+            self,
+            objective_config=self.build_objective_config().to_dict(),
+            score_transform_config=transform.to_dict() if transform is not None else {},
+            **values,
+        )
+
 
 def _build(name: str, overrides: dict[str, Any], field_name: str) -> ObjectiveConfig:
     config_class = get_objective_class(name).config_class

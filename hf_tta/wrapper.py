@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -14,19 +13,20 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from peft import LNTuningConfig, PeftModel, get_peft_model
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import checkpoint
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gradient_decoupling import apply_gradient_decoupling
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, ObjectiveInputs, build_objective
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "tta_state.safetensors"
+STATE_FILE = checkpoint.STATE_FILE
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -491,13 +491,22 @@ class TTAWrapper:
         self.batch_index = 0
         self.generator.manual_seed(self.config.seed)
 
+    def resolved_config(self) -> TTAConfig:
+        """The config with every default written out (objective hyper-parameters, learning rate, gallery modality):
+        what ``tta_config.json`` records, so that a checkpoint keeps its meaning when a default changes."""
+        return self.config.resolved(lr=getattr(self, "lr", self.config.lr), gallery_modality=self.gallery_modality)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The source model this wrapper adapts: class, config hash, adapted parameter names and shapes."""
+        return checkpoint.model_fingerprint(self.model, self.params)
+
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``tta_config.json`` and ``tta_state.safetensors`` (adapted parameters, optimiser and objective
-        state, batch counter and RNG state), so that a resumed stream continues exactly where it stopped."""
-        os.makedirs(save_directory, exist_ok=True)
-        self.config.save_pretrained(save_directory)
+        """Write the checkpoint folder, atomically (written beside it, then renamed into place; see
+        :mod:`hf_tta.checkpoint`): ``tta_config.json`` (the full resolved config) and ``tta_state.safetensors``
+        (adapted parameters, optimiser and objective state, batch counter, RNG state, the config again and the model
+        fingerprint), so that a resumed stream continues exactly where it stopped."""
         tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in self.params.items()}
-        meta: dict[str, Any] = {"param_names": list(self.params)}
+        meta: dict[str, Any] = {"param_names": list(self.params), "fingerprint": self.fingerprint(), "hf_tta_version": __version__}
         if self.optimizer is not None:
             sd = self.optimizer.state_dict()
             plain_state: dict[str, dict[str, Any]] = {}
@@ -515,22 +524,25 @@ class TTAWrapper:
         tensors["wrapper.batch_index"] = torch.tensor(self.batch_index)
         tensors["wrapper.rng_state"] = self.generator.get_state()
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        save_file(tensors, os.path.join(save_directory, STATE_FILE), metadata={"hf_tta": json.dumps(meta)})
+        config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
+        checkpoint.write_checkpoint(save_directory, config, tensors, meta)
 
     def load_state(self, directory: str | os.PathLike) -> None:
-        """Load what :meth:`save_pretrained` wrote into this wrapper (same model and config)."""
-        from safetensors import safe_open
+        """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint
+        adapted from another model is refused with a message naming both; nothing changes on a refusal."""
+        self._load_checkpoint(checkpoint.read_checkpoint(directory))
 
-        path = os.path.join(directory, STATE_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No {STATE_FILE} in {directory!r}.")
-        with safe_open(path, framework="pt") as fh:
-            meta = json.loads(fh.metadata()["hf_tta"])
-        tensors = load_file(path, device=str(self.device))
+    def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
+        meta = ckpt.metadata
+        if ckpt.fingerprint is not None:
+            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, self.fingerprint())
+            if mismatch:
+                raise ValueError(mismatch)
         if meta["param_names"] != list(self.params):
             raise ValueError(
                 "The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?"
             )
+        tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(tensors[f"param.{name}"])
@@ -553,11 +565,51 @@ class TTAWrapper:
         self.generator.set_state(tensors["wrapper.rng_state"].cpu())
 
     @classmethod
-    def from_pretrained(cls, model: nn.Module | ModelAdapter, directory: str | os.PathLike) -> "TTAWrapper":
-        """Rebuild a wrapper around the *source* ``model`` and load the adapted state saved in ``directory``."""
-        wrapper = cls(model, TTAConfig.from_pretrained(directory))
-        wrapper.load_state(directory)
+    def from_pretrained(
+        cls,
+        model: nn.Module | ModelAdapter,
+        repo_id_or_path: str | os.PathLike,
+        *,
+        revision: str | None = None,
+        token: str | None = None,
+        api=None,
+    ) -> "TTAWrapper":
+        """Rebuild a wrapper around the *source* ``model`` and load the adapted state saved by :meth:`save_pretrained`
+        in a local folder, or pushed by :meth:`push_to_hub` to a Hub repository (``revision`` pins a commit).
+
+        The checkpoint's fingerprint is checked before the model is touched: a checkpoint adapted from another model
+        is refused with a message naming both.
+        """
+        from .checkpoint_hub import resolve_checkpoint_folder
+
+        folder = resolve_checkpoint_folder(repo_id_or_path, revision=revision, token=token, api=api)
+        ckpt = checkpoint.read_checkpoint(folder)
+        if ckpt.fingerprint is not None:  # class and config before PEFT wraps the model; parameters after
+            base = model.model if isinstance(model, ModelAdapter) else model
+            current = checkpoint.model_fingerprint(base, {})
+            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, current, check_params=False)
+            if mismatch:
+                raise ValueError(mismatch)
+        wrapper = cls(model, TTAConfig.from_dict(ckpt.config))
+        wrapper._load_checkpoint(ckpt)
         return wrapper
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+        api=None,
+    ) -> str:
+        """Push the checkpoint (as :meth:`save_pretrained` writes it) and a model card recording the source model,
+        the objective, the stream length and the config to the Hub repository ``repo_id``, in one commit.
+        ``api`` is an ``HfApi``-like object (default ``HfApi(token=token)``). Returns ``repo_id``."""
+        from .checkpoint_hub import push_checkpoint
+
+        return push_checkpoint(self, repo_id, private=private, token=token, revision=revision, commit_message=commit_message, api=api)
 
     def merge_and_unload(self) -> nn.Module:
         """The model with the adapted parameters merged in (a plain transformers model again)."""

@@ -1,0 +1,214 @@
+"""Checkpoint folders that survive a kill, and the fingerprint of the model a checkpoint was adapted from.
+
+A checkpoint is a folder with two files: ``tta_config.json`` (the full resolved :class:`~hf_tta.TTAConfig`, readable)
+and ``tta_state.safetensors`` (every tensor of the wrapper's state; its metadata holds the same config, the model
+fingerprint and the optimiser's non-tensor state). The state file is self-contained: loading reads the config from
+it, so a reader never pairs one save's config with another save's state.
+
+**How a folder ``D`` is written** (:func:`write_checkpoint`), so that a reader sees the old complete checkpoint or the
+new complete one, whenever the writing process dies:
+
+1. both files are written into a fresh folder ``.D.tmp-<pid>-<random>`` beside ``D`` (same filesystem), each file
+   flushed and ``fsync``-ed, then the folder itself ``fsync``-ed;
+2. if ``D`` exists it is renamed to the backup ``.D.old`` (a backup left by an earlier interrupted save is removed
+   first, which is safe because ``D`` is then complete);
+3. the temporary folder is renamed to ``D``, and the parent folder ``fsync``-ed;
+4. the backup is removed.
+
+A kill during 1 leaves ``D`` untouched (the stale temporary folder is removed by the next save); between 2 and 3
+there is no ``D`` but a complete ``.D.old``, which :func:`read_checkpoint` loads (with a warning); between 3 and 4,
+``D`` is the new checkpoint and the stale backup is removed by the next save. ``D`` may hold only checkpoint files
+(a folder with other files is refused rather than moved). One writer per folder at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "tta_config.json"
+STATE_FILE = "tta_state.safetensors"
+CHECKPOINT_FILES = (CONFIG_FILE, STATE_FILE)
+FORMAT = 1  # bump when the layout of the state file changes
+# Config keys that describe how a model was loaded or serialised, not what it computes.
+_VOLATILE_KEYS = frozenset({"transformers_version", "architectures", "dtype", "torch_dtype"})
+
+
+# ---------------------------------------------------------------------------------------------------- fingerprint
+def config_hash(model: nn.Module) -> str:
+    """SHA-256 of the model's config (``to_diff_dict()`` without load/serialisation keys such as ``dtype``,
+    ``architectures``, ``_name_or_path``); for a model without a Hugging Face config, of its parameter names and shapes."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_diff_dict"):
+        payload: Any = _drop_volatile(config.to_diff_dict())
+    else:
+        payload = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _drop_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_volatile(v) for k, v in value.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
+    if isinstance(value, (list, tuple)):
+        return [_drop_volatile(v) for v in value]
+    return value
+
+
+def model_fingerprint(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What a checkpoint was adapted from: the model's class, its config hash, the adapted parameters' names and shapes."""
+    return {
+        "model_class": type(model).__name__,
+        "config_sha256": config_hash(model),
+        "adapted": {name: list(p.shape) for name, p in params.items()},
+    }
+
+
+def describe_fingerprint(fp: Mapping[str, Any]) -> str:
+    return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}, {len(fp['adapted'])} adapted tensors)"
+
+
+def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], check_params: bool = True) -> str | None:
+    """``None`` if ``current`` is the model ``saved`` describes, else a message naming both."""
+    if saved["model_class"] != current["model_class"]:
+        why = "another model class"
+    elif saved["config_sha256"] != current["config_sha256"]:
+        why = "another model config"
+    elif check_params and saved["adapted"] != current["adapted"]:
+        names = sorted(set(saved["adapted"]) ^ set(current["adapted"]))
+        shapes = [n for n in saved["adapted"] if n in current["adapted"] and saved["adapted"][n] != current["adapted"][n]]
+        detail = f"names differ, e.g. {names[:2]}" if names else f"shapes differ, e.g. {shapes[:2]}"
+        why = f"a wrapper that adapts other parameters ({detail}): another query modality or target_modules?"
+    else:
+        return None
+    return (
+        f"This checkpoint was adapted from {describe_fingerprint(saved)}, but it is being loaded into "
+        f"{describe_fingerprint(current)}: {why}. Load it into the source model it was adapted from."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- write
+def write_checkpoint(
+    directory: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
+) -> Path:
+    """Write ``config`` and ``tensors`` (+ ``metadata``) as a checkpoint folder, atomically (see the module docstring)."""
+    target = Path(directory).absolute()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save_directory {str(target)!r} is a file: give a folder path.")
+    if target.is_dir():
+        foreign = sorted(p.name for p in target.iterdir() if p.name not in CHECKPOINT_FILES)
+        if foreign:
+            raise ValueError(
+                f"save_directory {str(target)!r} holds other files than a checkpoint ({foreign[:3]}): the checkpoint "
+                "folder is replaced as a whole, so give it a folder of its own (e.g. a subfolder)."
+            )
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".{target.name}.tmp-*"):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    config_text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    meta = {"hf_tta": json.dumps({**metadata, "config": dict(config), "format": FORMAT})}
+    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        _write_synced(tmp / CONFIG_FILE, config_text.encode())
+        _write_synced(tmp / STATE_FILE, save_safetensors(dict(tensors), metadata=meta))
+        _fsync_dir(tmp)
+        backup = _backup(target)
+        if target.exists():
+            if backup.exists():  # an earlier save died after step 3: target is complete, the backup is stale
+                shutil.rmtree(backup)
+            os.rename(target, backup)
+        os.rename(tmp, target)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+    return target
+
+
+def _backup(target: Path) -> Path:
+    return target.parent / f".{target.name}.old"
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":  # folders cannot be opened for fsync on Windows; rename is still atomic there
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------- read
+@dataclass
+class Checkpoint:
+    """A checkpoint read from one folder: its config, tensors (on CPU) and metadata."""
+
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+
+    @property
+    def fingerprint(self) -> dict[str, Any] | None:
+        return self.metadata.get("fingerprint")
+
+
+def read_checkpoint(directory: str | os.PathLike, attempts: int = 3) -> Checkpoint:
+    """Read the checkpoint in ``directory``, or its backup when a save was interrupted between the two renames.
+
+    The state file is read in one ``open`` (its metadata carries the config), so a concurrent save cannot pair two
+    saves' halves; a reader that meets the instant between the two renames retries.
+    """
+    target = Path(directory).absolute()
+    for attempt in range(attempts):
+        for folder in (target, _backup(target)):
+            try:
+                data = (folder / STATE_FILE).read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if folder != target:
+                logger.warning("%s: an interrupted save left no checkpoint; loading the previous one from %s", target, folder)
+            return _parse(folder, data)
+        if attempt + 1 < attempts:
+            time.sleep(0.05)
+    raise FileNotFoundError(f"No {STATE_FILE} in {str(target)!r}: was it written by TTAWrapper.save_pretrained()?")
+
+
+def _parse(folder: Path, data: bytes) -> Checkpoint:
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    meta = json.loads(header.get("__metadata__", {}).get("hf_tta", "{}"))
+    if meta.get("format", 0) > FORMAT:
+        raise ValueError(f"{folder}: checkpoint format {meta['format']} is newer than this hf_tta reads ({FORMAT}): upgrade hf_tta.")
+    config = meta.pop("config", None)
+    if config is None:  # written before the config was embedded in the state file
+        with open(folder / CONFIG_FILE, encoding="utf-8") as fh:
+            config = json.load(fh)
+    config.pop("hf_tta_version", None)
+    return Checkpoint(folder, config, load_safetensors(data), meta)

@@ -1,0 +1,230 @@
+"""Checkpoints (issue 12, items 2 and 8): what a checkpoint contains, the full resolved config, the model fingerprint,
+the atomic folder swap (each crash window, and a saving process SIGKILLed at random points many times)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from hf_tta import TTAConfig, TTAWrapper, checkpoint
+from hf_tta.checkpoint import CONFIG_FILE, STATE_FILE, read_checkpoint
+from hf_tta.objectives.base import get_objective_class
+from tiny_models import batch, make_model
+
+
+def _adapted(batches=1, model_name="clip", query="image", **cfg):
+    tta = TTAWrapper(make_model(model_name), TTAConfig(query_modality=query, **cfg))
+    g = tta.encode_gallery(batch("text" if query == "image" else "image", 8, seed=1))
+    for i in range(batches):
+        tta.adapt_step(batch(query, 6, seed=10 + i), g)
+    return tta
+
+
+def _same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------- contents
+def test_checkpoint_contents_and_full_resolved_config(tmp_path):
+    tta = _adapted(2, objective="tcr", objective_config={"tau": 0.05})
+    target = tmp_path / "ckpt"
+    tta.save_pretrained(target)
+    assert sorted(p.name for p in target.iterdir()) == [CONFIG_FILE, STATE_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder or backup left
+    saved = json.loads((target / CONFIG_FILE).read_text())
+    # every hyper-parameter written out, the user's override kept; lr and gallery modality resolved
+    full = dataclasses.asdict(get_objective_class("tcr").config_class(tau=0.05))
+    assert saved["objective_config"] == json.loads(json.dumps(full)) and saved["objective_config"]["tau"] == 0.05
+    assert saved["lr"] == 3e-4 and saved["gallery_modality"] == "text" and saved["hf_tta_version"]
+    ckpt = read_checkpoint(target)
+    assert {k: v for k, v in saved.items() if k != "hf_tta_version"} == ckpt.config  # the state file carries it too
+    fp = ckpt.fingerprint
+    assert fp["model_class"] == "CLIPModel" and len(fp["config_sha256"]) == 64
+    assert fp["adapted"] == {n: list(p.shape) for n, p in tta.params.items()}
+    kinds = {k.split(".", 1)[0] for k in ckpt.tensors}
+    assert kinds == {"param", "optim", "objective", "wrapper"}
+    assert int(ckpt.tensors["wrapper.batch_index"]) == 2
+    assert _same_tensors({k[6:]: v for k, v in ckpt.tensors.items() if k.startswith("param.")}, {n: p.detach() for n, p in tta.params.items()})
+
+
+def test_saved_config_keeps_its_meaning_when_a_default_changes(tmp_path, monkeypatch):
+    tta = _adapted(1, objective="tcr")
+    tta.save_pretrained(tmp_path / "ckpt")
+    objective_class = get_objective_class("tcr")
+
+    @dataclasses.dataclass
+    class NewDefaults(objective_class.config_class):
+        tau: float = 0.5  # a later release changes the default
+
+    monkeypatch.setattr(objective_class, "config_class", NewDefaults)
+    assert TTAConfig(objective="tcr").build_objective_config().tau == 0.5
+    loaded = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
+    assert loaded.objective.config.tau == 0.02 and loaded.lr == 3e-4
+
+
+def test_fingerprint_is_stable_across_transformers_save_and_load(tmp_path):
+    from transformers import CLIPModel
+
+    model = make_model("clip")
+    model.save_pretrained(tmp_path / "hf")
+    reloaded = CLIPModel.from_pretrained(tmp_path / "hf")
+    assert checkpoint.config_hash(model) == checkpoint.config_hash(reloaded)
+    _adapted(1).save_pretrained(tmp_path / "ckpt")
+    assert TTAWrapper.from_pretrained(reloaded, tmp_path / "ckpt").batch_index == 1
+
+
+def test_another_model_is_refused_naming_both_before_it_is_touched(tmp_path):
+    _adapted(1).save_pretrained(tmp_path / "ckpt")
+    siglip = make_model("siglip")
+    with pytest.raises(ValueError, match=r"adapted from CLIPModel .*loaded into SiglipModel.*another model class"):
+        TTAWrapper.from_pretrained(siglip, tmp_path / "ckpt")
+    assert not any("ln_tuning" in n for n, _ in siglip.named_modules())  # not wrapped by PEFT
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = make_model("clip").config.to_dict()
+    cfg["projection_dim"] = 8
+    other = CLIPModel(CLIPConfig.from_dict(cfg))
+    with pytest.raises(ValueError, match=r"CLIPModel \(config sha256 \w+, \d+ adapted tensors\).*another model config"):
+        TTAWrapper.from_pretrained(other, tmp_path / "ckpt")
+
+
+def test_load_state_refusal_changes_nothing(tmp_path):
+    _adapted(1, query="image").save_pretrained(tmp_path / "ckpt")
+    text = _adapted(1, query="text")
+    params = {n: p.detach().clone() for n, p in text.params.items()}
+    state = {k: v.clone() for k, v in text.state.items()}
+    with pytest.raises(ValueError, match="adapts other parameters"):
+        text.load_state(tmp_path / "ckpt")
+    assert _same_tensors(params, {n: p.detach() for n, p in text.params.items()}) and _same_tensors(state, text.state)
+    assert text.batch_index == 1
+
+
+def test_bad_targets_are_refused(tmp_path):
+    tta = _adapted(0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        tta.save_pretrained(tmp_path / "file")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds other files than a checkpoint \(\['notes.txt'\]\)"):
+        tta.save_pretrained(tmp_path / "mixed")
+    assert (tmp_path / "mixed" / "notes.txt").read_text() == "mine"
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------------- crash windows
+class _Crash(BaseException):
+    """Stands in for the process dying at that instant (BaseException: not swallowed by `except Exception`)."""
+
+
+def _crash_on_call(monkeypatch, module, name, n):
+    original = getattr(module, name)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == n:
+            raise _Crash(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+def test_crash_between_the_two_renames_loads_the_old_checkpoint(tmp_path, monkeypatch, caplog):
+    old, new = _adapted(1), _adapted(2)
+    target = tmp_path / "ckpt"
+    old.save_pretrained(target)
+    _crash_on_call(monkeypatch, checkpoint.os, "rename", 2)  # 1: target -> backup done; 2: tmp -> target dies
+    with pytest.raises(_Crash):
+        new.save_pretrained(target)
+    monkeypatch.undo()
+    assert not target.exists() and (tmp_path / ".ckpt.old").is_dir()
+    with caplog.at_level("WARNING"):
+        assert int(read_checkpoint(target).tensors["wrapper.batch_index"]) == 1
+    assert "interrupted save" in caplog.text
+    assert TTAWrapper.from_pretrained(make_model("clip"), target).batch_index == 1
+    new.save_pretrained(target)  # the next save completes and clears the backup
+    assert int(read_checkpoint(target).tensors["wrapper.batch_index"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_crash_after_the_swap_loads_the_new_checkpoint(tmp_path, monkeypatch):
+    old, new = _adapted(1), _adapted(2)
+    target = tmp_path / "ckpt"
+    old.save_pretrained(target)
+    _crash_on_call(monkeypatch, checkpoint, "_fsync_dir", 2)  # 1: the temporary folder; 2: the parent, after the swap
+    with pytest.raises(_Crash):
+        new.save_pretrained(target)
+    monkeypatch.undo()
+    assert (tmp_path / ".ckpt.old").is_dir()  # stale backup
+    assert int(read_checkpoint(target).tensors["wrapper.batch_index"]) == 2
+    old.save_pretrained(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_crash_while_writing_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    old, new = _adapted(1), _adapted(2)
+    target = tmp_path / "ckpt"
+    old.save_pretrained(target)
+    _crash_on_call(monkeypatch, checkpoint, "_write_synced", 2)  # the config is written, the state is not
+    with pytest.raises(_Crash):
+        new.save_pretrained(target)
+    monkeypatch.undo()
+    assert int(read_checkpoint(target).tensors["wrapper.batch_index"]) == 1
+
+
+# ------------------------------------------------------------------------------------- SIGKILL at random points
+KILLS = 40
+
+
+def _save_forever(a, b, target, started):
+    torch.set_num_threads(1)
+    started.set()
+    while True:
+        a.save_pretrained(target)
+        b.save_pretrained(target)
+
+
+def test_a_saving_process_killed_at_random_points_leaves_old_or_new(tmp_path):
+    """A forked child saves two states alternately into one folder; the parent SIGKILLs it at random instants
+    (KILLS times, each kill spread over about two saves); after every kill the folder loads, exactly, to one of them."""
+    a, b = _adapted(1), _adapted(2)
+    expected = {}
+    for name, tta in (("a", a), ("b", b)):
+        tta.save_pretrained(tmp_path / name)
+        expected[name] = read_checkpoint(tmp_path / name)
+    target = tmp_path / "ckpt"
+    a.save_pretrained(target)
+    start = time.perf_counter()
+    for _ in range(5):
+        a.save_pretrained(target)
+    save_s = (time.perf_counter() - start) / 5
+    ctx = multiprocessing.get_context("fork")
+    rng = random.Random(0)
+    outcomes = {"a": 0, "b": 0}
+    for i in range(KILLS):
+        started = ctx.Event()
+        child = ctx.Process(target=_save_forever, args=(a, b, target, started), daemon=True)
+        child.start()
+        assert started.wait(60)
+        time.sleep(rng.uniform(0, 2.5 * save_s))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+        got = read_checkpoint(target)
+        matches = [n for n, e in expected.items() if got.config == e.config and _same_tensors(got.tensors, e.tensors)]
+        assert len(matches) == 1, f"kill {i}: the folder holds neither complete state"
+        outcomes[matches[0]] += 1
+        if i % 10 == 0:  # and it loads into a wrapper
+            loaded = TTAWrapper.from_pretrained(make_model("clip"), target)
+            assert loaded.batch_index == {"a": 1, "b": 2}[matches[0]]
+    assert outcomes["a"] + outcomes["b"] == KILLS and min(outcomes.values()) > 0  # kills landed in both saves
