@@ -72,6 +72,15 @@ class TTAConfig(ConfigMixin):
             "the objective's own candidates. REST uses it under diverse query shift."
         },
     )
+    gd_weight_on: str = field(
+        default="step_size",
+        metadata={
+            "help": "Where gradient decoupling's weight W_d = exp(-KL) acts: 'step_size' (default) multiplies the "
+            "learning rate of that step by W_d, so the AdamW update shrinks by exactly W_d (AdamW ignores a constant "
+            "scale on the gradient); 'gradient' multiplies the gradient (REST Eq. 17 literally, almost no effect "
+            "under AdamW)."
+        },
+    )
     gd_per_tensor: bool = field(
         default=False,
         metadata={
@@ -108,6 +117,7 @@ class TTAConfig(ConfigMixin):
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("gallery_batch_size", self.gallery_batch_size)
         check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
+        check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
         # Validate the overrides now, not at the first batch.
         self.build_objective_config()

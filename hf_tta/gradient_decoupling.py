@@ -7,8 +7,17 @@ For any gradient objective whose :class:`~hf_tta.objectives.LossOutput` carries 
 * the reference is the *frozen source model's* prediction over the same candidates, ``p̂_S``, formed from the source
   scores of the same queries (``ObjectiveInputs.source_scores()``: PEFT's disable-adapter, no second copy of the model);
 * ``D = mean_i KL(p̂_S,i || p̂_i)`` (Eq. 15), ``G_r = ∇D`` (the "general" direction), ``G_d = ∇L`` (Eq. 16);
-* if ``G_d · G_r < 0`` the component of ``G_d`` along ``G_r`` is removed; the result is scaled by
-  ``W_d = exp(-D)`` (Eq. 17, D detached). The optimiser then steps with the decoupled gradient.
+* if ``G_d · G_r < 0`` the component of ``G_d`` along ``G_r`` is removed; the update is scaled by
+  ``W_d = exp(-D)`` (Eq. 17, D detached).
+
+Where ``W_d`` acts (``TTAConfig.gd_weight_on``). Eq. 17 multiplies the gradient by ``W_d``, which shrinks the step of
+plain SGD by ``W_d``. Under Adam(W), the optimiser of TCR's and REST's code, the update ``m / (sqrt(v) + eps)`` is
+invariant to a constant rescaling of the gradient, so a weight on the gradient barely acts (a weight of 0.3 changed
+the first step's norm by 0.01%, issue 13): GD would be a projection only. By default (``"step_size"``) ``W_d`` therefore
+multiplies the optimiser's learning rate for that step (and is restored right after: :func:`scaled_step_size`), which
+scales the whole AdamW update (the decoupled step and the decoupled weight decay) by exactly ``W_d`` — what Eq. 17 does
+to an SGD step. ``"gradient"`` keeps the literal Eq. 17 (weight on the gradient). With SAM (SAR) the closure's second
+pass is decoupled too and the weight of the first pass sets the base optimiser's step.
 
 Granularity (the paper does not say): by default the dot product and the projection are taken over **one flattened
 vector of all adapted parameters**; ``TTAConfig(gd_per_tensor=True)`` projects each parameter tensor on its own
@@ -17,11 +26,35 @@ vector of all adapted parameters**; ``TTAConfig(gd_per_tensor=True)`` projects e
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import contextlib
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 from .objectives.base import LossOutput
+
+
+#: Where the weight ``W_d`` of Eq. 17 acts: on the optimiser's step size (default) or on the gradient (literal Eq. 17).
+WEIGHT_ON = ("step_size", "gradient")
+
+
+@contextlib.contextmanager
+def scaled_step_size(optimizer: torch.optim.Optimizer, factor: torch.Tensor | float | None) -> Iterator[None]:
+    """Multiply every parameter group's learning rate by ``factor`` (``W_d``) for one ``optimizer.step``; the original
+    values are put back afterwards (assigned, not divided, so they are restored bit for bit). ``None`` = no change.
+    One host sync to read a tensor ``factor``."""
+    if factor is None:
+        yield
+        return
+    factor = float(factor)
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, saved):
+        group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 def source_logits(output: LossOutput, source_scores: torch.Tensor) -> torch.Tensor:
@@ -54,12 +87,18 @@ def apply_gradient_decoupling(
     source_scores: Callable[[], torch.Tensor],
     per_tensor: bool = False,
     objective_name: str = "",
+    weight_on: str = "step_size",
 ) -> dict[str, torch.Tensor]:
     """Replace ``p.grad`` (holding ``G_d``, from ``loss.backward(retain_graph=True)``) by the decoupled gradient.
+
+    ``weight_on="gradient"`` multiplies the gradient by ``W_d`` (Eq. 17 literally); ``"step_size"`` leaves the
+    projected gradient unscaled and the caller scales the step by the returned ``gd_weight`` (:func:`scaled_step_size`).
 
     Returns diagnostics as 0-d tensors (no device sync): the KL, ``W_d``, the angle between ``G_d`` and ``G_r`` before
     projection (degrees) and whether the projection fired (flattened vector).
     """
+    if weight_on not in WEIGHT_ON:
+        raise ValueError(f"`weight_on` must be one of {list(WEIGHT_ON)}, got {weight_on!r}.")
     if output.logits is None:
         raise ValueError(
             f"gradient_decoupling=True needs the prediction the loss is built on, but objective {objective_name!r} "
@@ -81,6 +120,7 @@ def apply_gradient_decoupling(
     g_r = [torch.zeros_like(p) if g is None else g for p, g in zip(plist, g_r)]
     g_d = [torch.zeros_like(p) if p.grad is None else p.grad for p in plist]
     weight = torch.exp(-kl)
+    grad_weight = weight if weight_on == "gradient" else torch.ones_like(weight)
     flat_d = torch.cat([g.reshape(-1) for g in g_d])
     flat_r = torch.cat([g.reshape(-1) for g in g_r])
     dot = torch.dot(flat_d, flat_r)
@@ -88,9 +128,9 @@ def apply_gradient_decoupling(
     angle = torch.rad2deg(torch.acos(cos.clamp(-1, 1)))
     with torch.no_grad():
         if per_tensor:
-            new = [decouple(d.reshape(-1), r.reshape(-1), weight).view_as(d) for d, r in zip(g_d, g_r)]
+            new = [decouple(d.reshape(-1), r.reshape(-1), grad_weight).view_as(d) for d, r in zip(g_d, g_r)]
         else:
-            flat = decouple(flat_d, flat_r, weight)
+            flat = decouple(flat_d, flat_r, grad_weight)
             new = list(torch.split(flat, [p.numel() for p in plist]))
             new = [n.view_as(p) for n, p in zip(new, plist)]
         for p, g, out in zip(plist, new, outside):

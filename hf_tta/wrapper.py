@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from . import checkpoint
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
-from .gradient_decoupling import apply_gradient_decoupling
+from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, ObjectiveInputs, build_objective
 from .version import __version__
@@ -408,14 +408,15 @@ class TTAWrapper:
                 skipped.append(f"step {step}: {reason}")
                 continue
             closure = self._closure(queries, gallery, step) if getattr(self.optimizer, "requires_closure", False) else None
-            self.optimizer.step(closure)
+            with scaled_step_size(self.optimizer, self._gd_step_factor(res)):  # GD's W_d on the step size
+                self.optimizer.step(closure)
             self.optimizer.zero_grad(set_to_none=True)
             updates += 1
             if self.objective.on_step_end(inputs, res, self.state):
                 self._restore_parameters()
         if skipped:
             logger.info("adapt_step skipped %s", "; ".join(skipped))
-        scores = self._transform_scores(inputs, scores)
+        scores = self._final_scores(queries, gallery, inputs, scores)
         return TTAOutput(
             scores=scores, loss=last_loss, num_updates=updates, n_selected=res.n_selected, skipped=skipped, logs=_floats(res.logs)
         )
@@ -427,8 +428,24 @@ class TTAWrapper:
             return {}
         res.loss.backward(retain_graph=True)  # G_r = grad KL(p_S || p) is taken through the same graph
         return apply_gradient_decoupling(
-            res, self.params, inputs.source_scores, self.config.gd_per_tensor, self.config.objective
+            res, self.params, inputs.source_scores, self.config.gd_per_tensor, self.config.objective,
+            weight_on=self.config.gd_weight_on,
         )
+
+    def _gd_step_factor(self, res: LossOutput) -> torch.Tensor | None:
+        """Gradient decoupling's ``W_d`` when it scales the step size (``gd_weight_on="step_size"``), else ``None``."""
+        if self.config.gradient_decoupling and self.config.gd_weight_on == "step_size":
+            return res.logs.get("gd_weight")
+        return None
+
+    def _final_scores(self, queries: dict, gallery, inputs: ObjectiveInputs, scores: torch.Tensor) -> torch.Tensor:
+        """The scores to report: the last step's forward (TCR's protocol), or for an objective with
+        ``score_after_update`` (ClipTTA's own protocol) a fresh forward after the last update; then the score transform."""
+        if getattr(self.objective, "score_after_update", False):
+            with torch.no_grad():
+                inputs = self._inputs(queries, gallery, self.config.steps)
+            scores = inputs.scores.detach()
+        return self._transform_scores(inputs, scores)
 
     def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> torch.Tensor:
         """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores."""

@@ -131,8 +131,11 @@ def test_gd_projection_never_conflicts_and_keeps_agreeing_gradients():
             assert torch.dot(out, g_r).abs() < 1e-10 and torch.allclose(out, w * (g_d - torch.dot(g_d, g_r) / g_r.dot(g_r) * g_r))
 
 
+@pytest.mark.parametrize("weight_on", ["step_size", "gradient"])
 @pytest.mark.parametrize("per_tensor", [False, True])
-def test_gd_applied_to_parameter_gradients(per_tensor):
+def test_gd_applied_to_parameter_gradients(per_tensor, weight_on):
+    """The projection of Eq. 17 on the gradients; W_d multiplies them only with weight_on="gradient" (with the default
+    "step_size" the wrapper scales the learning rate by the returned gd_weight instead)."""
     torch.manual_seed(1)
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 3))
     feats = torch.randn(4, 3)
@@ -146,8 +149,9 @@ def test_gd_applied_to_parameter_gradients(per_tensor):
     kl = prediction_kl(source / 0.1, logits)
     g_r = torch.autograd.grad(kl, [a, b], retain_graph=True)
     w = math.exp(-kl.item())
-    logs = apply_gradient_decoupling(out, {"a": a, "b": b}, lambda: source, per_tensor=per_tensor)
+    logs = apply_gradient_decoupling(out, {"a": a, "b": b}, lambda: source, per_tensor=per_tensor, weight_on=weight_on)
     assert logs["gd_kl"] == pytest.approx(kl.item(), rel=1e-6) and logs["gd_weight"] == pytest.approx(w, rel=1e-6)
+    w = w if weight_on == "gradient" else 1.0
     if per_tensor:
         expected = [decouple(d.flatten(), r.flatten(), w).view_as(d) for d, r in zip(g_d, g_r)]
     else:
@@ -577,7 +581,7 @@ def test_resume_equals_uninterrupted(tmp_path, objective, ocfg, wcfg):
         first.adapt_step(q, g1)
     first.save_pretrained(tmp_path)
     resumed = TTAWrapper.from_pretrained(make_model("clip"), tmp_path)
-    assert resumed.config == cfg
+    assert resumed.config.build_objective_config() == cfg.build_objective_config() and resumed.lr == full.lr
     g2 = resumed.encode_gallery(gallery_inputs)
     for q, exp in zip(stream[2:], expected[2:]):
         assert torch.allclose(resumed.adapt_step(q, g2).scores, exp, atol=1e-6)

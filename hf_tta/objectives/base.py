@@ -122,6 +122,8 @@ class Objective:
             only each query's top-``gallery_k`` items (exact on the candidates); ``"softmax"`` a softmax over the
             gallery (taken over the batch's candidates with a top-k backend); ``"full"`` the whole gallery (refused).
         gallery_k: the neighbours per query a ``"topk"`` objective needs (the backend searches ``max(k, gallery_k)``).
+        score_after_update: ``True`` asks the wrapper to report scores from a fresh forward after the batch's last
+            update (ClipTTA's own protocol); ``False`` (default) reports the last step's forward, as TCR's code does.
 
     Objectives must not write state tensors in place: they replace entries of ``state`` (the wrapper keeps the
     previous dict to roll back a step whose loss is not finite). An optimiser returned by :meth:`make_optimizer`
@@ -134,6 +136,7 @@ class Objective:
     requires_labels: ClassVar[bool] = False
     gallery_access: ClassVar[str] = "softmax"
     gallery_k: ClassVar[int] = 0
+    score_after_update: ClassVar[bool] = False
 
     def __init__(self, config: ObjectiveConfig | None = None):
         self.config = config if config is not None else self.config_class()

@@ -24,6 +24,13 @@ Per step, with B queries and the gallery (captions, or class prompts):
     (its own parameter group, no weight decay). Only queries with s_i > alpha enter the soft contrastive loss and the
     memory; L_reg and L_OCE use every query. ``ood_mask(scores)`` gives the ID/OOD decision of the last alpha.
 
+Protocol (``protocol``). ``"tcr"`` (default, for comparison with the other objectives): the loss above and scores
+from the last step's forward, as TCR's loop reports every method. ``"cliptta"`` (ClipTTA's own code,
+``ttavlm``): the memory batch also gets the marginal-entropy regulariser and the memory terms are added, not averaged
+(L = L_s-cont + L_s-cont^M + lambda_reg (L_reg + L_reg^M); the code's ``loss_tta += ...; loss_reg += ...``, which this
+library follows where it departs from Eq. 4's 1/2), and the predictions are taken after the last update (a fresh
+forward of the adapted model, ``score_after_update``).
+
 Paper settings to reproduce it (set them on ``TTAConfig``): Adam, lr 1e-4, no weight decay, 10 steps per batch,
 continual. The wrapper's defaults (AdamW, 3 steps, TCR's learning rates) are kept unless you change them.
 
@@ -59,11 +66,17 @@ from .base import (
 )
 
 OOD_SCORES = ("max_log_prob", "max_prob")
+PROTOCOLS = ("tcr", "cliptta")
 MEMORY_PREFIX = "memory."
 
 
 @dataclass
 class ClipTTAConfig(ObjectiveConfig):
+    protocol: str = config_field(
+        "tcr",
+        "'tcr' (default): TCR's protocol (scores from the last step's forward, 1/2 (L_sc + L_sc^M) + lambda_reg L_reg). "
+        "'cliptta': ClipTTA's code (memory batch also regularised, memory terms added, scores after the last update).",
+    )
     tau: float = config_field(0.01, "Temperature (CLIP logit scale 100).")
     lambda_reg: float = config_field(1.0, "Weight of the marginal-entropy regulariser (paper: 1).")
     use_memory: bool = config_field(True, "Class-wise confident memory (CCM).")
@@ -88,6 +101,7 @@ class ClipTTAConfig(ObjectiveConfig):
         check_positive("ood_gamma", self.ood_gamma)
         check_positive("otsu_bins", self.otsu_bins)
         check_choice("ood_score", self.ood_score, OOD_SCORES)
+        check_choice("protocol", self.protocol, PROTOCOLS)
 
     @classmethod
     def for_classification(cls, num_classes: int, shots: int = 16, **overrides) -> ClipTTAConfig:
@@ -163,6 +177,11 @@ class ClipTTA(Objective):
         # wrapper's optimiser (see make_optimizer). Its value never carries over to the next batch.
         self.alpha = nn.Parameter(torch.zeros(()))
 
+    @property
+    def score_after_update(self) -> bool:  # type: ignore[override]
+        """ClipTTA's own protocol reports the predictions of a fresh forward after the last update (wrapper hook)."""
+        return self.config.protocol == "cliptta"
+
     def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         params = list(params)
         if not self.config.open_set:
@@ -220,7 +239,8 @@ class ClipTTA(Objective):
         ok = order[rank_in_label[order] < shots]
         return ok[:size].sort().values
 
-    def _memory_loss(self, inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor | None:
+    def _memory_scores(self, inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor | None:
+        """Scores of a random memory batch re-embedded by the current model (``None`` without a usable memory)."""
         c = self.config
         n = state["memory_label"].numel()
         if not c.use_memory or n < 2 or inputs.reencode is None:
@@ -229,7 +249,7 @@ class ClipTTA(Objective):
         pick = torch.randperm(n, generator=inputs.generator)[:size].sort().values if size < n else torch.arange(n)
         memory = {k[len(MEMORY_PREFIX):]: v for k, v in state.items() if k.startswith(MEMORY_PREFIX)}
         _, m_scores = inputs.reencode(lambda _: select_rows(pick)(memory))
-        return soft_contrastive_loss(m_scores, c.tau)
+        return m_scores
 
     def ood_mask(self, scores: torch.Tensor) -> torch.Tensor:
         """``True`` for the queries the last threshold calls in-distribution (open set)."""
@@ -259,9 +279,14 @@ class ClipTTA(Objective):
         cols = top1[id_rows] if id_rows.numel() else top1  # the ID queries' pseudo-captions (all, if none is ID)
         logits = scores[:, cols] / c.tau  # every query against them (the prediction gradient decoupling regularises)
         l_sc = softmax_entropy(logits[id_rows]).mean() if id_rows.numel() else scores.sum() * 0
-        l_mem = self._memory_loss(inputs, state)
-        if l_mem is not None:
-            l_sc = 0.5 * (l_sc + l_mem)
+        m_scores = self._memory_scores(inputs, state)
+        if m_scores is not None:
+            l_mem = soft_contrastive_loss(m_scores, c.tau)
+            if c.protocol == "cliptta":  # the code: memory terms added, and the memory batch regularised too
+                l_sc = l_sc + l_mem
+                loss = loss + c.lambda_reg * marginal_entropy_regulariser(m_scores, c.tau)
+            else:
+                l_sc = 0.5 * (l_sc + l_mem)
             logs["loss_memory"] = l_mem.detach()
         loss = loss + l_sc
         logs.update(loss_s_cont=l_sc.detach(), memory_size=state["memory_label"].numel())
