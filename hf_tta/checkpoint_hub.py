@@ -44,7 +44,7 @@ def model_card(wrapper: "TTAWrapper", repo_id: str) -> str:
         ("model fingerprint", describe_fingerprint(fingerprint)),
         ("objective", f"`{config.objective}`" + (f" + score transform `{config.score_transform}`" if config.score_transform else "")),
         ("retrieval", f"{wrapper.query_modality} queries -> {wrapper.gallery_modality} gallery"),
-        ("stream length", f"{wrapper.batch_index} batches adapted ({config.steps} steps each, reset policy `{config.reset_policy}`)"),
+        ("stream length", f"{_batches(wrapper.batch_index)} adapted ({config.steps} steps each, reset policy `{config.reset_policy}`)"),
         ("adapted tensors", str(len(wrapper.params))),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -78,6 +78,10 @@ tta = TTAWrapper.from_pretrained(model, {repo_id!r})   # refuses another model, 
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
 
 
+def _batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"
+
+
 def push_checkpoint(
     wrapper: "TTAWrapper",
     repo_id: str,
@@ -100,7 +104,7 @@ def push_checkpoint(
         (folder / CARD_FILE).write_text(model_card(wrapper, repo_id), encoding="utf-8")
         api.create_repo(repo_id, private=private, exist_ok=True)
         operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in (*(CONFIG_FILE, STATE_FILE), CARD_FILE)]
-        message = commit_message or f"hf_tta checkpoint: {wrapper.config.objective} after {wrapper.batch_index} batches"
+        message = commit_message or f"hf_tta checkpoint: {wrapper.config.objective} after {_batches(wrapper.batch_index)}"
         api.create_commit(repo_id, operations=operations, commit_message=message, revision=revision)
     return repo_id
 
