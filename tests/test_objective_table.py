@@ -144,3 +144,20 @@ def test_config_round_trip(case, tmp_path):
     tta_cfg = TTAConfig(objective=case.name, objective_config=case.config)
     tta_cfg.save_pretrained(tmp_path)
     assert TTAConfig.from_pretrained(tmp_path) == tta_cfg
+
+
+def test_readme_table_states_every_objective_and_its_defaults():
+    """The README's objective table has a row per objective, and the defaults it names are the configs' defaults."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {line.split("`")[1]: line for line in readme.splitlines() if line.startswith("| `")}
+    methods = {n for n in available_objectives() if not get_objective_class(n).requires_labels}  # not the oracle
+    assert methods <= set(rows)
+    default = lambda name, field: getattr(get_objective_class(name).config_class(), field)  # noqa: E731
+    assert default("dn", "lam") == 0.25 and "λ=0.25 [code" in rows["dn"]
+    assert default("tcr", "queue_size") == 64 and "queue of 64" in rows["tcr"]
+    for name in ("eata", "sar", "deyo"):
+        assert default(name, "selection") == "tcr_port" and "[TCR port]" in rows[name] and 'selection="paper"' in rows[name]
+    assert default("deyo", "plpd_threshold") == 0.0 and "PLPD > 0.0" in rows["deyo"]
+    assert default("cliptta", "protocol") == "tcr" and 'protocol="tcr"` (default' in rows["cliptta"]

@@ -18,7 +18,7 @@ in float64 (1 hit in 5 queries is exactly 20.0).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
