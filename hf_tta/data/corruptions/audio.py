@@ -50,10 +50,12 @@ def snr_of(severity: int | None = None, snr_db: float | None = None) -> float:
     if (severity is None) == (snr_db is None):
         raise ValueError("Give exactly one of `severity` (1..5) and `snr_db`.")
     if snr_db is not None:
+        if isinstance(snr_db, bool) or not isinstance(snr_db, (int, float, np.integer, np.floating)) or not np.isfinite(snr_db):
+            raise ValueError(f"snr_db must be a finite number of decibels; got {snr_db!r}.")
         return float(snr_db)
-    if severity not in AUDIO_SEVERITY_SNR_DB:
+    if isinstance(severity, bool) or not isinstance(severity, (int, np.integer)) or int(severity) not in AUDIO_SEVERITY_SNR_DB:
         raise ValueError(f"Audio severity must be one of {list(AUDIO_SEVERITY_SNR_DB)}; got {severity!r}.")
-    return AUDIO_SEVERITY_SNR_DB[severity]
+    return AUDIO_SEVERITY_SNR_DB[int(severity)]
 
 
 def signal_power(waveform: np.ndarray) -> np.ndarray:
@@ -151,14 +153,24 @@ def corrupt_audio(
         reference_power: ``P_signal`` (scalar or per row); default the waveform's own mean power.
 
     Returns:
-        float32 array of the same shape.
+        float32 array of the same shape. A silent waveform (zero power) stays silent: its noise is scaled to zero.
+
+    Raises:
+        ValueError: for an unknown name, a bad level, non-float or non-finite samples, or another shape.
     """
     if name not in AUDIO_CORRUPTIONS:
         raise ValueError(f"Unknown audio corruption {name!r}; choose from {list(AUDIO_CORRUPTIONS)}.")
     snr = snr_of(severity, snr_db)
-    x = np.asarray(waveform, dtype=np.float32)
+    raw = np.asarray(waveform)
+    if not np.issubdtype(raw.dtype, np.floating):
+        raise ValueError(
+            f"waveform must hold float samples (about -1..1); got {raw.dtype}. Convert PCM first, e.g. x / 32768 for int16."
+        )
+    x = raw.astype(np.float32, copy=False)
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"waveform must be (N,) or (B, N) with N > 0; got shape {x.shape}.")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("waveform has NaN or infinite samples.")
     rng = np.random.default_rng(None if seed is None else derive_seed(seed, "audio", name))
     if name == "gaussian_noise":
         noise = rng.standard_normal(x.shape)

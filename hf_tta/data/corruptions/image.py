@@ -131,6 +131,8 @@ def _pixelate(image, severity: int):
 def _corrupt_array(arr: np.ndarray, name: str, severity: int, seed: int | None) -> np.ndarray:
     from PIL import Image
 
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"The image is empty ({arr.shape[0]}x{arr.shape[1]} pixels); it needs at least 1x1.")
     funcs = _backend()
     pil = Image.fromarray(arr)
     kwargs = {}

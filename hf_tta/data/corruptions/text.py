@@ -256,6 +256,8 @@ def _check(name: str, severity: int) -> int:
 
 
 def _draw(text: str, name: str, severity: int, seed: int | None, wordnet, models, device, generate_kwargs) -> str:
+    if not text.strip():
+        return text  # no word to corrupt (nlpaug's augmenters fail on an empty string)
     level = TEXT_CORRUPTION_LEVELS[name]
     with seeded(seed, torch_too=level == "sentence"):
         if level == "char":
@@ -314,7 +316,11 @@ def corrupt_text(
         generate_kwargs: overrides of the ``generate`` settings of the sentence-level corruptions.
         similarity_fn, min_similarity, max_tries: the optional "re-draw until similar enough" filter.
 
+    Returns:
+        The corrupted caption; a caption with no word (empty or whitespace only) is returned unchanged.
+
     Raises:
+        ValueError: for an unknown name or a severity outside the corruption's range.
         MissingResourceError: when WordNet, ``nlpaug`` or a seq2seq checkpoint is missing (says what to install).
     """
     if not isinstance(text, str):
@@ -346,14 +352,16 @@ def corrupt_texts(
     """
     severity = _check(name, severity)
     texts = list(texts)
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None:
+        raise TypeError(f"texts must be strs; got a {type(bad).__name__}.")
     if TEXT_CORRUPTION_LEVELS[name] == "sentence" and similarity_fn is None:
         out: list[str] = []
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
             with seeded(None if seed is None else derive_seed(seed, "batch", start), torch_too=True):
-                out.extend(
-                    sentence_corrupt(chunk, name, kwargs.get("models"), kwargs.get("device"), kwargs.get("generate_kwargs"))
-                )
+                new = sentence_corrupt(chunk, name, kwargs.get("models"), kwargs.get("device"), kwargs.get("generate_kwargs"))
+            out.extend(t if not t.strip() else n for t, n in zip(chunk, new))  # wordless captions stay unchanged
         return out
     return [
         corrupt_text(

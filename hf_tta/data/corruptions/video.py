@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .base import check_severity
 from .image import IMAGE_CORRUPTION_CATEGORIES, IMAGE_SEVERITIES, MAX_IMAGE_SEVERITY, corrupt_images
 
 #: REST Table A.1, video: Noise (Gaussian, shot, impulse, speckle), Blur (defocus, glass, motion, zoom),
@@ -26,13 +27,20 @@ VIDEO_REPRESENTATIVES: dict[str, str] = {"noise": "gaussian_noise", "blur": "def
 
 
 def corrupt_video(frames: np.ndarray, name: str, severity: int, seed: int | None = None) -> np.ndarray:
-    """Corrupt every frame of a ``(T, H, W, 3)`` uint8 video; returns the same shape and dtype."""
+    """Corrupt every frame of a ``(T, H, W, 3)`` uint8 video (``T, H, W >= 1``); returns the same shape and dtype.
+
+    Raises:
+        ValueError: for an unknown name, a severity outside 1..5, or a video of another shape, dtype or no frame.
+    """
     if name not in VIDEO_CORRUPTIONS:
         raise ValueError(f"Unknown video corruption {name!r}; choose from {list(VIDEO_CORRUPTIONS)}.")
+    severity = check_severity(name, severity, VIDEO_SEVERITIES)
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"A video must be a (T, H, W, 3) uint8 array; got {frames.dtype} {frames.shape}.")
-    return np.stack(corrupt_images(list(frames), name, int(severity), seed=seed))
+    if frames.shape[0] == 0:
+        raise ValueError("The video has no frames (T = 0); it needs at least one.")
+    return np.stack(corrupt_images(list(frames), name, severity, seed=seed))
 
 
 __all__ = [
