@@ -33,7 +33,6 @@ import torch
 
 from .objectives.base import LossOutput
 
-
 #: Where the weight ``W_d`` of Eq. 17 acts: on the optimiser's step size (default) or on the gradient (literal Eq. 17).
 WEIGHT_ON = ("step_size", "gradient")
 

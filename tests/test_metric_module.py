@@ -96,7 +96,6 @@ def test_module_doctests():
 def test_shipped_as_package_data():
     """setuptools' pyproject package discovery is namespace-aware, so the folder (no __init__.py) is packaged."""
     import tomllib
-
     from setuptools import find_namespace_packages
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
