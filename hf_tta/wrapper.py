@@ -20,6 +20,7 @@ from . import checkpoint
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
+from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, ObjectiveInputs, build_objective
 from .version import __version__
@@ -140,6 +141,7 @@ class TTAWrapper:
             logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self._batch_labels: torch.Tensor | None = None  # the current adapt_step's labels (supervised objectives only)
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
@@ -350,14 +352,51 @@ class TTAWrapper:
             queries=queries,
             params=self.params or None,
             source_params=self._source if self.params else None,
+            labels=self._batch_labels,
         )
 
-    def adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor) -> TTAOutput:
+    @torch.no_grad()
+    def embed_and_score(
+        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score a batch with the current model, without adapting (the source model inside ``disabled()``).
+
+        Returns the single-vector query embeddings ``(B, D)`` (see ``ModelAdapter.single_vector``) and the scores
+        ``(B, N)`` from the adapter's ``score`` (a max over vectors for multi-vector models); no score transform."""
+        gallery = self._check_gallery(gallery)
+        queries = self._check_inputs(queries, self.query_modality)
+        return self._embed_and_score(queries, gallery)
+
+    def _label_mask(self, labels: Any, batch: int, gallery: GalleryCache) -> torch.Tensor | None:
+        if labels is None:
+            if self.objective.requires_labels:
+                raise ValueError(
+                    f"Objective {self.config.objective!r} is supervised: pass adapt_step(queries, gallery, labels=...) "
+                    "(a (B, N) bool mask or each query's list of relevant gallery indices)."
+                )
+            return None
+        if not self.objective.requires_labels:
+            raise ValueError(f"Objective {self.config.objective!r} adapts without labels: drop labels=... from adapt_step.")
+        if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+            if labels.shape != (batch, len(gallery)):
+                raise ValueError(f"labels must have shape (queries, gallery) = {(batch, len(gallery))}; got {tuple(labels.shape)}.")
+            return labels.to(device=self.device, dtype=torch.bool)
+        idx = relevance_to_index(labels, batch, device=self.device)
+        if (idx >= len(gallery)).any():
+            raise ValueError(f"A label is >= the gallery size {len(gallery)}.")
+        mask = torch.zeros(batch, len(gallery) + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(1, torch.where(idx >= 0, idx, len(gallery)), True)  # padding (-1) goes to a dropped column
+        return mask[:, :-1]
+
+    def adapt_step(
+        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor, labels: Any = None
+    ) -> TTAOutput:
         """Adapt on one batch of queries and return their scores against the whole gallery.
 
         Runs ``config.steps`` steps of: embed the queries, compute the objective, update the adapted parameters.
         A step with nothing selected, or with a non-finite loss or gradient, updates nothing and is listed in
-        ``TTAOutput.skipped``.
+        ``TTAOutput.skipped``. ``labels`` (each query's relevant gallery items: a ``(B, N)`` bool mask or a list of
+        index lists) is for supervised objectives only (``oracle``, the benchmark's ceilings) and refused otherwise.
         """
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
@@ -366,11 +405,17 @@ class TTAWrapper:
             )
         gallery = self._check_gallery(gallery)
         queries = self._check_inputs(queries, self.query_modality)
-        if not self.objective.requires_grad:
-            out = self._score_only(queries, gallery)
-        else:
-            with torch.enable_grad():
-                out = self._adapt(queries, gallery)
+        if isinstance(gallery, GalleryBackend) and labels is not None:
+            raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
+        self._batch_labels = self._label_mask(labels, _batch_size(queries), gallery)
+        try:
+            if not self.objective.requires_grad:
+                out = self._score_only(queries, gallery)
+            else:
+                with torch.enable_grad():
+                    out = self._adapt(queries, gallery)
+        finally:
+            self._batch_labels = None
         if isinstance(gallery, GalleryBackend):
             out = self._topk_output(out, gallery)
         self.batch_index += 1

