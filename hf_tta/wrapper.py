@@ -653,7 +653,7 @@ class TTAWrapper:
             if mismatch:
                 raise ValueError(mismatch)
         wrapper = cls(model, TTAConfig.from_dict(ckpt.config))
-        wrapper._load_checkpoint(ckpt)
+        wrapper.load_state(folder)  # through the (overridable) public path, e.g. DistributedTTAWrapper's barrier
         return wrapper
 
     def push_to_hub(
