@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_av_models import clap_audio_batch, tiny_clap, tiny_clip, tiny_xclip, video_batch
-from tiny_models import TINY_MODELS, batch, make_model, text_batch
 from torch import nn
 
 from hf_tta import DualEncoderAdapter, TTAConfig, TTAWrapper
 from hf_tta.models.inputs import FEATURES, InputSpec
+from tiny_av_models import clap_audio_batch, tiny_clap, tiny_clip, tiny_xclip, video_batch
+from tiny_models import TINY_MODELS, batch, make_model, text_batch
 
 IMAGE_PROCESSOR = {
     "clip": "CLIPProcessor / CLIPImageProcessor",
