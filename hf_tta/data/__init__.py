@@ -1,5 +1,5 @@
-"""Query-shift benchmarks: the corruption library (:mod:`hf_tta.data.corruptions`) and the COCO-C / Flickr-C
-builders (:mod:`hf_tta.data.builders`)."""
+"""Query-shift benchmarks: the corruption library (:mod:`hf_tta.data.corruptions`) and the COCO-C / Flickr-C and
+AudioSet-O / AudioSet-D / VGGSound builders and loaders (:mod:`hf_tta.data.builders`)."""
 
 from .corruptions import IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS, corrupt_image, corrupt_text
 

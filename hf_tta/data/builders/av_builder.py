@@ -14,7 +14,6 @@ corrupted frames (lossless), the source bytes for clean frames that were not res
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -29,7 +28,7 @@ from .av_plans import (
     corrupt_video_query,
     missing_recordings,
 )
-from .base import CLEAN, SPLIT
+from .base import CLEAN, SPLIT, encode_image
 from .clips import AVClip, frames_to_array, read_clip_audio, read_frames
 from .specs import AUDIOSET_D_CONFIGS, AUDIOSET_O_CONFIGS, AV_BENCHMARKS, av_features
 
@@ -38,9 +37,7 @@ def _frame_cell(frame) -> dict:
     encoded = getattr(frame, "encoded", None)
     if encoded is not None:
         return {"bytes": encoded, "path": None}
-    buf = io.BytesIO()
-    frame.save(buf, format="PNG")
-    return {"bytes": buf.getvalue(), "path": None}
+    return {"bytes": encode_image(frame, "PNG"), "path": None}
 
 
 def _generate(

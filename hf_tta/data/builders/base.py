@@ -1,8 +1,10 @@
 """Helpers shared by the builder modules: the split and file names every benchmark uses, which configs of an output
-folder are complete, and the package versions recorded with a build."""
+folder are complete, how images are encoded for an ``Image()`` column, and the package versions recorded with a
+build."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 #: The one split of every benchmark.
@@ -26,7 +28,17 @@ def built_configs(output_dir: str | Path) -> list[str]:
     return sorted(p.name for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and is_built(p))
 
 
-def package_versions() -> dict[str, str]:
+def encode_image(image, fmt: str = "PNG", quality: int = 95) -> bytes:
+    """A PIL image as ``PNG`` (lossless) or ``JPEG`` (at ``quality``) bytes, for an ``Image()`` column."""
+    buf = io.BytesIO()
+    if fmt == "JPEG":
+        image.save(buf, "JPEG", quality=quality)
+    else:
+        image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def build_versions() -> dict[str, str]:
     """Versions of the packages that determine a build's content (recorded in ``build_info.json`` and the card)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -39,4 +51,4 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-__all__ = ["BUILD_INFO", "CLEAN", "SPLIT", "built_configs", "is_built", "package_versions"]
+__all__ = ["BUILD_INFO", "CLEAN", "SPLIT", "build_versions", "built_configs", "encode_image", "is_built"]

@@ -21,7 +21,6 @@ config and the item's stable id (Karpathy ``imgid`` / ``sentid``), so results do
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from ..corruptions.base import derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import corrupt_image
 from ..corruptions.text import TEXT_CORRUPTION_LEVELS, check_text_resources, corrupt_text, corrupt_texts
-from .base import BUILD_INFO, SPLIT, built_configs, is_built, package_versions
+from .base import BUILD_INFO, SPLIT, build_versions, built_configs, encode_image, is_built
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .specs import (
     IMAGE_TEXT_BENCHMARKS,
@@ -51,15 +50,6 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ generation
-def _encode_image(img, fmt: str, quality: int) -> bytes:
-    buf = io.BytesIO()
-    if fmt == "JPEG":
-        img.save(buf, "JPEG", quality=quality)
-    else:
-        img.save(buf, "PNG")
-    return buf.getvalue()
-
-
 def _image_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
     from PIL import Image
 
@@ -84,7 +74,7 @@ def _image_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
         else:
             name, sev = spec.corruption, spec.severity
             out = corrupt_image(img, name, sev, seed=derive_seed(seed, "image", name, sev, rec["image_id"]))
-        data = _encode_image(out, opts["image_format"], opts["jpeg_quality"])
+        data = encode_image(out, opts["image_format"], opts["jpeg_quality"])
         yield {
             **base,
             "image": {"bytes": data, "path": Path(rec["filename"]).stem + ext},
@@ -280,7 +270,7 @@ class BenchmarkBuilder:
             "params": self._params(),
             "source_report": self.report.to_dict() if self.report else None,
             "configs": {c: self._config_meta(c) for c in self.built_configs()},
-            "versions": package_versions(),
+            "versions": build_versions(),
         }
         tmp = self.output_dir / (BUILD_INFO + ".tmp")
         tmp.write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")

@@ -310,7 +310,7 @@ Harmonious Adaptation for Cross-modal Retrieval", §3, Table IV).
 ## Storage
 
 - `video`: a list of frames (`Image`); `audio`: mono 32-bit float WAV bytes (`binary`) at {sampling_rate} Hz,
-  decoded with `hf_tta.data.corruptions.audio.decode_wav` (or cast to `datasets.Audio()` where torchcodec works).
+  decoded with `hf_tta.data.corruptions.audio_io.decode_wav` (or cast to `datasets.Audio()` where torchcodec works).
 - Load queries, gallery and relevance with `hf_tta.data.builders.audioset.load_av_retrieval(repo_id, config, direction)`.
 
 ## License
