@@ -88,8 +88,8 @@ def check_input(
             f"{where} must have the shape of {spec.like!r}, {tuple(inputs[spec.like].shape)}; got {tuple(value.shape)}."
         )
     if spec.kind == IDS and spec.vocab_size is not None and value.numel():
-        low, high = int(value.min()), int(value.max())  # one reduction each, on the batch (not per sample)
-        if low < 0 or high >= spec.vocab_size:
+        if bool(((value < 0) | (value >= spec.vocab_size)).any()):  # one device sync per batch on the happy path
+            low, high = int(value.min()), int(value.max())
             raise ValueError(
                 f"{where} holds ids in [{low}, {high}] but the vocabulary has {spec.vocab_size} tokens "
                 f"({spec.vocab_source}): tokenise with this model's tokenizer ({spec.processor})."
