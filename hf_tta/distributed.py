@@ -12,6 +12,7 @@ objective state stay identical on every process. The model is never ``accelerato
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,9 @@ def all_gather_with_grad(x: torch.Tensor, sizes: list[int], group=None) -> torch
     pad = width - x.shape[0]
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-    parts = dist_nn.all_gather(x, group=group)
+    with warnings.catch_warnings():  # torch >= 2.9 marks it deprecated for _functional_collectives (a private module)
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
+        parts = dist_nn.all_gather(x, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
