@@ -364,6 +364,8 @@ class TTAWrapper:
         Returns the single-vector query embeddings ``(B, D)`` (see ``ModelAdapter.single_vector``) and the scores
         ``(B, N)`` from the adapter's ``score`` (a max over vectors for multi-vector models); no score transform."""
         gallery = self._check_gallery(gallery)
+        if isinstance(gallery, GalleryBackend):
+            raise TypeError(f"embed_and_score needs the dense GalleryCache; {type(gallery).__name__} answers gallery.search(...).")
         queries = self._check_inputs(queries, self.query_modality)
         return self._embed_and_score(queries, gallery)
 
