@@ -185,3 +185,18 @@ def test_full_gallery_objectives_are_refused():
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image"))
     with pytest.raises(ValueError, match="holds image embeddings"):
         tta.adapt_step({"pixel_values": torch.randn(2, 3, 32, 32)}, ChunkedGallery(unit(50, 16, 0), "image"))
+
+
+@pytest.mark.parametrize("objective", ["sar", "deyo", "read", "pl", "shot", "tcr_training_free"])
+def test_softmax_objectives_run_on_candidates(objective):
+    """Every objective that does not need the whole gallery runs on a top-k backend (SAM's closure pass, DeYO's
+    re-encoded views and the training-free scores all use the step's candidate set)."""
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image"))
+    emb = tta.encode_gallery(_captions(80), show_progress=False).embeddings
+    out = tta.adapt_step(
+        {"pixel_values": torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(4))},
+        ChunkedGallery(emb, "text", k=7),
+    )
+    assert out.scores is None and out.topk.values.shape == (6, 7)
+    assert ((out.topk.indices >= 0) & (out.topk.indices < 80)).all()
+    assert (out.topk.values[:, :-1] >= out.topk.values[:, 1:]).all()
