@@ -159,3 +159,66 @@ def test_hub_task_runs_a_grid_on_a_built_benchmark(tmp_path):
     by = {(r["direction"], r["shift"], r["objective"]): r for r in rows}
     assert by[("i2t", "fog", "tent")]["num_queries"] == 6 and by[("i2t", "fog", "tent")]["gallery_size"] == 12
     assert by[("t2i", "ocr", "source")]["num_queries"] == 12 and by[("t2i", "ocr", "source")]["gallery_size"] == 6
+
+
+def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = {
+        ("run", "--dataset", "/nonexistent", "--model", "m"): "--dataset /nonexistent: no such file or folder",
+        ("run", "--output-dir", str(a_file)): "is a file, not a folder",
+        ("run", "--output-dir", str(a_file / "sub")): "is a file, not a folder",
+        ("run", "--objective-config", "{tent: 1}"): "--objective-config is not valid JSON",
+        ("run", "--objective-config", '{"tent": 1}'): "must map objective names to dicts",
+        ("run", "--seeds", "0,x"): "give integers separated by commas",
+        ("run", "--shard", "3/2"): "--shard 3/2: write K/N",
+        ("run", "--steps", "0"): "must be a positive integer",
+        ("run", "--objectives", "tnet"): "unknown objectives ['tnet']",
+        ("run", "--corruptions", "fgo"): "unknown image corruptions ['fgo']",
+        ("run", "--weights", str(tmp_path / "none")): "--weights",
+        ("run", "--gradient-decoupling", "reest"): "--gradient-decoupling: unknown objectives",
+        ("run", "--render-factor", "0.5"): "render factor is a number >= 1",
+        ("plot", str(tmp_path / "missing.json")): "no such file",
+        ("merge", str(a_file), "--output-dir", str(tmp_path / "m")): "is not JSON",
+    }
+    for argv, message in cases.items():
+        assert cli.main(list(argv)) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("hf-tta: error: ") and message in err, (argv, err)
+    with pytest.raises(cli.UsageError, match="no such file or folder"):  # --debug: the exception and its traceback
+        cli.main(["run", "--dataset", "/nonexistent", "--model", "m", "--debug"])
+
+
+def test_seeds_show_mean_std_bootstrap_and_won_back(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert cli.main(["run", *SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots",
+                     "--seeds", "0,1", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "±" in printed and "Δ vs source [95% CI]" in printed and "won back of the lost R@1, i2t-severity-5: tent" in printed
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({r["seed"] for r in data["rows"]}) == [0, 1]
+    assert all(len(r["hits"]) == 16 for r in data["rows"])
+    tent = data["summary"]["i2t-severity-5"]["tent"]
+    assert tent["seeds"] == [0, 1] and len(tent["gain_ci95"]) == 2 and "Fog" in tent["won_back"]
+    fog = {r["seed"]: r for r in data["rows"] if r["shift"] == "fog" and r["objective"] == SOURCE}
+    assert fog[0]["hits"] != fog[1]["hits"] or fog[0]["uniformity_after"] != fog[1]["uniformity_after"]  # other corruption seeds
+
+
+def test_an_interrupted_run_continues_from_its_rows(tmp_path, capsys):
+    argv = ["run", *SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots", "--output-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    full = json.loads((tmp_path / "results.json").read_text())["rows"]
+    progress = tmp_path / "rows.jsonl"
+    lines = progress.read_text().splitlines()
+    assert len(lines) == 1 + 3  # header + clean reference, fog source, fog tent
+    progress.write_text("\n".join(lines[:3]) + '\n{"direction": "i2t", "sh')  # killed while writing the last row
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    resumed = capsys.readouterr().out
+    assert "resuming the interrupted run" in resumed and "2 runs already done, 1 to go" in resumed
+    again = json.loads((tmp_path / "results.json").read_text())["rows"]
+    key = lambda r: (r["shift"], r["objective"])  # noqa: E731
+    assert sorted(map(key, again)) == sorted(map(key, full))
+    assert {key(r): r["R@1"] for r in again} == {key(r): r["R@1"] for r in full}
+    assert cli.main([*argv, "--steps", "2"]) == 0  # other arguments: starts afresh
+    assert "starting afresh" in capsys.readouterr().out

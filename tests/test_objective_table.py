@@ -41,6 +41,7 @@ OBJECTIVE_CASES = [
     ObjectiveCase("deyo", {"deyo_margin": 1.0, "plpd_threshold": -1.0}),
     ObjectiveCase("pl"),
     ObjectiveCase("shot"),
+    ObjectiveCase("oracle"),  # supervised ceiling: _wrapper labels each query with one gallery item
 ]
 
 DIRECTIONS = [("image", "text"), ("text", "image")]
@@ -54,7 +55,11 @@ def test_every_registered_objective_has_a_row():
 def _wrapper(case: ObjectiveCase, model_name: str, query: str, **extra) -> TTAWrapper:
     model = make_model(model_name)
     cfg = TTAConfig(objective=case.name, objective_config=case.config, query_modality=query, **{**case.wrapper, **extra})
-    return TTAWrapper(model, cfg)
+    tta = TTAWrapper(model, cfg)
+    if get_objective_class(case.name).requires_labels:  # supervised objectives get labels: query i -> item i mod N
+        step = tta.adapt_step
+        tta.adapt_step = lambda q, g, **kw: step(q, g, labels=[[i % len(g)] for i in range(next(iter(q.values())).shape[0])], **kw)
+    return tta
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

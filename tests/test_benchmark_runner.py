@@ -1,0 +1,175 @@
+"""The benchmark runner's rows on tiny models, the oracle ceilings, the report's won-back share and bootstrap."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_tta import TTAConfig, TTAWrapper
+from hf_tta.benchmarks import SOURCE, Condition, GridRunner, Job, RunSettings, Task, build_grid, build_tables, format_table
+from hf_tta.benchmarks.grid import row_objective
+from hf_tta.benchmarks.report import paired_bootstrap, won_back
+from hf_tta.benchmarks.runner import query_tower_modules
+from hf_tta.metrics import retrieval_metrics
+from hf_tta.models import get_adapter
+from hf_tta.objectives import build_objective
+from hf_tta.objectives.base import ObjectiveInputs
+from tiny_models import batch, make_model
+
+N = 12
+
+
+class TinyTask(Task):
+    """Queries and galleries are indices into fixed random batches; query i's relevant item is item i."""
+
+    name = "tiny"
+
+    def __init__(self, model):
+        self.model = model
+        self.device = torch.device("cpu")
+        self.inputs = {"image": batch("image", N, seed=1), "text": batch("text", N, seed=2)}
+
+    def queries(self, cond, seed=None):
+        return list(range(N)), [[i] for i in range(N)]
+
+    def gallery_items(self, cond):
+        return list(range(N))
+
+    def to_inputs(self, modality, raw):
+        idx = torch.as_tensor(list(raw))
+        return {k: v[idx] for k, v in self.inputs[modality].items()}
+
+
+# ------------------------------------------------------------------------------------------------ the oracle
+def test_oracle_loss_is_minus_log_of_the_positives_mass():
+    """Scores [0, 0, 0] with positives {0, 1}: p = 2/3; scores [ln 2, 0, 0] with positive {0}: p = 2/4.
+    L = (-ln 2/3 - ln 1/2) / 2 = ln(3) / 2 at tau = 1."""
+    oracle = build_objective("oracle", {"tau": 1.0})
+    scores = torch.tensor([[0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0]], requires_grad=True)
+    labels = torch.tensor([[True, True, False], [True, False, False]])
+    emb = torch.nn.functional.normalize(torch.ones(2, 4), dim=1)
+    out = oracle(ObjectiveInputs(query_emb=emb, gallery_emb=emb[:1].expand(3, 4), scores=scores, labels=labels), {})
+    assert out.loss.item() == pytest.approx(math.log(3.0) / 2, abs=1e-6)
+    assert out.n_selected == 2
+    with pytest.raises(ValueError, match="supervised"):
+        oracle(ObjectiveInputs(query_emb=emb, gallery_emb=emb[:1].expand(3, 4), scores=scores), {})
+
+
+def test_labels_are_required_by_the_oracle_and_refused_by_methods():
+    g_inputs, q = batch("text", N, seed=2), batch("image", 4, seed=1)
+    oracle = TTAWrapper(make_model("clip"), TTAConfig(objective="oracle", query_modality="image"))
+    g = oracle.encode_gallery(g_inputs)
+    with pytest.raises(ValueError, match="is supervised: pass adapt_step"):
+        oracle.adapt_step(q, g)
+    with pytest.raises(ValueError, match="shape"):
+        oracle.adapt_step(q, g, labels=torch.ones(4, N + 1, dtype=torch.bool))
+    assert oracle.adapt_step(q, g, labels=[[0], [1, 2], [3], [4]]).num_updates == oracle.config.steps
+    tent = TTAWrapper(make_model("clip"), TTAConfig(objective="tent", query_modality="image"))
+    with pytest.raises(ValueError, match="adapts without labels"):
+        tent.adapt_step(q, g, labels=[[0]] * 4)
+
+
+# ------------------------------------------------------------------------------------------------ runner rows
+def test_blip2_grid_scores_every_row_through_the_adapter():
+    """BLIP-2's images are multi-vector: the source row must score with the adapter's max over query tokens."""
+    task = TinyTask(make_model("blip2"))
+    runner = GridRunner(task, RunSettings(steps=1, batch_size=4, show_progress=False))
+    jobs = [Job(Condition(d, "clean"), o) for d in ("i2t", "t2i") for o in (SOURCE, "tent", "oracle", "oracle_all")]
+    rows = runner.run_all(jobs)
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    adapter = get_adapter(task.model)
+    with torch.no_grad():
+        img = adapter.embed("image", task.inputs["image"])  # (N, Q, D)
+        txt = adapter.embed("text", task.inputs["text"])  # (N, D)
+    assert img.dim() == 3
+    expected = {"i2t": retrieval_metrics(adapter.score(img, txt), [[i] for i in range(N)])["R@1"],
+                "t2i": retrieval_metrics(adapter.score(txt, img), [[i] for i in range(N)])["R@1"]}
+    for r in rows:
+        assert len(r["hits"]) == N and r["R@1"] == pytest.approx(100 * r["hits"].count("1") / N, abs=1e-3)
+        if r["objective"] == SOURCE:
+            assert r["R@1"] == pytest.approx(expected[r["direction"]], abs=1e-4)
+        else:
+            assert r["updates"] == N // 4 and r["uniformity_before"] > 0
+
+
+def test_oracle_all_adapts_every_parameter_of_the_query_tower():
+    model = make_model("clip")
+    adapter = get_adapter(model)
+    modules = query_tower_modules(adapter, "image")
+    owners = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if "image" in adapter.tower_of(n.rsplit(".", 1)[0])}
+    covered = {o for o in owners if any(o == m or o.startswith(m + ".") for m in modules)}
+    assert covered == owners and not any(a.startswith(b + ".") for a in modules for b in modules)
+    runner = GridRunner(TinyTask(model), RunSettings(steps=1, batch_size=6, show_progress=False))
+    cond = Condition("i2t", "clean")
+    ln = runner._wrapper("oracle", cond, 0)
+    full = runner._wrapper("oracle_all", cond, 0)
+    n_ln, n_full = (sum(p.numel() for p in w.params.values()) for w in (ln, full))
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision_model.", "visual_projection.")))
+    assert n_full == vision > n_ln > 0
+    rows = runner.run_all([Job(cond, "oracle_all"), Job(cond, "oracle")])
+    assert not [r for r in rows if "error" in r]
+
+
+def test_gradient_decoupling_rows_follow_rest_protocol():
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False))
+    diverse, noise = Condition("i2t", "diverse"), Condition("i2t", "gaussian_noise", 5)
+    assert runner.row_config("rest", diverse, 0).gradient_decoupling is True  # REST's protocol on diverse shift
+    assert runner.row_config("rest", noise, 0).gradient_decoupling is False
+    assert runner.row_config("tent+gd", noise, 0).gradient_decoupling is True
+    assert row_objective("tent+gd") == ("tent", True) and row_objective("oracle_all") == ("oracle", False)
+    chosen = GridRunner(runner.task, RunSettings(gradient_decoupling=("tent",), show_progress=False))
+    assert chosen.row_config("tent", noise, 0).gradient_decoupling is True
+    assert chosen.row_config("rest", diverse, 0).gradient_decoupling is False  # an explicit choice replaces the protocol
+
+
+def test_seeds_change_the_stream_order_and_jobs():
+    jobs = build_grid(["tent"], ["i2t"], ["fog"], [5], seeds=(0, 1))
+    assert sorted({j.seed for j in jobs}) == [0, 1] and len(jobs) == 2 * (1 + 2)  # clean reference + fog x (source, tent)
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False))
+    assert runner.order(N, 0) != runner.order(N, 1) and sorted(runner.order(N, 1)) == list(range(N))
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _row(shift, objective, r1, seed=0, hits=None, direction="i2t", severity=5):
+    row = {"direction": direction, "shift": shift, "severity": None if shift == "clean" else severity,
+           "objective": objective, "seed": seed, "R@1": r1, "R@5": r1, "R@10": r1}
+    if hits is not None:
+        row["hits"] = hits
+    return row
+
+
+def test_won_back_share_and_worst_shift_by_hand():
+    assert won_back(50.0, 20.0, 80.0) == pytest.approx(0.5)
+    assert won_back(10.0, 20.0, 80.0) == pytest.approx(-1 / 6)
+    assert won_back(50.0, 79.5, 80.0) is None  # less than a point lost: nothing to win back
+    rows = [_row("clean", SOURCE, 80.0), _row("fog", SOURCE, 20.0), _row("snow", SOURCE, 60.0),
+            _row("fog", "tcr", 50.0), _row("snow", "tcr", 58.0)]
+    (table,) = build_tables(rows)  # the source-only clean stream is the reference, not a column
+    assert table["columns"] == ["Fog", "Snow"]
+    tcr = next(r for r in table["rows"] if r["objective"] == "tcr")
+    assert tcr["won_back"] == [pytest.approx(0.5), pytest.approx(-0.1)]  # (50-20)/(80-20), (58-60)/(80-60)
+    # ratio of the averages: (54 - 40) / (80 - 40)
+    assert tcr["won_back_mean"] == pytest.approx(0.35)
+    assert tcr["worst_delta"] == pytest.approx(-2.0) and tcr["worst_shift"] == "Snow"
+    text = format_table(table)
+    assert "| • tcr | 50.0 | 58.0 | 54.0 | 35% | -2.0 (Snow) |" in text and "| • tcr | 50% | -10% | 35% |" in text
+
+
+def test_seeds_give_mean_std_and_paired_bootstrap_interval():
+    q = 200
+    src = "0" * q
+    half = "1" * (q // 2) + "0" * (q // 2)  # the method gains on half of the queries: +50 points
+    rows = [_row("clean", SOURCE, 90.0, seed=s) for s in (0, 1)]
+    rows += [_row("fog", SOURCE, 0.0, seed=s, hits=src) for s in (0, 1)]
+    rows += [_row("fog", "tcr", 40.0, seed=0, hits=half), _row("fog", "tcr", 60.0, seed=1, hits=half)]
+    (table,) = build_tables(rows)
+    tcr = next(r for r in table["rows"] if r["objective"] == "tcr")
+    assert tcr["values"] == [50.0] and tcr["stds"][0] == pytest.approx(math.sqrt(200))  # std(40, 60), ddof 1
+    assert tcr["delta"] == pytest.approx(50.0) and 0 < tcr["delta_ci"][0] < 50.0 < tcr["delta_ci"][1] < 100
+    assert "50.0 ± 14.1" in format_table(table)
+    # identical per-query differences: the interval is the point; all zero: [0, 0]
+    assert paired_bootstrap([np.ones((2, 10))]) == (100.0, [100.0, 100.0])
+    assert paired_bootstrap([np.zeros((1, 10))]) == (0.0, [0.0, 0.0])
