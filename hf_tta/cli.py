@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-style", dest="style", action="store_false", help="Leave the style shift out.")
     g.add_argument("--diverse", action="store_true", help="Add the diverse stream (each query its own random corruption, REST's -D).")
     g.add_argument("--clean", action="store_true", help="Add the clean stream.")
-    g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, all objectives (unless --objectives is given).")
+    g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, every objective and the two oracle ceilings (unless --objectives is given).")
     a = run.add_argument_group("adaptation")
     a.add_argument("--steps", type=_positive_int, default=3, help="Gradient steps per batch (TCR: 3).")
     a.add_argument("--batch-size", type=_positive_int, default=64, help="Queries per online batch (TCR: 64).")
@@ -251,7 +251,6 @@ def make_task(args):
 
 def resolve_grid(args) -> tuple[list, dict]:
     """The jobs of ``hf-tta run`` and notes on what was left out."""
-    from . import available_objectives
     from .benchmarks.grid import (
         DEFAULT_IMAGE_CORRUPTIONS,
         DEFAULT_OBJECTIVES,
@@ -269,7 +268,7 @@ def resolve_grid(args) -> tuple[list, dict]:
     if args.full:
         corruptions = list(image_corruption_names())
         severities = [5]
-        objectives = available_objectives() if args.objectives is None else _objectives(args.objectives)
+        objectives = full_grid_rows() if args.objectives is None else _objectives(args.objectives)
         diverse, clean, style = True, True, emoji
     else:
         corruptions = (
@@ -306,7 +305,6 @@ def _run_seeds(args) -> list[int]:
 
 def resolve_av_grid(args) -> tuple[list, dict]:
     """The jobs of an audio/video ``hf-tta run``: each direction over the dataset's configs of its query modality."""
-    from . import available_objectives
     from .benchmarks.grid import QUERY_MODALITY, av_dataset_configs, build_av_grid
 
     configs = av_dataset_configs(args.dataset)
@@ -316,7 +314,7 @@ def resolve_av_grid(args) -> tuple[list, dict]:
     from .benchmarks.grid import DEFAULT_OBJECTIVES
 
     if args.objectives is None:
-        objectives = available_objectives() if args.full else list(DEFAULT_OBJECTIVES)
+        objectives = full_grid_rows() if args.full else list(DEFAULT_OBJECTIVES)
     else:
         objectives = _objectives(args.objectives)
     selected = None
@@ -335,11 +333,21 @@ def resolve_av_grid(args) -> tuple[list, dict]:
     return jobs, {"dataset_configs": configs}
 
 
+def full_grid_rows() -> list[str]:
+    """The rows of ``--full``: every method (``--objectives all``), then the two oracle ceilings."""
+    from .benchmarks.grid import ORACLE_ROWS
+
+    return _objectives("all") + list(ORACLE_ROWS)
+
+
 def _objectives(value: str) -> list[str]:
     from . import available_objectives
     from .benchmarks.grid import row_objective
 
-    names = [n for n in available_objectives() if n != "oracle"] if value == "all" else _csv(value)
+    from .objectives import get_objective_class
+
+    methods = [n for n in available_objectives() if not get_objective_class(n).requires_labels]  # not the oracle
+    names = methods if value == "all" else _csv(value)
     unknown = [n for n in names if row_objective(n)[0] not in available_objectives() and n != "source"]
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
@@ -563,10 +571,10 @@ def cmd_list(args) -> int:
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default)")
     from .benchmarks.grid import AV_DIRECTIONS
-    from .data.builders.audioset import BENCHMARKS
+    from .data.builders.audioset import AV_BENCHMARKS
 
     print("audio/video:       --direction " + ", ".join(f"{d} ({q}->{g})" for d, (q, g) in AV_DIRECTIONS.items()))
-    for name, configs in BENCHMARKS.items():
+    for name, configs in AV_BENCHMARKS.items():
         print(f"  {name + ':':<16} " + ", ".join(configs))
     return 0
 

@@ -82,6 +82,11 @@ def test_grid_puts_the_source_row_first_and_full_grid_size():
     full, _ = cli.resolve_grid(args)
     i2t = {j.condition for j in full if j.condition.direction == "i2t"}
     assert len(i2t) == 16 + 3  # 16 corruptions + clean, noto, diverse
+    rows = cli.full_grid_rows()
+    assert rows[-2:] == ["oracle", "oracle_all"] and "oracle" not in rows[:-2] and {"tent", "tcr", "rest"} <= set(rows)
+    default, _ = cli.resolve_grid(cli.build_parser().parse_args(["run"]))
+    assert sorted({j.objective for j in default}) == ["rest", "source", "tcr", "tent"]
+    assert sorted({j.condition.shift for j in default}) == ["clean", "contrast", "defocus_blur", "gaussian_noise", "noto", "snow"]
 
 
 def test_list_and_plot(tmp_path, capsys):

@@ -180,7 +180,7 @@ def av_dataset_configs(dataset) -> list[str]:
     from collections.abc import Mapping
     from pathlib import Path
 
-    from ..data.builders.audioset import BENCHMARKS
+    from ..data.builders.audioset import AV_BENCHMARKS
 
     if isinstance(dataset, Mapping):
         names = list(dataset)
@@ -191,7 +191,7 @@ def av_dataset_configs(dataset) -> list[str]:
             from datasets import get_dataset_config_names
 
             names = list(get_dataset_config_names(str(dataset)))
-    known = list(dict.fromkeys(c for configs in BENCHMARKS.values() for c in configs))
+    known = list(dict.fromkeys(c for configs in AV_BENCHMARKS.values() for c in configs))
     return sorted(names, key=lambda c: (known.index(c) if c in known else len(known), c))
 
 
