@@ -334,3 +334,44 @@ def test_recipe_cli(tmp_path, capsys):
     assert json.loads((out / "build_info.json").read_text())["params"]["seed"] == 4
     with pytest.raises(SystemExit):
         recipe.main(common + ["--style-model", "bogus"])
+
+
+def test_data_side_layout_imports_one_way_without_private_names():
+    """hf_tta.data: no import cycle between its modules (lazy imports included), no private name imported from
+    another module, and the public names of the package roots still import."""
+    import ast
+
+    import hf_tta.data as data_pkg
+
+    root = Path(data_pkg.__file__).parent
+    graph, private = {}, []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("hf_tta.data",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+                if target.startswith("hf_tta.data"):
+                    deps.add(target)
+                    private += [f"{module}: {a.name} from {target}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+        graph[module] = deps
+    assert not private
+
+    def reach(start, seen):
+        for d in graph.get(start, ()):
+            if d not in seen:
+                seen.add(d)
+                reach(d, seen)
+        return seen
+
+    packages = {m for m in graph if (root / Path(*m.split(".")[2:]) / "__init__.py").is_file() or m == "hf_tta.data"}
+    cycles = [m for m in graph if m not in packages and m in reach(m, set())]
+    assert not cycles, cycles
+
+    import hf_tta.data.builders as builders
+    import hf_tta.data.corruptions as corruptions
+
+    for pkg in (data_pkg, builders, corruptions):
+        assert all(hasattr(pkg, name) for name in pkg.__all__)
