@@ -319,16 +319,21 @@ class TTAWrapper:
         scores = self.adapter.score(q, gallery.embeddings)
         return self.adapter.single_vector(q, scores, gallery.single), scores
 
-    def _inputs(self, queries: dict, gallery: GalleryCache | GalleryBackend, step: int, record: bool = True) -> ObjectiveInputs:
+    def _inputs(
+        self, queries: dict, gallery: GalleryCache | GalleryBackend, step: int, source_cache: list[torch.Tensor] | None = None,
+        record: bool = True,
+    ) -> ObjectiveInputs:
         if isinstance(gallery, GalleryBackend):  # objectives see the batch's candidates, re-scored exactly
             q_raw = self._embed_queries(queries)
             ids, gallery = self._candidate_view(q_raw, gallery)
             if record:  # the columns of the scores this step reports (the SAM closure's pass does not report)
                 self._candidate_ids = ids
             q, scores = self._score(q_raw, gallery)
+            source_cache = []  # the candidates change with every step: source scores are per step
         else:
             q, scores = self._embed_and_score(queries, gallery)
-        source_cache: list[torch.Tensor] = []
+        # the source model's scores do not change within a batch: pass one cache per adapt_step to compute them once
+        source_cache = [] if source_cache is None else source_cache
 
         def source_scores() -> torch.Tensor:
             if not source_cache:
@@ -435,8 +440,9 @@ class TTAWrapper:
     def _adapt(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
         skipped: list[str] = []
         updates, last_loss, res, scores = 0, None, None, None
+        source_cache: list[torch.Tensor] = []
         for step in range(self.config.steps):
-            inputs = self._inputs(queries, gallery, step)
+            inputs = self._inputs(queries, gallery, step, source_cache)
             previous_state = dict(self.state)  # objectives replace state tensors, never write them in place
             res = self.objective(inputs, self.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
@@ -454,7 +460,9 @@ class TTAWrapper:
                     self.state.update(previous_state)
                 skipped.append(f"step {step}: {reason}")
                 continue
-            closure = self._closure(queries, gallery, step) if getattr(self.optimizer, "requires_closure", False) else None
+            closure = (
+                self._closure(queries, gallery, step, source_cache) if getattr(self.optimizer, "requires_closure", False) else None
+            )
             with scaled_step_size(self.optimizer, self._gd_step_factor(res)):  # GD's W_d on the step size
                 self.optimizer.step(closure)
             self.optimizer.zero_grad(set_to_none=True)
@@ -513,12 +521,15 @@ class TTAWrapper:
             return "loss does not depend on the adapted parameters"
         return None
 
-    def _closure(self, queries: dict, gallery: GalleryCache, step: int) -> Callable[[], torch.Tensor]:
-        """Re-evaluates the loss at the optimiser's current point (for SAM-style optimisers)."""
+    def _closure(
+        self, queries: dict, gallery: GalleryCache, step: int, source_cache: list[torch.Tensor] | None = None
+    ) -> Callable[[], torch.Tensor]:
+        """Re-evaluates the loss at the optimiser's current point (for SAM-style optimisers); the batch's source
+        scores (``source_cache``) are reused, not recomputed."""
 
         def closure() -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
-            inputs = dataclasses.replace(self._inputs(queries, gallery, step, record=False), in_closure=True)
+            inputs = dataclasses.replace(self._inputs(queries, gallery, step, source_cache, record=False), in_closure=True)
             res = self.objective(inputs, dict(self.state))
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
             if loss is None or not torch.isfinite(loss):

@@ -301,3 +301,23 @@ def test_cuda_adapt_step_and_device_check():
     assert out.scores.is_cuda and out.num_updates == 3
     with pytest.raises(ValueError, match="move it"):
         tta.adapt_step(batch("image", 6), g)
+
+
+# ------------------------------------------------------------------------------------- per-batch work
+@pytest.mark.parametrize("objective", ["tcr", "sar"])
+def test_source_scores_are_computed_once_per_batch(objective):
+    """Gradient decoupling needs the frozen source model's scores at every step (and in SAR's closure): they do not
+    change within a batch, so adapt_step computes them once (one source forward per batch, not one per step)."""
+    tta = _tta("clip", "image", objective=objective, gradient_decoupling=True, steps=3)
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    entered = []
+    disabled = tta.disabled
+
+    def counting():
+        entered.append(1)
+        return disabled()
+
+    tta.disabled = counting
+    for i in range(2):
+        out = tta.adapt_step(batch("image", 6, seed=2 + i), g)
+        assert out.num_updates == 3 and len(entered) == i + 1
