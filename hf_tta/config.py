@@ -63,6 +63,14 @@ class TTAConfig(ConfigMixin):
         default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the wrapper's RNG (used by objectives that sample)."})
+    fast_step: bool | None = field(
+        default=None,
+        metadata={
+            "help": "One host sync per adapt_step: fused AdamW, with steps that select nothing or are non-finite skipped "
+            "on the device (a non-finite step rolls the batch back and replays it with per-step checks, so results "
+            "equal the checked loop). None = on when the model is on CUDA; False = the per-step checked loop."
+        },
+    )
     gradient_decoupling: bool = field(
         default=False,
         metadata={
@@ -119,6 +127,8 @@ class TTAConfig(ConfigMixin):
         check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
         check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
+        if self.fast_step is not None and not isinstance(self.fast_step, bool):
+            raise TypeError(f"`fast_step` must be True, False or None (auto: on for CUDA), got {self.fast_step!r}.")
         # Validate the overrides now, not at the first batch.
         self.build_objective_config()
         if self.gradient_decoupling and not get_objective_class(self.objective).requires_grad:

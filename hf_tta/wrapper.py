@@ -22,7 +22,7 @@ from .gallery.base import GalleryBackend, TopKScores
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter, get_adapter, match_module_names
-from .objectives.base import LossOutput, ObjectiveInputs, build_objective
+from .objectives.base import LossOutput, Objective, ObjectiveInputs, build_objective
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,8 @@ class TTAWrapper:
             self._source = {n: p.detach().clone() for n, p in self.params.items()}
             self.lr = cfg.lr if cfg.lr is not None else self.adapter.default_lr[self.query_modality]
             logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
+        # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
+        self.fast_step = cfg.fast_step if cfg.fast_step is not None else self.device.type == "cuda"
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self._batch_labels: torch.Tensor | None = None  # the current adapt_step's labels (supervised objectives only)
@@ -178,7 +180,14 @@ class TTAWrapper:
     def _make_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
-        return self.objective.make_optimizer(list(self.params.values()), self.lr, self.config.weight_decay)
+        opt = self.objective.make_optimizer(list(self.params.values()), self.lr, self.config.weight_decay)
+        if self.fast_step and type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1 and not opt.defaults["fused"]:
+            # the same update in one fused kernel, which can also skip a step on the device (``found_inf``)
+            group = opt.param_groups[0]
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")}
+            with contextlib.suppress(RuntimeError):  # a device without a fused kernel keeps the default AdamW
+                opt = torch.optim.AdamW(group["params"], **hyper, fused=True)
+        return opt
 
     @property
     def device(self) -> torch.device:
@@ -438,6 +447,123 @@ class TTAWrapper:
         return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=_floats(res.logs))
 
     def _adapt(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
+        if self._deferred_checks_apply():
+            out = self._adapt_deferred(queries, gallery)
+            if out is not None:
+                return out
+        return self._adapt_checked(queries, gallery)
+
+    def _deferred_checks_apply(self) -> bool:
+        """``config.fast_step`` holds for this optimiser and objective: a fused AdamW (its ``found_inf`` skips a step on
+        the device), no closure (SAM), no gradient decoupling and no ``on_step_end`` hook (SAR's recovery)."""
+        opt = self.optimizer
+        return bool(
+            self.fast_step
+            and opt is not None
+            and all(g.get("fused") for g in opt.param_groups)
+            and not getattr(opt, "requires_closure", False)
+            and not self.config.gradient_decoupling
+            and type(self.objective).on_step_end is Objective.on_step_end
+        )
+
+    def _adapt_deferred(self, queries: dict, gallery: GalleryCache) -> TTAOutput | None:
+        """:meth:`_adapt_checked` with one host sync per batch instead of several per step.
+
+        Each step's skip rule (nothing selected, non-finite loss or gradient) is evaluated on the device and fed to
+        the fused AdamW as ``found_inf``, which then leaves parameters, moments and step count untouched, as the
+        checked loop does. A step with nothing selected keeps the objective's state, as in the checked loop; after a
+        non-finite step the checked loop also rolls the objective's state back, which later steps see: that case
+        (rare) restores the snapshot taken here and returns ``None`` so the batch is replayed by the checked loop.
+        """
+        snapshot = self._snapshot()
+        source_cache: list[torch.Tensor] = []
+        flags: list[tuple[int, torch.Tensor]] = []  # (step, 0 update | 1 nothing selected | 2 non-finite loss | 3 grad)
+        skipped: dict[int, str] = {}  # skips decided without the device
+        res = inputs = scores = None
+        for step in range(self.config.steps):
+            inputs = self._inputs(queries, gallery, step, source_cache)
+            previous_state = dict(self.state)
+            res = self.objective(inputs, self.state)
+            scores = (res.scores if res.scores is not None else inputs.scores).detach()
+            n_sel = res.n_selected
+            if res.loss is None or not res.loss.requires_grad or (not torch.is_tensor(n_sel) and n_sel == 0):
+                reason = self._skip_reason(res)  # decided on the host (at most one sync, only in these cases)
+                if reason.startswith("non-finite"):
+                    self.state.clear()
+                    self.state.update(previous_state)
+                skipped[step] = reason
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            res.loss.backward()
+            grads = [p.grad for p in self.params.values() if p.grad is not None]
+            flag = torch.where(torch.isfinite(res.loss.detach()).all(), 0, 2)
+            if grads:
+                finite_grad = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+                flag = torch.where((flag == 0) & ~finite_grad, 3, flag)
+            if torch.is_tensor(n_sel):
+                flag = torch.where(n_sel == 0, 1, flag)
+            self.optimizer.found_inf = (flag != 0).float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self.optimizer.zero_grad(set_to_none=True)
+            flags.append((step, flag))
+        # the one sync: step flags, last loss, selected count and logs in one device-to-host transfer
+        named = {f"flag.{s}": f for s, f in flags}
+        named.update({f"log.{k}": v for k, v in res.logs.items()})
+        named["loss"] = res.loss
+        named["n_selected"] = res.n_selected
+        on_device = {k: v for k, v in named.items() if torch.is_tensor(v) and v.device.type != "cpu"}
+        values = {k: v.item() if torch.is_tensor(v) else v for k, v in named.items() if k not in on_device}
+        if on_device:
+            stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in on_device.values()]).tolist()
+            values.update(zip(on_device, stacked))
+        codes = {s: int(values[f"flag.{s}"]) for s, _ in flags}
+        if any(c >= 2 for c in codes.values()):
+            self._restore(snapshot)
+            return None
+        skipped.update({s: "no query selected" for s, c in codes.items() if c == 1})
+        last_loss, n_selected = values["loss"], int(values["n_selected"])
+        out_logs = {k[len("log.") :]: v for k, v in values.items() if k.startswith("log.")}
+        skipped_list = [f"step {s}: {skipped[s]}" for s in sorted(skipped)]
+        if skipped_list:
+            logger.info("adapt_step skipped %s", "; ".join(skipped_list))
+        return TTAOutput(
+            scores=self._final_scores(queries, gallery, inputs, scores),
+            loss=None if res.loss is None else last_loss,
+            num_updates=self.config.steps - len(skipped_list),
+            n_selected=n_selected,
+            skipped=skipped_list,
+            logs=_floats(out_logs),
+        )
+
+    def _snapshot(self) -> tuple:
+        """Adapted parameters, optimiser moments and steps (copied on the device in one foreach call), the
+        objective's state and the RNG state, for :meth:`_restore`."""
+        opt_state = self.optimizer.state
+        had_state = [p in opt_state and bool(opt_state[p]) for p in self.params.values()]
+        tensors = list(self.params.values()) + [
+            t for p in self.params.values() if p in opt_state for t in opt_state[p].values() if torch.is_tensor(t)
+        ]
+        with torch.no_grad():
+            copies = torch._foreach_mul(tensors, 1.0) if tensors else []  # x * 1 is exact (also -0.0 and NaN)
+        return tensors, copies, had_state, dict(self.state), self.generator.get_state()
+
+    @torch.no_grad()
+    def _restore(self, snapshot: tuple) -> None:
+        tensors, copies, had_state, state, rng = snapshot
+        if tensors:
+            torch._foreach_copy_(tensors, copies)
+        for p, had in zip(self.params.values(), had_state):
+            if not had:
+                self.optimizer.state.pop(p, None)  # moments created after the snapshot
+        self.state.clear()
+        self.state.update(state)
+        self.generator.set_state(rng)
+
+    def _adapt_checked(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
+        """The loop with the skip rule checked on the host at every step."""
         skipped: list[str] = []
         updates, last_loss, res, scores = 0, None, None, None
         source_cache: list[torch.Tensor] = []
@@ -473,7 +599,8 @@ class TTAWrapper:
             logger.info("adapt_step skipped %s", "; ".join(skipped))
         scores = self._final_scores(queries, gallery, inputs, scores)
         return TTAOutput(
-            scores=scores, loss=last_loss, num_updates=updates, n_selected=res.n_selected, skipped=skipped, logs=_floats(res.logs)
+            scores=scores, loss=last_loss, num_updates=updates, n_selected=int(res.n_selected), skipped=skipped,
+            logs=_floats(res.logs),
         )
 
     def _backward(self, res: LossOutput, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
