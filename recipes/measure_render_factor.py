@@ -37,16 +37,27 @@ from hf_tta.data.corruptions import IMAGE_CORRUPTION_CATEGORIES, IMAGE_CORRUPTIO
 SHIFTS = ("clean", "noto", *IMAGE_CORRUPTIONS)
 
 
-def cache_path(cache_dir: Path, n: int, seed: int, side: int, shift: str, severity: int) -> Path:
+def cache_path(cache_dir: Path, n: int, seed: int, side: int, shift: str, severity: int, queries=None) -> Path:
     sev = "" if shift in ("clean", "noto") else f"-s{severity}"
-    return cache_dir / f"n{n}-seed{seed}" / f"side{side}" / f"{shift}{sev}.npy"
+    sub = "" if queries is None else f"-q{len(queries)}"
+    return cache_dir / f"n{n}-seed{seed}{sub}" / f"side{side}" / f"{shift}{sev}.npy"
+
+
+def query_subset(n: int, count: int | None, seed: int) -> list[int] | None:
+    """A seeded sample of ``count`` query images (sorted; the first ``count`` of one seeded permutation, so smaller
+    samples nest in larger ones), scored against the full gallery; ``None`` = all."""
+    if count is None or count >= n:
+        return None
+    return sorted(np.random.default_rng(seed + 1).permutation(n)[:count].tolist())
 
 
 def _make(args) -> tuple[str, int, float]:
     """Worker: render + corrupt one (side, shift) and write it to the cache; returns (shift, side, seconds)."""
-    limit, seed, side, shift, severity, path = args
+    limit, seed, side, shift, severity, path, queries = args
     t0 = time.time()
     bench = load_emoji_benchmark(limit=limit, seed=seed)
+    if queries is not None:
+        bench = bench.subset(queries)
     images = query_images(bench, shift, severity, input_side=side, factor=1, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npy")
@@ -55,14 +66,15 @@ def _make(args) -> tuple[str, int, float]:
     return shift, side, time.time() - t0
 
 
-def fill_cache(limit, seed, sides, shifts, severity, cache_dir: Path, workers: int, log=print) -> dict:
+def fill_cache(limit, seed, sides, shifts, severity, cache_dir: Path, workers: int, log=print, queries=None) -> dict:
     """Compute every missing (side, shift) image set; returns the seconds each computed one took."""
     n = len(load_emoji_benchmark(limit=limit, seed=seed))
     todo = [
-        (limit, seed, side, shift, severity, cache_path(cache_dir, n, seed, side, shift, severity))
+        (limit, seed, side, shift, severity, cache_path(cache_dir, n, seed, side, shift, severity, queries), queries)
         for side in sides
         for shift in shifts
-        if not cache_path(cache_dir, n, seed, side, shift, severity).exists()
+        if not cache_path(cache_dir, n, seed, side, shift, severity, queries).exists()
+        and not cache_path(cache_dir, n, seed, side, shift, severity).exists()  # a full set: its rows are used
     ]
     seconds: dict[str, float] = {}
     if not todo:
@@ -82,15 +94,17 @@ def fill_cache(limit, seed, sides, shifts, severity, cache_dir: Path, workers: i
 
 
 @torch.no_grad()
-def measure(weights, factors, shifts, severity: int, limit, seed: int, cache_dir: Path, workers: int, log=print) -> dict:
+def measure(weights, factors, shifts, severity: int, limit, seed: int, cache_dir: Path, workers: int, log=print,
+            num_queries: int | None = None) -> dict:
     from hf_tta.benchmarks.source_model import input_side, load_emoji_source_model, preprocess_images, tokenize
 
     model, tok = load_emoji_source_model(weights)
     side_in = input_side(model)
     bench = load_emoji_benchmark(limit=limit, seed=seed)
     sides = {k: render_side(side_in, k) for k in factors}
+    queries = query_subset(len(bench), num_queries, seed)
     t0 = time.time()
-    corrupt_seconds = fill_cache(limit, seed, sorted(set(sides.values())), shifts, severity, cache_dir, workers, log)
+    corrupt_seconds = fill_cache(limit, seed, sorted(set(sides.values())), shifts, severity, cache_dir, workers, log, queries)
     t_corrupt = time.time() - t0
 
     t0 = time.time()
@@ -98,12 +112,16 @@ def measure(weights, factors, shifts, severity: int, limit, seed: int, cache_dir
                      for s in range(0, bench.num_captions, 256)])
     txt = F.normalize(txt, dim=-1)
     c2i = torch.tensor(bench.caption_to_image)
-    target = torch.arange(len(bench))
+    target = torch.arange(len(bench)) if queries is None else torch.tensor(queries)
     table: dict[str, dict[str, float]] = {}
     for k, side in sides.items():
         col = {}
         for shift in shifts:
-            images = np.load(cache_path(cache_dir, len(bench), seed, side, shift, severity), mmap_mode="r")
+            full = cache_path(cache_dir, len(bench), seed, side, shift, severity)
+            if queries is not None and full.exists():
+                images = np.load(full, mmap_mode="r")[queries]  # the same images as the full run
+            else:
+                images = np.load(cache_path(cache_dir, len(bench), seed, side, shift, severity, queries), mmap_mode="r")
             emb = []
             for s in range(0, len(images), 256):
                 px = preprocess_images(np.array(images[s : s + 256]), side_in)
@@ -117,6 +135,7 @@ def measure(weights, factors, shifts, severity: int, limit, seed: int, cache_dir
         "input_side": side_in,
         "severity": severity,
         "images": len(bench),
+        "queries": len(target),
         "captions": bench.num_captions,
         "seed": seed,
         "render_sides": {f"{k:g}": s for k, s in sides.items()},
@@ -128,7 +147,7 @@ def measure(weights, factors, shifts, severity: int, limit, seed: int, cache_dir
 
 def markdown(result: dict) -> str:
     ks = list(result["r_at_1_i2t"])
-    head = "| shift | family | " + " | ".join(f"k = {k} ({result['render_sides'][k]} px)" for k in ks) + " |"
+    head = f"| shift ({result['queries']} queries) | family | " + " | ".join(f"k = {k} ({result['render_sides'][k]} px)" for k in ks) + " |"
     lines = [head, "|---|---|" + "---|" * len(ks)]
     shifts = list(next(iter(result["r_at_1_i2t"].values())))
     for shift in shifts:
@@ -148,6 +167,8 @@ def main(argv=None):
     parser.add_argument("--shifts", default="all", help="comma-separated shifts (clean, noto, corruptions) or 'all'")
     parser.add_argument("--severity", type=int, default=5)
     parser.add_argument("--limit", type=int, default=None, help="a seeded slice of the concepts (default: all)")
+    parser.add_argument("--queries", type=int, default=None,
+                        help="score a seeded sample of this many query images against the full gallery (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=str(REPO / "outputs" / "render-factor-cache"))
     parser.add_argument("--workers", type=int, default=1, help="processes that render and corrupt")
@@ -164,7 +185,8 @@ def main(argv=None):
         parser.error(f"unknown shift(s) {bad}; choose from {list(SHIFTS)}" if bad else "--factors is empty")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args.weights, factors, shifts, args.severity, args.limit, args.seed, Path(args.cache_dir), args.workers)
+    result = measure(args.weights, factors, shifts, args.severity, args.limit, args.seed, Path(args.cache_dir), args.workers,
+                     num_queries=args.queries)
     table = markdown(result)
     print(table)
     if args.out:

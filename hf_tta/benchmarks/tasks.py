@@ -77,8 +77,11 @@ class EmojiTask(Task):
 
         if render_factor is not None and (isinstance(render_factor, bool) or not isinstance(render_factor, (int, float)) or not render_factor >= 1):
             raise ValueError(f"render_factor must be a number >= 1 (or None for the benchmark's default); got {render_factor!r}.")
+        from .emoji import DEFAULT_RENDER_FACTOR
+
         self.seed = seed
-        self.render_factor = render_factor
+        # protocol v2 always (None = the benchmark's default k); k = 1 on a 32 px model reproduces protocol v1
+        self.render_factor = float(render_factor) if render_factor is not None else DEFAULT_RENDER_FACTOR
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.bench = load_emoji_benchmark(limit=limit, seed=seed)
         try:
@@ -95,7 +98,12 @@ class EmojiTask(Task):
         self.text_corruptions: list[str] | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe()}
+        from .source_model import input_side
+
+        side = input_side(self.model)
+        v1 = self.render_factor == 1 and side == 32  # the images protocol v1 gave
+        return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe(),
+                "input_side": side, "render_side": round(self.render_factor * side), "protocol_version": 1 if v1 else 2}
 
     def gallery_key(self, cond: Condition) -> str:
         if cond.direction == "t2i" and cond.shift == "noto":
@@ -105,7 +113,11 @@ class EmojiTask(Task):
     def gallery_items(self, cond: Condition) -> Sequence:
         if cond.direction == "i2t":
             return self.bench.captions
-        return self.bench.images("noto" if cond.shift == "noto" else "openmoji")
+        from .emoji import query_images  # t2i gallery images: rendered at k x the input side too, then resized
+        from .source_model import input_side
+
+        style = "noto" if cond.shift == "noto" else "clean"
+        return query_images(self.bench, style, input_side=input_side(self.model), factor=self.render_factor)
 
     def _cache_file(self, cond: Condition, seed: int):
         if self.cache_dir is None:
