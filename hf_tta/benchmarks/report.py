@@ -217,7 +217,7 @@ def _cell(value: float | None, std: float | None, status: str, seeds: int) -> st
 
 
 def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
+    return "–" if x is None else f"{int(round(100 * x))}%"  # no "-0%"
 
 
 def format_table(table: dict[str, Any], source_label: str = "Source model") -> str:
