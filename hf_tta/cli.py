@@ -343,7 +343,6 @@ def full_grid_rows() -> list[str]:
 def _objectives(value: str) -> list[str]:
     from . import available_objectives
     from .benchmarks.grid import row_objective
-
     from .objectives import get_objective_class
 
     methods = [n for n in available_objectives() if not get_objective_class(n).requires_labels]  # not the oracle

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from hf_tta import TTAConfig, TTAWrapper
-from hf_tta.benchmarks import SOURCE, Condition, GridRunner, Job, RunSettings, Task, build_grid, build_tables, format_table
+from hf_tta.benchmarks import (
+    SOURCE,
+    Condition,
+    GridRunner,
+    Job,
+    RunSettings,
+    Task,
+    build_grid,
+    build_tables,
+    format_table,
+)
 from hf_tta.benchmarks.grid import row_objective
 from hf_tta.benchmarks.report import paired_bootstrap, won_back
 from hf_tta.benchmarks.runner import query_tower_modules

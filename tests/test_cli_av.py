@@ -15,7 +15,16 @@ import torch
 
 from hf_tta import cli
 from hf_tta.benchmarks import AVTask, GridRunner, RunSettings, av_dataset_configs, build_av_grid, direction_name
-from tiny_av_models import XCLIP_FRAMES, cav_mae_adapter, frame_stacks, tiny_cav_mae, tiny_clap, tiny_clip, tiny_xclip, waveforms
+from tiny_av_models import (
+    XCLIP_FRAMES,
+    cav_mae_adapter,
+    frame_stacks,
+    tiny_cav_mae,
+    tiny_clap,
+    tiny_clip,
+    tiny_xclip,
+    waveforms,
+)
 
 pytest.importorskip("imagecorruptions", reason="the video corruptions need the `data` extra")
 
@@ -69,7 +78,12 @@ def _clip_tokenizer():
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny CLAP, X-CLIP and CLIP checkpoints with their processors, as `save_pretrained` folders."""
     from transformers import (
-        ClapFeatureExtractor, ClapProcessor, CLIPImageProcessor, CLIPProcessor, RobertaTokenizer, VideoMAEImageProcessor,
+        ClapFeatureExtractor,
+        ClapProcessor,
+        CLIPImageProcessor,
+        CLIPProcessor,
+        RobertaTokenizer,
+        VideoMAEImageProcessor,
         XCLIPProcessor,
     )
 

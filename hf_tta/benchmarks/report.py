@@ -9,7 +9,6 @@ import numpy as np
 
 from .grid import AV_DIRECTIONS, SOURCE, Condition
 
-
 IMAGE_ABBREVIATIONS = {
     "gaussian_noise": "Gauss.",
     "shot_noise": "Shot",
@@ -331,8 +330,9 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     folder = Path(folder)
     out = {}

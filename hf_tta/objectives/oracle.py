@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from ..configuration_utils import check_positive
-from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, gallery_tau_field, register_objective
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    gallery_tau_field,
+    register_objective,
+)
 
 
 @dataclass
