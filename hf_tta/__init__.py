@@ -1,6 +1,5 @@
 """hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
 
-from .version import __version__
 from .config import TTAConfig
 from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
@@ -17,6 +16,7 @@ from .objectives import (
     available_objectives,
     register_objective,
 )
+from .version import __version__
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
 __all__ = [

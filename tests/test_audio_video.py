@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_tta import TTAConfig, TTAWrapper, get_adapter
-from hf_tta.models import CLIPVideoAdapter, ClapAdapter, XCLIPAdapter
+from hf_tta.models import ClapAdapter, CLIPVideoAdapter, XCLIPAdapter
 from tiny_av_models import (
     cav_mae_adapter,
     clap_audio_batch,

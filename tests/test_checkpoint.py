@@ -186,17 +186,21 @@ def test_crash_while_writing_leaves_the_old_checkpoint(tmp_path, monkeypatch):
 KILLS = 40
 
 
-def _save_forever(a, b, target, started):
+def _save_forever(a, b, target, started, saves):
     torch.set_num_threads(1)
     started.set()
     while True:
-        a.save_pretrained(target)
-        b.save_pretrained(target)
+        for tta in (a, b):
+            tta.save_pretrained(target)
+            with saves.get_lock():
+                saves.value += 1
 
 
 def test_a_saving_process_killed_at_random_points_leaves_old_or_new(tmp_path):
     """A forked child saves two states alternately into one folder; the parent SIGKILLs it at random instants
-    (KILLS times, each kill spread over about two saves); after every kill the folder loads, exactly, to one of them."""
+    (KILLS times: after a random number of completed saves, then at a random instant within about the next save, so
+    the kills land in both saves whatever the machine's speed); after every kill the folder loads, exactly, to one of
+    them."""
     a, b = _adapted(1), _adapted(2)
     expected = {}
     for name, tta in (("a", a), ("b", b)):
@@ -212,11 +216,14 @@ def test_a_saving_process_killed_at_random_points_leaves_old_or_new(tmp_path):
     rng = random.Random(0)
     outcomes = {"a": 0, "b": 0}
     for i in range(KILLS):
-        started = ctx.Event()
-        child = ctx.Process(target=_save_forever, args=(a, b, target, started), daemon=True)
+        started, saves = ctx.Event(), ctx.Value("i", 0)
+        child = ctx.Process(target=_save_forever, args=(a, b, target, started, saves), daemon=True)
         child.start()
         assert started.wait(60)
-        time.sleep(rng.uniform(0, 2.5 * save_s))
+        wait_for, deadline = rng.randrange(0, 4), time.monotonic() + 60
+        while saves.value < wait_for and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        time.sleep(rng.uniform(0, 1.5 * save_s))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL

@@ -40,7 +40,7 @@ def tiny_blip2():
 
 
 def tiny_vtde():
-    from transformers import BertConfig, ViTConfig, VisionTextDualEncoderConfig, VisionTextDualEncoderModel
+    from transformers import BertConfig, VisionTextDualEncoderConfig, VisionTextDualEncoderModel, ViTConfig
 
     cfg = VisionTextDualEncoderConfig.from_vision_text_configs(ViTConfig(**VIS), BertConfig(**TXT), projection_dim=16)
     return VisionTextDualEncoderModel(cfg)

@@ -16,6 +16,7 @@ from .base import (
     register_objective,
     softmax_entropy,
 )
+
 # Every module of this package is an objective that registers itself on import: adding one is adding a file.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
     importlib.import_module(f"{__name__}.{_module}")

@@ -10,7 +10,16 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from ..configuration_utils import check_positive
-from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, gallery_tau_field, register_objective
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    config_field,
+    gallery_tau_field,
+    register_objective,
+)
 
 
 @dataclass

@@ -47,7 +47,15 @@ from .base import (
     same_gallery,
     softmax_entropy,
 )
-from .tcr import TCRConfig, gap_loss, init_queue_state, maybe_update_queue, noise_robust_entropy, queue_constraints, uniformity_loss
+from .tcr import (
+    TCRConfig,
+    gap_loss,
+    init_queue_state,
+    maybe_update_queue,
+    noise_robust_entropy,
+    queue_constraints,
+    uniformity_loss,
+)
 
 MASKED_LOGIT = -1e9  # a masked candidate: probability exactly 0, finite everywhere (no 0 * inf)
 CONSISTENCY_MAPS = ("affine", "clamp", "softmax")

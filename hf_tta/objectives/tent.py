@@ -11,7 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..configuration_utils import check_positive
-from .base import LossOutput, Objective, ObjectiveConfig, ObjectiveInputs, ObjectiveState, config_field, register_objective, softmax_entropy
+from .base import (
+    LossOutput,
+    Objective,
+    ObjectiveConfig,
+    ObjectiveInputs,
+    ObjectiveState,
+    config_field,
+    register_objective,
+    softmax_entropy,
+)
 
 
 @dataclass
