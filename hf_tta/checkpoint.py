@@ -64,7 +64,10 @@ def config_hash(model: nn.Module) -> str:
 
 def _drop_volatile(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _drop_volatile(v) for k, v in value.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
+        # keys as JSON writes them: some transformers versions keep int keys (id2label) in nested configs
+        return {
+            str(k): _drop_volatile(v) for k, v in value.items() if k not in _VOLATILE_KEYS and not str(k).startswith("_")
+        }
     if isinstance(value, (list, tuple)):
         return [_drop_volatile(v) for v in value]
     return value

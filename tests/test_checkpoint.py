@@ -235,3 +235,17 @@ def test_a_saving_process_killed_at_random_points_leaves_old_or_new(tmp_path):
             loaded = TTAWrapper.from_pretrained(make_model("clip"), target)
             assert loaded.batch_index == {"a": 1, "b": 2}[matches[0]]
     assert outcomes["a"] + outcomes["b"] == KILLS and min(outcomes.values()) > 0  # kills landed in both saves
+
+
+def test_config_hash_accepts_int_keys_as_json_writes_them():
+    """Some transformers versions keep int keys (``id2label``) in nested configs' diff dicts; the hash reads them as
+    JSON writes them (str), so {0: 'a'} and {'0': 'a'} hash alike and a private key is still dropped."""
+    from types import SimpleNamespace
+
+    def model(diff):
+        return SimpleNamespace(config=SimpleNamespace(to_diff_dict=lambda: diff))
+
+    as_int = checkpoint.config_hash(model({"vision_config": {"id2label": {0: "a", 1: "b"}, "_commit_hash": "x"}}))
+    as_str = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "b"}}}))
+    other = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "c"}}}))
+    assert as_int == as_str != other
