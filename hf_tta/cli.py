@@ -52,21 +52,22 @@ def _positive_int(value: str) -> int:
     return v
 
 
-def _positive_float(value: str) -> float:
+def _float(value: str) -> float:
     try:
-        v = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
+def _positive_float(value: str) -> float:
+    v = _float(value)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be > 0")
     return v
 
 
 def _render_factor(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    v = _float(value)
     if not v >= 1:
         raise argparse.ArgumentTypeError(f"{value!r}: the render factor is a number >= 1 (1 = render at the model's input side)")
     return v

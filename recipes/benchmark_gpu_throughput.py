@@ -36,18 +36,14 @@ PEAK_TFLOPS = {"bf16": 989.0, "tf32": 495.0, "fp32": 67.0}  # H100 SXM, dense
 
 
 # ------------------------------------------------------------------------------------------------ models
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
+
+
 def clip_model(patch: int, tiny: bool):
     from transformers import CLIPConfig, CLIPModel
 
     if tiny:
-        vision = dict(
-            image_size=32,
-            patch_size=8,
-            hidden_size=32,
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-        )
+        vision = dict(TINY_VISION)
         text = dict(
             hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16
         )
@@ -71,14 +67,7 @@ def blip_model(tiny: bool):
     from transformers import BlipConfig, BlipForImageTextRetrieval
 
     if tiny:
-        vision = dict(
-            image_size=32,
-            patch_size=8,
-            hidden_size=32,
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-        )
+        vision = dict(TINY_VISION)
         text = dict(
             vocab_size=99,
             hidden_size=32,
