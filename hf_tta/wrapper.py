@@ -133,6 +133,8 @@ class TTAWrapper:
             pattern = "^(" + "|".join(re.escape(n) for n in self.target_modules) + ")$"
             with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
                 warnings.filterwarnings("ignore", message="Unsupported layer type")
+                # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
                 self.peft_model = get_peft_model(self.model, LNTuningConfig(target_modules=pattern))
             self.model.eval()
             self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
