@@ -222,10 +222,19 @@ def setup_environment(args) -> None:
 
         torch.set_num_threads(args.threads)
     if args.model is None:
-        # The emoji benchmark never needs the network; say so to the Hugging Face libraries.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        go_offline()  # the emoji benchmark never needs the network; say so to the Hugging Face libraries
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def go_offline() -> None:
+    """Offline mode for the Hugging Face libraries unless the environment says ``HF_HUB_OFFLINE=0``. The hub reads the
+    variable once at import (already done by the time a command runs), so its module flag is set too."""
+    if os.environ.setdefault("HF_HUB_OFFLINE", "1") == "0":
+        return
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
 def _audio_video(args) -> bool:
@@ -562,6 +571,7 @@ def cmd_list(args) -> int:
     print("  default grid:    " + ", ".join(DEFAULT_IMAGE_CORRUPTIONS))
     print("text corruptions:  " + ", ".join(TEXT_CORRUPTIONS) + " (char/word 1..7, sentence 1)")
     if args.check_text:
+        go_offline()  # a seq2seq corruption whose checkpoint is not cached is reported, not downloaded
         ok, missing = offline_text_corruptions(TEXT_CORRUPTIONS)
         print("  runs here:       " + ", ".join(ok))
         for name, why in missing.items():

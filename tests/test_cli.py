@@ -227,3 +227,21 @@ def test_an_interrupted_run_continues_from_its_rows(tmp_path, capsys):
     assert {key(r): r["R@1"] for r in again} == {key(r): r["R@1"] for r in full}
     assert cli.main([*argv, "--steps", "2"]) == 0  # other arguments: starts afresh
     assert "starting afresh" in capsys.readouterr().out
+
+
+def test_go_offline_switches_the_hub_after_import(monkeypatch):
+    """The emoji commands and `list --check-text` must not reach the network even when the hub was imported online:
+    the hub reads HF_HUB_OFFLINE once at import, so go_offline also sets its module flag; HF_HUB_OFFLINE=0 opts out."""
+    import huggingface_hub.constants as hub
+
+    from hf_tta.cli import go_offline
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    go_offline()
+    assert hub.HF_HUB_OFFLINE is True and hub.is_offline_mode()
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    go_offline()
+    assert hub.HF_HUB_OFFLINE is False
