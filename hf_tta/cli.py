@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-style", dest="style", action="store_false", help="Leave the style shift out.")
     g.add_argument("--diverse", action="store_true", help="Add the diverse stream (each query its own random corruption, REST's -D).")
     g.add_argument("--clean", action="store_true", help="Add the clean stream.")
+    g.add_argument("--switch", action="store_true", help="Emoji: add the switching stream (the shift changes every 128 queries, "
+                   "cycling through one corruption per family).")
+    g.add_argument("--degenerate", action="store_true", help="Add the degenerate stream: --degenerate-batches batches of one "
+                   "constant query, then the clean stream, scored on the clean part (a safe method matches the source model).")
+    g.add_argument("--degenerate-batches", type=_positive_int, default=200, help="Constant batches before the clean part (default 200).")
     g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, every objective and the two oracle ceilings (unless --objectives is given).")
     a = run.add_argument_group("adaptation")
     a.add_argument("--steps", type=_positive_int, default=3, help="Gradient steps per batch (TCR: 3).")
@@ -302,9 +307,11 @@ def resolve_grid(args) -> tuple[list, dict]:
             notes["text_corruptions_left_out"] = missing
         text_severities = _ints(args.text_severities, range(1, 8))
     notes["text_corruptions"] = text_corruptions
+    if args.switch and not emoji:
+        raise UsageError("--switch runs on the emoji benchmark only; leave it out with --model (--degenerate works there).")
     jobs = build_grid(
         objectives, directions, corruptions, severities, text_corruptions, text_severities, style=style,
-        diverse=diverse, clean=clean, seeds=_run_seeds(args),
+        diverse=diverse, clean=clean, seeds=_run_seeds(args), switch=args.switch, degenerate=args.degenerate,
     )
     return jobs, notes
 
@@ -317,6 +324,8 @@ def resolve_av_grid(args) -> tuple[list, dict]:
     """The jobs of an audio/video ``hf-tta run``: each direction over the dataset's configs of its query modality."""
     from .benchmarks.grid import QUERY_MODALITY, av_dataset_configs, build_av_grid
 
+    if args.switch or args.degenerate:
+        raise UsageError("--switch and --degenerate are image-text streams; leave them out for the audio/video directions.")
     configs = av_dataset_configs(args.dataset)
     if "clean" not in configs:
         raise UsageError(f"{args.dataset} has no 'clean' config (found {configs}); build it with "
@@ -459,7 +468,7 @@ def prepare_run(args, show_progress: bool):
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
         objective_configs=objective_configs, show_progress=show_progress, cache_dir=args.cache_dir,
-        gradient_decoupling=gradient_decoupling,
+        gradient_decoupling=gradient_decoupling, degenerate_batches=args.degenerate_batches,
     )
     return jobs, notes, task, settings
 
@@ -577,7 +586,7 @@ def cmd_list(args) -> int:
         for name, why in missing.items():
             print(f"  not here:        {name}: {why}")
     print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
-    print("other shifts:      clean, noto (style), diverse")
+    print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix)")
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default)")
     from .benchmarks.grid import AV_DIRECTIONS

@@ -2,8 +2,9 @@
 
 A *condition* is one query stream: image→text (``i2t``) with image queries corrupted by one ImageNet-C
 corruption at one severity, text→image (``t2i``) with corrupted caption queries, the clean stream, the unseen
-drawing style (``noto``: Noto Emoji renders as i2t queries, or as the t2i gallery), or the diverse stream (every
-query its own random corruption, REST's "-D"); audio/video conditions name a dataset config of one of the six
+drawing style (``noto``: Noto Emoji renders as i2t queries, or as the t2i gallery), the diverse stream (every
+query its own random corruption, REST's "-D"), or a robustness stream (:data:`ROBUSTNESS_SHIFTS`: shifts switching
+every few batches, a degenerate constant prefix); audio/video conditions name a dataset config of one of the six
 :data:`AV_DIRECTIONS`. A *job* is a (condition, objective) pair; :func:`build_grid` and :func:`build_av_grid`
 list them, the source model first for every condition.
 """
@@ -11,7 +12,10 @@ list them, the source model first for every condition.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SOURCE = "source"
 #: The image–text directions of the emoji and Hub benchmarks.
@@ -25,13 +29,24 @@ AV_DIRECTIONS = {
     "v2a": ("video", "audio"),
     "a2v": ("audio", "video"),
 }
-OTHER_SHIFTS = ("clean", "noto", "diverse")
+#: Streams that check that adaptation is safe to leave running: ``switch`` changes shift every
+#: :data:`SWITCH_EVERY` queries of the stream (2 batches of 64), cycling through one corruption per family;
+#: ``degenerate`` is :data:`DEGENERATE_BATCHES` batches of one constant query, then the clean stream, scored on the
+#: clean part only (the source model's row is the clean stream's: a safe method matches it).
+ROBUSTNESS_SHIFTS = ("switch", "degenerate")
+OTHER_SHIFTS = ("clean", "noto", "diverse", *ROBUSTNESS_SHIFTS)
+SWITCH_EVERY = 128
+DEGENERATE_BATCHES = 200
 QUERY_MODALITY = {"i2t": "image", "t2i": "text", **{d: q for d, (q, _) in AV_DIRECTIONS.items()}}
 GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_DIRECTIONS.items()}}
 #: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
 #: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
 DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
 DEFAULT_OBJECTIVES = ("tent", "tcr", "rest")
+#: The shifts the switching stream cycles through: the default grid's image corruptions; for text, one character-level
+#: and one word-level corruption of each kind (insertion/replacement-like, order/deletion-like) that run offline.
+SWITCH_IMAGE_CORRUPTIONS = DEFAULT_IMAGE_CORRUPTIONS
+SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_deletion")
 #: The supervised ceilings (not methods): the oracle objective on the TTA methods' parameters (the query tower's
 #: LayerNorms) and on every parameter of the query tower.
 ORACLE_ROWS = ("oracle", "oracle_all")
@@ -115,6 +130,23 @@ def offline_text_corruptions(candidates: Iterable[str] | None = None) -> tuple[l
     return ok, missing
 
 
+def stream_order(n: int, seed: int) -> list[int]:
+    """The fixed random order in which a stream of ``n`` queries is fed for a seed."""
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).tolist()
+
+
+def switch_segments(n: int, seed: int, num_shifts: int, every: int = SWITCH_EVERY) -> "np.ndarray":
+    """The shift of each query of the switching stream (an index into the cycled shifts): the query's position in
+    the stream order (:func:`stream_order`), in segments of ``every`` queries, cycling through ``num_shifts``."""
+    import numpy as np
+
+    position = np.empty(n, dtype=np.int64)
+    position[np.asarray(stream_order(n, seed), dtype=np.int64)] = np.arange(n)
+    return (position // every) % num_shifts
+
+
 def build_grid(
     objectives: Sequence[str],
     directions: Sequence[str] = ("i2t",),
@@ -126,9 +158,12 @@ def build_grid(
     diverse: bool = False,
     clean: bool = False,
     seeds: Sequence[int] = (0,),
+    switch: bool = False,
+    degenerate: bool = False,
 ) -> list[Job]:
     """All (condition, objective, seed) jobs, the source model first for every condition. The clean stream's source
-    row is always run (the reference of the won-back share); ``clean=True`` adapts on it too."""
+    row is always run (the reference of the won-back share); ``clean=True`` adapts on it too; ``switch`` and
+    ``degenerate`` add the :data:`ROBUSTNESS_SHIFTS` streams."""
     conds: list[Condition] = []
     references: list[Condition] = []
     for d in directions:
@@ -145,6 +180,7 @@ def build_grid(
             conds.append(Condition(d, "noto"))
         if diverse:
             conds.append(Condition(d, "diverse"))
+        conds += [Condition(d, name) for name, wanted in zip(ROBUSTNESS_SHIFTS, (switch, degenerate)) if wanted]
     return jobs_for(conds, objectives, seeds, references)
 
 

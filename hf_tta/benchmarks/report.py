@@ -27,7 +27,7 @@ IMAGE_ABBREVIATIONS = {
     "pixelate": "Pixel",
     "jpeg_compression": "JPEG",
 }
-OTHER_ABBREVIATIONS = {"clean": "Clean", "noto": "Noto", "diverse": "Diverse"}
+OTHER_ABBREVIATIONS = {"clean": "Clean", "noto": "Noto", "diverse": "Diverse", "switch": "Switch", "degenerate": "Degen."}
 #: AudioSet-O's multi-distribution shifts as REST's Table IV names them (N+B, ..., N+W).
 AV_ABBREVIATIONS = {
     s: "+".join(part[0].upper() for part in s.split("_"))
@@ -59,7 +59,7 @@ def _group_title(group: str) -> str:
         q, g = AV_DIRECTIONS[group]
         return f"Query shift on {q}→{g} retrieval ({q} queries, clean {g} gallery), R@1 (%)"
     if group == "shifts":
-        return "Clean, unseen style (noto) and diverse shift, R@1 (%)"
+        return "Clean, unseen style (noto), diverse and robustness (switch, degenerate) streams, R@1 (%)"
     direction, _, severity = group.split("-")
     what = "image corruptions, image→text (TR@1)" if direction == "i2t" else "text corruptions, text→image (IR@1)"
     return f"Query shift on {what}, severity {severity}"

@@ -29,7 +29,16 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .grid import GALLERY_MODALITY, QUERY_MODALITY, SOURCE, Condition, Job, row_objective
+from .grid import (
+    DEGENERATE_BATCHES,
+    GALLERY_MODALITY,
+    QUERY_MODALITY,
+    SOURCE,
+    Condition,
+    Job,
+    row_objective,
+    stream_order,
+)
 from .tasks import Task, take_items
 
 logger = logging.getLogger(__name__)
@@ -48,6 +57,10 @@ class RunSettings:
     show_progress: bool = field(default=True, metadata={"help": "Progress bars."})
     cache_dir: str | None = field(
         default=None, metadata={"help": "Gallery embeddings are stored here (safetensors) and read back; delete after changing model."}
+    )
+    degenerate_batches: int = field(
+        default=DEGENERATE_BATCHES,
+        metadata={"help": "Batches of one constant query that open the degenerate stream before its clean part."},
     )
     gradient_decoupling: tuple[str, ...] | None = field(
         default=None,
@@ -200,9 +213,24 @@ class GridRunner:
         return torch.cat(embs), torch.cat(scores)
 
     def order(self, n: int, seed: int | None = None) -> list[int]:
-        """The fixed random order of the query stream for a seed."""
-        seed = self.settings.seed if seed is None else seed
-        return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        """The fixed random order of the query stream for a seed (:func:`~hf_tta.benchmarks.grid.stream_order`)."""
+        return stream_order(n, self.settings.seed if seed is None else seed)
+
+    def _degenerate_prefix(self, tta, modality: str, raw: Sequence, relevant, gallery, seed: int) -> tuple[int, int]:
+        """Feed ``settings.degenerate_batches`` batches of one constant query (a seeded pick of the clean stream)
+        before the clean stream; returns the updates made and steps skipped."""
+        s = self.settings
+        pick = stream_order(len(raw), seed)[0]
+        inputs = self.task.to_inputs(modality, take_items(raw, [pick] * s.batch_size))
+        labels = [relevant[pick]] * s.batch_size if tta.objective.requires_labels else None
+        updates = skipped = 0
+        bar = tqdm(range(s.degenerate_batches), desc=f"constant prefix ({tta.config.objective})", leave=False,
+                   disable=not s.show_progress)
+        for _ in bar:
+            out = tta.adapt_step(inputs, gallery, labels=labels)
+            updates += out.num_updates
+            skipped += len(out.skipped)
+        return updates, skipped
 
     # ---------------------------------------------------------------- one job
     def run(self, job: Job) -> dict[str, Any]:
@@ -233,6 +261,8 @@ class GridRunner:
                 order = self.order(len(raw), seed)
                 scores = torch.empty(len(raw), len(gallery))
                 updates, skipped = 0, 0
+                if cond.shift == "degenerate":  # a constant prefix first; recall is scored on the clean part only
+                    updates, skipped = self._degenerate_prefix(tta, modality, raw, relevant, gallery, seed)
                 batches = range(0, len(order), s.batch_size)
                 bar = tqdm(batches, desc=f"{job.objective} {cond.key}", leave=False, disable=not s.show_progress)
                 for start in bar:

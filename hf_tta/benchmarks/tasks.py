@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .grid import AV_DIRECTIONS, Condition, offline_text_corruptions
+from .grid import AV_DIRECTIONS, SWITCH_EVERY, Condition, offline_text_corruptions
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class EmojiTask(Task):
         self.device = torch.device(device)
         self.weights = str(weights) if weights is not None else "shipped (emoji-convnext-minilm)"
         self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
+        #: queries per segment of the switching stream (the shift changes after this many queries of the stream)
+        self.switch_every = SWITCH_EVERY
         #: the text corruptions the diverse t2i stream draws from (None: every one that runs offline here)
         self.text_corruptions: list[str] | None = None
 
@@ -171,6 +173,10 @@ class EmojiTask(Task):
         )
 
         b = self.bench
+        if cond.shift == "degenerate":  # the clean stream; the runner feeds the constant prefix before it
+            return self.queries(Condition(cond.direction, "clean"), seed)
+        if cond.shift == "switch":
+            return self._switch_queries(cond, seed)
         if cond.direction == "i2t" and self.render_factor is not None:  # protocol v2: render at k x, corrupt, resize
             from .emoji import query_images
             from .source_model import input_side
@@ -201,6 +207,25 @@ class EmojiTask(Task):
                 raw = corrupt_texts_diverse(caps, seed, pool)[0]
             else:
                 raw = corrupt_texts(caps, cond.shift, cond.severity, seed=seed)
+        return raw, relevant
+
+    def _switch_queries(self, cond: Condition, seed: int):
+        """The switching stream: each query is the same query of the stream of the shift its segment of the stream
+        order gets (:func:`~hf_tta.benchmarks.grid.switch_segments`), so every image equals its single-shift twin."""
+        from ..data.corruptions import TEXT_SEVERITIES
+        from .grid import SWITCH_IMAGE_CORRUPTIONS, SWITCH_TEXT_CORRUPTIONS, switch_segments
+
+        if cond.direction == "i2t":
+            shifts = [Condition("i2t", c, 5) for c in SWITCH_IMAGE_CORRUPTIONS]
+        else:
+            shifts = [Condition(cond.direction, c, min(7, max(TEXT_SEVERITIES[c]))) for c in SWITCH_TEXT_CORRUPTIONS]
+        streams = [self.queries(c, seed) for c in shifts]
+        relevant = streams[0][1]
+        segment = switch_segments(len(relevant), seed, len(shifts), every=self.switch_every)
+        if cond.direction == "i2t":
+            raw = np.stack([s[0] for s in streams])[segment, np.arange(len(relevant))]
+        else:
+            raw = [streams[k][0][i] for i, k in enumerate(segment.tolist())]
         return raw, relevant
 
     def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:

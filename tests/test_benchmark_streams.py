@@ -1,0 +1,73 @@
+"""The robustness streams of the benchmark: shifts switching every few batches, and the degenerate constant prefix."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hf_tta.benchmarks import SOURCE, Condition, GridRunner, Job, RunSettings, build_grid
+from hf_tta.benchmarks.grid import ROBUSTNESS_SHIFTS, SWITCH_IMAGE_CORRUPTIONS, stream_order, switch_segments
+from test_benchmark_runner import N, TinyTask
+from tiny_models import make_model
+
+
+def test_switch_segments_follow_the_stream_order():
+    """Query at stream position p gets shift (p // every) % num_shifts; every shift gets its share."""
+    n, every, k = 23, 3, 4
+    segment = switch_segments(n, seed=5, num_shifts=k, every=every)
+    order = stream_order(n, 5)
+    assert [int(segment[q]) for q in order] == [(p // every) % k for p in range(n)]
+    assert np.bincount(segment, minlength=k).tolist() == [6, 6, 6, 5]
+    assert not np.array_equal(segment, switch_segments(n, seed=6, num_shifts=k, every=every))
+
+
+def test_robustness_streams_join_the_grid_only_when_asked():
+    plain = build_grid(["tcr"], ["i2t"], ["fog"], [5])
+    assert not {j.condition.shift for j in plain} & set(ROBUSTNESS_SHIFTS)
+    jobs = build_grid(["tcr"], ["i2t"], ["fog"], [5], switch=True, degenerate=True)
+    assert {Condition("i2t", "switch"), Condition("i2t", "degenerate")} <= {j.condition for j in jobs}
+
+
+def test_switch_stream_is_each_query_of_its_segments_shift():
+    from hf_tta.benchmarks.tasks import EmojiTask
+
+    task = EmojiTask(limit=12, render_factor=1.5)
+    raw, relevant = task.queries(Condition("i2t", "switch"), seed=3)
+    segment = switch_segments(12, 3, len(SWITCH_IMAGE_CORRUPTIONS), every=4)
+    assert raw.shape[0] == 12 and relevant == task.queries(Condition("i2t", "clean"), 3)[1]
+    # with 12 queries and segments of 128 every query is in the first segment: the first corruption's stream
+    first = task.queries(Condition("i2t", SWITCH_IMAGE_CORRUPTIONS[0], 5), 3)[0]
+    assert np.array_equal(raw, first)
+    # and with short segments each query comes from its own segment's stream
+    task.switch_every = 4
+    task._cache.clear()
+    raw = task.queries(Condition("i2t", "switch"), seed=3)[0]
+    for i, k in enumerate(segment.tolist()):
+        stream = task.queries(Condition("i2t", SWITCH_IMAGE_CORRUPTIONS[k], 5), 3)[0]
+        assert np.array_equal(raw[i], stream[i])
+    assert len(set(segment.tolist())) == 3  # 12 queries in segments of 4: three shifts used
+
+
+def test_degenerate_stream_feeds_a_constant_prefix_and_scores_the_clean_part():
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=4, degenerate_batches=5, steps=2))
+    cond = Condition("i2t", "degenerate")
+    calls = []
+    tta = runner._wrapper("tent", cond, 0)
+    original = tta.adapt_step
+
+    def spy(queries, gallery, labels=None):
+        calls.append(queries["pixel_values"].clone())
+        return original(queries, gallery, labels=labels)
+
+    tta.adapt_step = spy
+    row = runner.run(Job(cond, "tent", 0))
+    assert "error" not in row, row.get("error")
+    assert len(calls) == 5 + N // 4  # the prefix, then the clean stream in batches of 4
+    prefix = torch.stack(calls[:5])
+    assert torch.equal(prefix, prefix[:1].expand_as(prefix)) and torch.equal(prefix[0], prefix[0, :1].expand_as(prefix[0]))
+    assert row["num_queries"] == N and len(row["hits"]) == N  # scored on the clean part only
+    assert row["updates"] + row["skipped_steps"] == 2 * (5 + N // 4)
+    # the source row of the degenerate stream is the clean stream's
+    clean = runner.run(Job(Condition("i2t", "clean"), SOURCE, 0))
+    source = runner.run(Job(cond, SOURCE, 0))
+    assert source["hits"] == clean["hits"] and source["R@1"] == clean["R@1"]
