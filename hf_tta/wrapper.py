@@ -281,7 +281,7 @@ class TTAWrapper:
 
     def _check_backend(self, gallery: GalleryBackend) -> GalleryBackend:
         """A top-k backend: objectives see the batch's candidates (see ``hf_tta.gallery.base``); refuse objectives that
-        need the whole gallery (``Objective.gallery_access == "full"``)."""
+        need every item's score at every step (``Objective.gallery_access == "full"``)."""
         if gallery.modality != self.gallery_modality:
             raise ValueError(
                 f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
@@ -290,25 +290,42 @@ class TTAWrapper:
         for role, obj in (("objective", self.objective), ("score_transform", self.score_transform)):
             if obj is not None and getattr(obj, "gallery_access", "softmax") == "full":
                 raise ValueError(
-                    f"The {role} {obj.name!r} needs the whole gallery (gallery statistics or per-item state), which a "
-                    f"top-k backend ({type(gallery).__name__}) does not provide: pass the dense GalleryCache instead."
+                    f"The {role} {obj.name!r} needs every gallery item's score at every step (gallery_access='full'), "
+                    f"which a top-k backend ({type(gallery).__name__}) does not provide: pass the dense GalleryCache instead."
                 )
         return gallery
 
-    def _candidate_view(self, q: torch.Tensor, gallery: GalleryBackend) -> tuple[torch.Tensor, GalleryCache]:
+    def _candidate_view(self, q: torch.Tensor, gallery: GalleryBackend, step: int) -> tuple[torch.Tensor, GalleryCache]:
         """The union ``C`` of the batch's top-k items (sorted global indices) and their cached embeddings, as a small
-        dense gallery that the queries are scored against exactly (so gradients flow as with the dense gallery)."""
+        dense gallery that the queries are scored against exactly (so gradients flow as with the dense gallery).
+
+        ``C`` also holds the top-k of the objective's ``search_vectors`` (and, on the reported step, the score
+        transform's: DN's shifted queries); the objective's ``candidate_extras`` (REST's centroids) follow as extra rows."""
         k = max(gallery.k, getattr(self.objective, "gallery_k", 0) or 0)
+        searchers = [(self.objective, self.state)]
+        if self.score_transform is not None and (step >= self.config.steps - 1 or not self.objective.requires_grad):
+            searchers.append((self.score_transform, self.transform_state))
         with torch.no_grad():
-            ids = torch.unique(gallery.search_tokens(q.detach().float(), k).flatten().to(q.device))
+            qd = q.detach().float()
+            found = [gallery.search_tokens(qd, k).flatten()]
+            for obj, state in searchers:
+                extra = obj.search_vectors(qd, state)
+                if extra is not None:
+                    found.append(gallery.search_tokens(extra, k).flatten())
+            ids = torch.unique(torch.cat([f.to(q.device) for f in found]))
             emb = gallery.gather(ids).to(q.device)
+            extras = self.objective.candidate_extras(gallery, self.config.seed)
+            if extras is not None:
+                emb = torch.cat([emb, extras.to(emb)])
         return ids, GalleryCache(emb, gallery.modality)
 
     def _topk_output(self, out: TTAOutput, gallery: GalleryBackend) -> TTAOutput:
         """Replace the candidate scores ``(B, |C|)`` of the reported step by each query's top-k over the gallery."""
-        # a stable sort: equal scores keep the smaller gallery index first (the columns are in index order)
-        values, local = out.scores.sort(dim=1, descending=True, stable=True)
-        k = min(gallery.k, out.scores.shape[1])
+        # a stable sort: equal scores keep the smaller gallery index first (the columns are in index order); columns
+        # after the candidates are the objective's candidate_extras (REST's centroids), not gallery items
+        scores = out.scores[:, : self._candidate_ids.numel()]
+        values, local = scores.sort(dim=1, descending=True, stable=True)
+        k = min(gallery.k, scores.shape[1])
         values, local = values[:, :k], local[:, :k]
         return dataclasses.replace(out, scores=None, topk=TopKScores(values, self._candidate_ids[local]))
 
@@ -334,9 +351,11 @@ class TTAWrapper:
         self, queries: dict, gallery: GalleryCache | GalleryBackend, step: int, source_cache: list[torch.Tensor] | None = None,
         record: bool = True,
     ) -> ObjectiveInputs:
+        backend = ids = None
         if isinstance(gallery, GalleryBackend):  # objectives see the batch's candidates, re-scored exactly
             q_raw = self._embed_queries(queries)
-            ids, gallery = self._candidate_view(q_raw, gallery)
+            backend = gallery
+            ids, gallery = self._candidate_view(q_raw, gallery, step)
             if record:  # the columns of the scores this step reports (the SAM closure's pass does not report)
                 self._candidate_ids = ids
             q, scores = self._score(q_raw, gallery)
@@ -369,6 +388,8 @@ class TTAWrapper:
             params=self.params or None,
             source_params=self._source if self.params else None,
             labels=self._batch_labels,
+            candidate_ids=ids,
+            backend=backend,
         )
 
     @torch.no_grad()

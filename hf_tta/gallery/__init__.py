@@ -6,12 +6,15 @@ from .chunked import ChunkedGallery
 from .faiss_index import PRESETS as FAISS_PRESETS
 from .faiss_index import FaissGallery, default_nlist
 from .sharded import ShardedGallery
+from .stats import GalleryKMeans, GalleryStatistics
 
 __all__ = [
     "FAISS_PRESETS",
     "ChunkedGallery",
     "FaissGallery",
     "GalleryBackend",
+    "GalleryKMeans",
+    "GalleryStatistics",
     "ShardedGallery",
     "TopKScores",
     "default_nlist",

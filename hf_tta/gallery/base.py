@@ -5,16 +5,34 @@ The in-memory dense gallery (:class:`hf_tta.GalleryCache`) hands objectives the 
 wrapper searches each query's ``k`` nearest items, takes the union ``C`` of the batch's results, gathers those
 items' cached embeddings and re-scores them exactly with the (grad-carrying) query embeddings. Objectives then see
 ``C`` as their gallery: ``scores`` is ``(B, |C|)`` and ``gallery_emb`` is ``(|C|, D)``. What that changes for each
-objective is declared by ``Objective.gallery_access`` (``"topk"``: exact with ``k >= Objective.gallery_k``;
-``"softmax"``: a softmax over the gallery becomes a softmax over ``C``; ``"full"``: needs the whole gallery, refused).
+objective is declared by ``Objective.gallery_access``:
+
+* ``"topk"``: only each query's top-``gallery_k`` items (TCR): exact with ``k >= Objective.gallery_k``;
+* ``"softmax"``: a softmax over the gallery becomes a softmax over ``C`` (Tent, SAR, READ, DeYO, PL, SHOT, ...);
+* ``"stats"``: statistics of the whole gallery, computed once per backend from its cached embeddings and cached on it
+  (:meth:`GalleryBackend.statistics`: mean and fingerprint; :meth:`GalleryBackend.kmeans`: REST's centroids), saved
+  beside the backend by ``save`` and read back by ``load``;
+* ``"per_item"``: state per gallery item (EATA's running softmax average, TITAN's match counts, ClipTTA's memory
+  labels), kept as a dense ``N``-vector keyed by global index into which the candidates' values are scattered (the
+  objective gets ``ObjectiveInputs.candidate_ids``); a softmax over the gallery is taken over ``C``;
+* ``"full"``: needs every item's score at every step; refused with a top-k backend (no built-in objective).
 """
 
 from __future__ import annotations
 
 import abc
+import os
+import re
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from .stats import BLOCK_ROWS, GalleryKMeans, GalleryStatistics, compute_statistics, gallery_kmeans
+
+STATS_FILE = "gallery_stats.safetensors"
+_KMEANS_KEY = re.compile(r"^kmeans\.k(\d+)\.iters(\d+)\.seed(-?\d+)\.(centroids|labels|counts)$")
 
 
 @dataclass
@@ -124,3 +142,95 @@ class GalleryBackend(abc.ABC):
             )
         if embeddings.shape[0] == 0:
             raise ValueError("The gallery is empty.")
+
+    # ---------------------------------------------------------------------------------------- whole-gallery statistics
+    def iter_blocks(self, rows: int = BLOCK_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(start, block)``: the cached embeddings in gallery order, ``rows`` items at a time, as float32 on
+        :attr:`device` (by default through :meth:`gather`; backends override it with a sequential read)."""
+        for start in range(0, len(self), rows):
+            yield start, self.gather(torch.arange(start, min(start + rows, len(self)))).float()
+
+    def _stats_cache(self) -> dict:
+        cache = self.__dict__.get("_statistics_cache")
+        if cache is None:
+            cache = self.__dict__["_statistics_cache"] = {}
+        return cache
+
+    # the hooks a sharded gallery overrides with collectives (identities in one process)
+    def _stat_blocks(self):
+        return self.iter_blocks
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _gather_vector(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _row(self, index: int) -> torch.Tensor:
+        return self.gather(torch.tensor([index]))[0].float()
+
+    def statistics(self) -> GalleryStatistics:
+        """Mean embedding and fingerprint of the whole gallery: one streamed pass, computed on first use and cached."""
+        cache = self._stats_cache()
+        if "statistics" not in cache:
+            cache["statistics"] = compute_statistics(self._stat_blocks(), len(self), self.dim, self._reduce)
+        return cache["statistics"]
+
+    def kmeans(self, k: int, iters: int = 50, seed: int = 0) -> GalleryKMeans:
+        """Spherical k-means of the whole gallery (``k`` clusters, at most ``iters`` Lloyd iterations, k-means++ seeded
+        with ``seed``): the algorithm of REST's dense path (:func:`hf_tta.objectives.rest.spherical_kmeans`), streamed
+        in blocks; computed on first use per ``(k, iters, seed)`` and cached."""
+        key = (int(k), int(iters), int(seed))
+        cache = self._stats_cache().setdefault("kmeans", {})
+        if key not in cache:
+            cache[key] = gallery_kmeans(
+                self._stat_blocks(), len(self), self._row, k, iters, seed, self._reduce, self._gather_vector
+            )
+        return cache[key]
+
+    def statistics_tensors(self) -> dict[str, torch.Tensor]:
+        """The cached statistics as named tensors (what ``save`` writes to ``gallery_stats.safetensors``)."""
+        cache = self._stats_cache()
+        out: dict[str, torch.Tensor] = {}
+        if "statistics" in cache:
+            out["mean"], out["fingerprint"] = cache["statistics"].mean, cache["statistics"].fingerprint
+        for (k, iters, seed), res in cache.get("kmeans", {}).items():
+            for field in ("centroids", "labels", "counts"):
+                out[f"kmeans.k{k}.iters{iters}.seed{seed}.{field}"] = getattr(res, field)
+        return {name: t.detach().cpu().contiguous() for name, t in out.items()}
+
+    def load_statistics_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill the cache from :meth:`statistics_tensors`' output (checked against this gallery's size and dimension)."""
+        n, d = len(self), self.dim
+        cache: dict = {}
+        if "mean" in tensors:
+            mean, fp = tensors["mean"], tensors["fingerprint"]
+            if mean.shape != (d,) or int(fp[0]) != n:
+                raise ValueError(f"The saved gallery statistics are of another gallery (N={int(fp[0])}, D={mean.shape[0]}).")
+            cache["statistics"] = GalleryStatistics(mean=mean, fingerprint=fp)
+        parts: dict[tuple, dict] = {}
+        for name, t in tensors.items():
+            m = _KMEANS_KEY.match(name)
+            if m:
+                parts.setdefault((int(m[1]), int(m[2]), int(m[3])), {})[m[4]] = t
+        for key, fields in parts.items():
+            res = GalleryKMeans(**fields)
+            if res.labels.shape != (n,) or res.centroids.shape[1] != d:
+                raise ValueError(f"The saved k-means {key} is of another gallery (labels {tuple(res.labels.shape)}).")
+            cache.setdefault("kmeans", {})[key] = res
+        self._stats_cache().update(cache)
+
+    def save_statistics(self, directory: str | os.PathLike) -> None:
+        """Write the cached statistics to ``directory/gallery_stats.safetensors`` (none cached: no file, and a stale one
+        is removed)."""
+        tensors, path = self.statistics_tensors(), os.path.join(directory, STATS_FILE)
+        if tensors:
+            save_file(tensors, path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def load_statistics(self, directory: str | os.PathLike) -> None:
+        """Read ``directory/gallery_stats.safetensors`` when it exists."""
+        path = os.path.join(directory, STATS_FILE)
+        if os.path.exists(path):
+            self.load_statistics_tensors(load_file(path))

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .base import GalleryBackend, TopKScores, check_k, merge_topk
+from .stats import BLOCK_ROWS
 
 EMBEDDINGS_FILE = "gallery.safetensors"
 MANIFEST_FILE = "gallery.json"
@@ -69,7 +70,8 @@ class ChunkedGallery(GalleryBackend):
         return cls(store, modality, **kwargs)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """``gallery.safetensors`` (the embeddings) and ``gallery.json`` (modality, k, chunk size)."""
+        """``gallery.safetensors`` (the embeddings), ``gallery.json`` (modality, k, chunk size) and, when computed,
+        ``gallery_stats.safetensors`` (:meth:`statistics` and :meth:`kmeans`, so they are not recomputed after ``load``)."""
         os.makedirs(directory, exist_ok=True)
         if self._file is None:
             save_file({_KEY: self.embeddings.cpu().contiguous()}, os.path.join(directory, EMBEDDINGS_FILE))
@@ -78,6 +80,7 @@ class ChunkedGallery(GalleryBackend):
         manifest = {"backend": "chunked", "modality": self.modality, "k": self.k, "chunk_size": self.chunk_size}
         with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
             json.dump(manifest, fh, indent=2)
+        self.save_statistics(directory)
 
     @classmethod
     def load(
@@ -91,11 +94,13 @@ class ChunkedGallery(GalleryBackend):
         kwargs = {"k": manifest["k"], "chunk_size": manifest["chunk_size"], **overrides}
         if not mmap:
             with safe_open(path, framework="pt", device=device) as fh:
-                return cls(fh.get_tensor(_KEY), manifest["modality"], **kwargs)
-        store = _memmap_safetensors(path, _KEY)
-        self = cls(torch.from_numpy(np.array(store[:1])), manifest["modality"], **kwargs)  # validated on one row
-        self._file, (self._n, self._dim) = path, store.shape
-        self._memmap, self.embeddings = store, None
+                self = cls(fh.get_tensor(_KEY), manifest["modality"], **kwargs)
+        else:
+            store = _memmap_safetensors(path, _KEY)
+            self = cls(torch.from_numpy(np.array(store[:1])), manifest["modality"], **kwargs)  # validated on one row
+            self._file, (self._n, self._dim) = path, store.shape
+            self._memmap, self.embeddings = store, None
+        self.load_statistics(directory)
         return self
 
     # ---------------------------------------------------------------------------------------- interface
@@ -115,12 +120,18 @@ class ChunkedGallery(GalleryBackend):
             raise ValueError(
                 "A memory-mapped ChunkedGallery stays on the CPU: its blocks are moved to the queries' device."
             )
-        return ChunkedGallery(self.embeddings.to(device), self.modality, self.k, self.chunk_size)
+        moved = ChunkedGallery(self.embeddings.to(device), self.modality, self.k, self.chunk_size)
+        moved._stats_cache().update(self._stats_cache())  # the statistics do not depend on the device
+        return moved
 
     def _read(self, start: int, end: int) -> torch.Tensor:
         if self._file is None:
             return self.embeddings[start:end]
         return torch.from_numpy(np.array(self._memmap[start:end]))  # a writable copy of the block
+
+    def iter_blocks(self, rows: int = BLOCK_ROWS):
+        for start in range(0, self._n, rows):
+            yield start, self._read(start, min(start + rows, self._n)).to(self.device, torch.float32)
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:

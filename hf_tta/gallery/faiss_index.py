@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .base import GalleryBackend, TopKScores, check_k
+from .stats import BLOCK_ROWS
 
 INDEX_FILE = "gallery.faiss"
 MANIFEST_FILE = "gallery.json"
@@ -158,7 +159,8 @@ class FaissGallery(GalleryBackend):
         return cls(idx, modality, factory=factory, **kwargs)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """``gallery.faiss`` (``faiss.write_index``) and ``gallery.json`` (modality, factory, k, nprobe, ef_search)."""
+        """``gallery.faiss`` (``faiss.write_index``), ``gallery.json`` (modality, factory, k, nprobe, ef_search) and,
+        when computed, ``gallery_stats.safetensors`` (:meth:`statistics` and :meth:`kmeans`)."""
         faiss = _faiss()
         os.makedirs(directory, exist_ok=True)
         faiss.write_index(self.index, os.path.join(directory, INDEX_FILE))
@@ -174,6 +176,7 @@ class FaissGallery(GalleryBackend):
         }
         with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
             json.dump(manifest, fh, indent=2)
+        self.save_statistics(directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, mmap: bool = False, **overrides) -> "FaissGallery":
@@ -187,7 +190,9 @@ class FaissGallery(GalleryBackend):
         index = faiss.read_index(os.path.join(directory, INDEX_FILE), flags)
         kwargs = {k: manifest[k] for k in ("k", "nprobe", "ef_search")}
         kwargs.update(overrides)
-        return cls(index, manifest["modality"], factory=manifest["factory"], **kwargs)
+        self = cls(index, manifest["modality"], factory=manifest["factory"], **kwargs)
+        self.load_statistics(directory)
+        return self
 
     # ---------------------------------------------------------------------------------------- interface
     def __len__(self) -> int:
@@ -224,6 +229,12 @@ class FaissGallery(GalleryBackend):
             indices = torch.where(missing, indices[:, :1], indices)
             values = torch.where(missing, values[:, :1], values)
         return TopKScores(values.to(queries.device), indices.to(queries.device))
+
+    def iter_blocks(self, rows: int = BLOCK_ROWS):
+        """The index's stored vectors in order (``reconstruct_n``: decoded for quantised indexes)."""
+        n = len(self)
+        for start in range(0, n, rows):
+            yield start, torch.from_numpy(self.index.reconstruct_n(start, min(rows, n - start)))
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
         ids = np.ascontiguousarray(indices.cpu().numpy().astype(np.int64))

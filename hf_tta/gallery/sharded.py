@@ -2,8 +2,9 @@
 on every shard, the per-shard top-k are all-gathered and merged, and candidate embeddings are assembled from their
 owners (an all-reduce of rows owned by exactly one process, so the result is exact).
 
-Every call is a collective: all processes must call :meth:`ShardedGallery.search` / :meth:`gather` with the same
-queries and indices, which is what the one-stream distributed wrapper (:class:`hf_tta.DistributedTTAWrapper`) does
+Every call is a collective: all processes must call :meth:`ShardedGallery.search` / :meth:`gather` (and the
+whole-gallery :meth:`~GalleryBackend.statistics` / :meth:`~GalleryBackend.kmeans`, computed from every shard's blocks
+with all-reduced sums) with the same queries and indices, which is what the one-stream distributed wrapper (:class:`hf_tta.DistributedTTAWrapper`) does
 (its query embeddings are all-gathered, so every process holds the global batch).
 """
 
@@ -83,6 +84,28 @@ class ShardedGallery(GalleryBackend):
         dist.all_gather(all_i, indices, group=self.group)
         merged = merge_topk(torch.cat(all_v, 1), torch.cat(all_i, 1), k)  # padding (-inf) never wins: k <= N
         return merged.to(queries.device)
+
+    # ---------------------------------------------------------------------------------------- statistics (collectives)
+    def _stat_blocks(self):
+        def blocks():
+            for start, block in self.local.iter_blocks():
+                yield self.offset + start, block
+
+        return blocks
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self._comm_device())
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.device)
+
+    def _gather_vector(self, x: torch.Tensor) -> torch.Tensor:
+        """Every shard's per-item vector ``(len(local),)``, concatenated in rank order ``(N,)``."""
+        dev = self._comm_device()
+        padded = torch.zeros(max(self.sizes), dtype=x.dtype, device=dev)
+        padded[: x.shape[0]] = x.to(dev)
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, self.sizes)]).to(x.device)
 
     @torch.no_grad()
     def gather(self, indices: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,11 @@ class ObjectiveInputs:
         source_params (`dict`, *optional*): the source values of ``params`` (no grad).
         labels (`torch.Tensor` of shape `(B, N)`, *optional*): bool mask of each query's relevant gallery items, given
             only to supervised objectives (``requires_labels``: the benchmark's oracle ceilings), never to TTA methods.
+        candidate_ids (`torch.Tensor` of shape `(C,)`, *optional*): with a top-k gallery backend, the global gallery
+            indices (sorted) of the first ``C`` columns of ``scores`` and rows of ``gallery_emb``, the batch's candidate
+            set; any further columns are the objective's :meth:`Objective.candidate_extras`. ``None`` for a dense gallery.
+        backend (`GalleryBackend`, *optional*): the top-k backend itself, for whole-gallery statistics
+            (``backend.statistics()``, ``backend.kmeans(...)``, ``len(backend)``); ``None`` for a dense gallery.
     """
 
     query_emb: torch.Tensor
@@ -75,6 +80,27 @@ class ObjectiveInputs:
     params: Mapping[str, torch.Tensor] | None = None
     source_params: Mapping[str, torch.Tensor] | None = None
     labels: torch.Tensor | None = None
+    candidate_ids: torch.Tensor | None = None
+    backend: Any = None
+
+    @property
+    def num_items(self) -> int:
+        """The size of the whole gallery (not of the candidate set)."""
+        return len(self.backend) if self.backend is not None else self.gallery_emb.shape[0]
+
+    def global_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Gallery indices of ``scores`` columns (the columns themselves for a dense gallery)."""
+        return columns if self.candidate_ids is None else self.candidate_ids.to(columns.device)[columns]
+
+    def gallery_key(self) -> torch.Tensor:
+        """The fingerprint of the whole gallery (:func:`gallery_fingerprint`; a backend's is computed once and cached)."""
+        if self.backend is not None:
+            return self.backend.statistics().fingerprint.to(self.gallery_emb.device)
+        return gallery_fingerprint(self.gallery_emb)
+
+
+#: What an objective needs of the gallery, for top-k backends (see ``hf_tta.gallery.base``).
+GALLERY_ACCESS = ("topk", "softmax", "stats", "per_item", "full")
 
 
 @dataclass
@@ -118,10 +144,13 @@ class Objective:
         config_class: the dataclass of hyper-parameters.
         requires_grad: ``False`` for training-free objectives (no optimiser, no parameter change).
         requires_labels: ``True`` for supervised objectives (the oracle ceilings): ``adapt_step`` must get ``labels``.
-        gallery_access: what the objective needs of the gallery, for top-k backends (``hf_tta.gallery``): ``"topk"``
-            only each query's top-``gallery_k`` items (exact on the candidates); ``"softmax"`` a softmax over the
-            gallery (taken over the batch's candidates with a top-k backend); ``"full"`` the whole gallery (refused).
-        gallery_k: the neighbours per query a ``"topk"`` objective needs (the backend searches ``max(k, gallery_k)``).
+        gallery_access: what the objective needs of the gallery, for top-k backends (``hf_tta.gallery``; one of
+            :data:`GALLERY_ACCESS`): ``"topk"`` only each query's top-``gallery_k`` items (exact on the candidates);
+            ``"softmax"`` a softmax over the gallery (taken over the batch's candidates with a top-k backend);
+            ``"stats"`` whole-gallery statistics computed once by the backend (``ObjectiveInputs.backend``);
+            ``"per_item"`` state per gallery item, an ``N``-vector keyed by global index
+            (``ObjectiveInputs.candidate_ids``); ``"full"`` every item at every step (refused with a top-k backend).
+        gallery_k: the neighbours per query the objective needs (the backend searches ``max(k, gallery_k)``).
         score_after_update: ``True`` asks the wrapper to report scores from a fresh forward after the batch's last
             update (ClipTTA's own protocol); ``False`` (default) reports the last step's forward, as TCR's code does.
 
@@ -160,6 +189,16 @@ class Objective:
         """Called after an update; return ``True`` to ask the wrapper to reset to the source (SAR's recovery)."""
         return False
 
+    def search_vectors(self, query_emb: torch.Tensor, state: ObjectiveState) -> torch.Tensor | None:
+        """With a top-k backend: extra vectors ``(M, D)`` whose top-k the wrapper adds to the candidate set (DN searches
+        its shifted queries, so its re-ranked top-k is exact). ``query_emb`` is detached; ``state`` must not change."""
+        return None
+
+    def candidate_extras(self, backend, seed: int) -> torch.Tensor | None:
+        """With a top-k backend: vectors ``(K, D)`` scored as extra columns after the candidates (REST's centroids,
+        ``backend.kmeans(...)``), so that the source model's scores (gradient decoupling) include them too."""
+        return None
+
 
 OBJECTIVES: dict[str, type[Objective]] = {}
 
@@ -170,6 +209,8 @@ def register_objective(name: str, config_class: type[ObjectiveConfig]):
     def deco(cls: type[Objective]) -> type[Objective]:
         if name in OBJECTIVES and OBJECTIVES[name] is not cls:
             raise ValueError(f"An objective named {name!r} is already registered ({OBJECTIVES[name].__name__}).")
+        if cls.gallery_access not in GALLERY_ACCESS:
+            raise ValueError(f"{cls.__name__}.gallery_access must be one of {GALLERY_ACCESS}, got {cls.gallery_access!r}.")
         cls.name = name
         cls.config_class = config_class
         OBJECTIVES[name] = cls
@@ -264,8 +305,12 @@ def gallery_fingerprint(gallery_emb: torch.Tensor) -> torch.Tensor:
 
 def same_gallery(state: ObjectiveState, key: str, gallery_emb: torch.Tensor) -> bool:
     """Whether ``state[key]`` holds the fingerprint of ``gallery_emb``."""
+    return same_fingerprint(state, key, gallery_fingerprint(gallery_emb))
+
+
+def same_fingerprint(state: ObjectiveState, key: str, fingerprint: torch.Tensor) -> bool:
+    """Whether ``state[key]`` holds ``fingerprint`` (to ~1e-9: a streamed fingerprint rounds differently)."""
     old = state.get(key)
     if old is None or old.numel() != 3:
         return False
-    new = gallery_fingerprint(gallery_emb)
-    return bool(torch.allclose(old.to(new.device), new, rtol=1e-9, atol=1e-9))
+    return bool(torch.allclose(old.to(fingerprint.device), fingerprint, rtol=1e-9, atol=1e-9))

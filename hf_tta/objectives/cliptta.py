@@ -31,6 +31,11 @@ from the last step's forward, as TCR's loop reports every method. ``"cliptta"`` 
 library follows where it departs from Eq. 4's 1/2), and the predictions are taken after the last update (a fresh
 forward of the adapted model, ``score_after_update``).
 
+With a top-k gallery backend (``gallery_access="per_item"``) the memory keys its queries by global gallery index (the
+pseudo-label's ``ObjectiveInputs.candidate_ids`` entry), and every softmax over the gallery (confidence, OOD score,
+L_reg) is over the batch's candidate set C; the soft contrastive loss (over the batch's pseudo-captions) is exact, and
+the replayed memory queries are scored against C.
+
 Paper settings to reproduce it (set them on ``TTAConfig``): Adam, lr 1e-4, no weight decay, 10 steps per batch,
 continual. The wrapper's defaults (AdamW, 3 steps, TCR's learning rates) are kept unless you change them.
 
@@ -169,7 +174,8 @@ def _pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @register_objective("cliptta", ClipTTAConfig)
 class ClipTTA(Objective):
     """Soft contrastive loss on pseudo-captions + marginal-entropy regulariser + confident memory (+ OCE, open set)."""
-    gallery_access = "full"  # memory keyed by gallery item
+
+    gallery_access = "per_item"  # memory keyed by global gallery index; its softmaxes are over C
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -205,6 +211,7 @@ class ClipTTA(Objective):
         with torch.no_grad():
             prob = (inputs.scores.detach()[rows] / c.tau).softmax(dim=1)
             conf, label = prob.max(dim=1)
+            label = inputs.global_ids(label)
         raw = {k: v[rows.to(v.device)] for k, v in inputs.queries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         old = {k[len(MEMORY_PREFIX):]: v for k, v in state.items() if k.startswith(MEMORY_PREFIX)}
         if old and (set(old) != set(raw) or any(old[k].shape[2:] != raw[k].shape[2:] for k in raw)):

@@ -22,6 +22,13 @@ Means (choices, all configurable):
     nothing else).
   * ``renormalize``: the retrieval code does not re-normalise after subtracting (default); its zero-shot code does.
 
+With a top-k gallery backend (``gallery_access="stats"``): the gallery mean is the backend's (``"all"``: computed once
+in one streamed pass, :meth:`~hf_tta.gallery.GalleryBackend.statistics`; ``"samples"``: the same seeded draw of items,
+gathered from the backend, so both equal the dense path's). Without ``renormalize`` DN ranks the items of query q by
+``(z_q - lam mu_q) . z_g`` (the other terms are constant per query), so the backend also searches these shifted
+queries (:meth:`DistributionNormalization.search_vectors`) and the re-ranked top-k is exact on an exact backend; with
+``renormalize`` the re-ranking is over those candidates, approximate.
+
 Compose with any objective through ``TTAConfig(score_transform="dn", score_transform_config={...})``: the adapted
 model's scores are normalised and DN's state is saved, loaded and reset with the wrapper's. Standalone,
 ``TTAConfig(objective="dn")`` normalises the source model's scores.
@@ -41,9 +48,8 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
-    gallery_fingerprint,
     register_objective,
-    same_gallery,
+    same_fingerprint,
 )
 
 QUERY_MEANS = ("samples", "running")
@@ -80,8 +86,8 @@ def dn_scores(
 @register_objective("dn", DNConfig)
 class DistributionNormalization(Objective):
     """Training-free re-scoring with mean-centred embeddings (DN Eq. S_(1))."""
-    gallery_access = "full"  # gallery mean
 
+    gallery_access = "stats"  # the gallery mean: computed once per backend (or a seeded sample gathered from it)
     requires_grad = False
 
     def init_state(self, device="cpu") -> ObjectiveState:
@@ -94,28 +100,47 @@ class DistributionNormalization(Objective):
 
     def _gallery_mean(self, inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor:
         zg = inputs.gallery_emb.detach().float()
-        if not same_gallery(state, "gallery_fingerprint", zg):
-            n = zg.shape[0]
+        key = inputs.gallery_key()
+        if not same_fingerprint(state, "gallery_fingerprint", key):
+            n = inputs.num_items
+            backend = inputs.backend
             if self.config.gallery_mean == "all" or self.config.num_samples >= n:
-                mean = zg.mean(0)
+                mean = zg.mean(0) if backend is None else backend.statistics().mean.to(zg.device)
             else:
                 gen = inputs.generator if inputs.generator is not None else torch.Generator().manual_seed(0)
                 idx = torch.randperm(n, generator=gen)[: self.config.num_samples].to(zg.device)
-                mean = zg[idx].mean(0)
+                rows = zg[idx] if backend is None else backend.gather(idx).to(zg.device, torch.float32)
+                mean = rows.mean(0)
             state["gallery_mean"] = mean
-            state["gallery_fingerprint"] = gallery_fingerprint(zg)
+            state["gallery_fingerprint"] = key
         return state["gallery_mean"]
 
-    def _query_mean(self, inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor:
-        zq = inputs.query_emb.detach().float()
+    def _next_query_sum(self, zq: torch.Tensor, state: ObjectiveState) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(query_sum, query_count)`` after this batch, or ``None`` when the batch does not count."""
         count = int(state["query_count"])
         total = state["query_sum"] if state["query_sum"].numel() else torch.zeros(zq.shape[1], device=zq.device)
         take = zq.shape[0] if self.config.query_mean == "running" else max(0, self.config.num_samples - count)
-        if take > 0:
-            rows = zq[:take]
-            state["query_sum"] = total + rows.sum(0)
-            state["query_count"] = state["query_count"] + rows.shape[0]
+        if take <= 0:
+            return None
+        rows = zq[:take]
+        return total + rows.sum(0), state["query_count"] + rows.shape[0]
+
+    def _query_mean(self, inputs: ObjectiveInputs, state: ObjectiveState) -> torch.Tensor:
+        nxt = self._next_query_sum(inputs.query_emb.detach().float(), state)
+        if nxt is not None:
+            state["query_sum"], state["query_count"] = nxt
         return state["query_sum"] / state["query_count"].clamp(min=1)
+
+    def search_vectors(self, query_emb: torch.Tensor, state: ObjectiveState) -> torch.Tensor | None:
+        """The shifted queries ``z_q - lam mu_q`` (with ``mu_q`` as :meth:`__call__` will compute it for this batch):
+        their inner products with the gallery rank it as DN does (without ``renormalize``)."""
+        if query_emb.dim() != 2 or self.config.lam == 0:
+            return None
+        nxt = self._next_query_sum(query_emb, state)
+        total, count = nxt if nxt is not None else (state["query_sum"], state["query_count"])
+        if not total.numel():
+            return None
+        return query_emb - self.config.lam * (total / count.clamp(min=1))
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         mu_g = self._gallery_mean(inputs, state)

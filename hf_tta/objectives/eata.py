@@ -17,6 +17,11 @@ In both:
   * loss = mean over the selected queries of E_i * weight_i (detached weight), plus, when ``fisher_alpha > 0``,
     the EWC penalty alpha * sum F (theta - theta_0)^2 (Eq. 9).
 
+With a top-k gallery backend (``gallery_access="per_item"``) the softmax is over the batch's candidate set C (as for
+the other entropy baselines) and ``model_probs`` stays a dense vector over all N items, keyed by global index: a step's
+mean prediction (zero outside C) is scattered into it, and the redundancy cosine is taken between N-vectors whose
+prediction part is zero outside C. With C the whole gallery this is the dense computation.
+
 The Fisher information needs in-distribution data, which a test-time library does not have (EATA used 2,000 held-out
 samples). Here it is estimated on the test stream itself: the squared gradients of the pseudo-label cross-entropy at
 step 0 of the first ``fisher_batches`` batches, averaged (EATA's estimator); theta_0 is the exact source value. The
@@ -71,23 +76,32 @@ class EATAConfig(ObjectiveConfig):
         check_choice("selection", self.selection, SELECTIONS)
 
 
-def update_model_probs(current: torch.Tensor, new_probs: torch.Tensor, momentum: float = 0.9) -> torch.Tensor:
-    """EATA's ``update_model_probs``: an empty ``current`` (no average yet) takes the mean of ``new_probs``."""
+def update_model_probs(
+    current: torch.Tensor, new_probs: torch.Tensor, momentum: float = 0.9, columns: torch.Tensor | None = None,
+    num_items: int | None = None,
+) -> torch.Tensor:
+    """EATA's ``update_model_probs``: an empty ``current`` (no average yet) takes the mean of ``new_probs``.
+    ``columns`` (with ``num_items``): the gallery indices of ``new_probs``' columns; the mean is scattered into an
+    ``num_items``-vector (zero elsewhere) first."""
     if new_probs.shape[0] == 0:
         return current
     mean = new_probs.detach().mean(0)
+    if columns is not None:
+        mean = torch.zeros(num_items, device=mean.device, dtype=mean.dtype).index_copy(0, columns.to(mean.device), mean)
     if current.numel() == 0:
         return mean
     return momentum * current + (1 - momentum) * mean
 
 
 def eata_selection(
-    logits: torch.Tensor, model_probs: torch.Tensor, e_margin: float, d_margin: float, selection: str = "tcr_port"
+    logits: torch.Tensor, model_probs: torch.Tensor, e_margin: float, d_margin: float, selection: str = "tcr_port",
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(entropy, reliable mask, selected mask, E_0 of the weight)``; selected = reliable and non-redundant.
 
     ``"tcr_port"``: reliable = the lowest ``e_margin`` fraction (k-th smallest, ``<=``), E_0 = ``e_margin``;
-    ``"paper"``: reliable = ``E < e_margin * ln C`` = E_0."""
+    ``"paper"``: reliable = ``E < e_margin * ln C`` = E_0. ``columns``: the gallery indices of the logits' columns
+    (a top-k backend's candidates) into the dense ``model_probs``."""
     entropy = softmax_entropy(logits)
     if selection == "tcr_port":
         reliable, _ = lowest_fraction(entropy, e_margin)
@@ -96,7 +110,14 @@ def eata_selection(
         e_0 = log_classes_margin(e_margin, entropy, logits.shape[1])
         reliable = entropy.detach() < e_0
     selected = reliable.clone()
-    if model_probs.numel() == model_probs.shape[0] == logits.shape[1]:
+    if columns is not None:
+        if model_probs.numel() > 0:  # cosine of N-vectors, the prediction being zero outside the candidates
+            p = logits.detach().softmax(dim=1)
+            eps = 1e-8
+            dot = p @ model_probs[columns.to(model_probs.device)].to(p)
+            cos = dot / (p.norm(dim=1).clamp(min=eps) * model_probs.norm().clamp(min=eps))
+            selected &= cos.abs() < d_margin
+    elif model_probs.numel() == model_probs.shape[0] == logits.shape[1]:
         cos = F.cosine_similarity(model_probs[None, :], logits.detach().softmax(dim=1), dim=1)
         selected &= cos.abs() < d_margin
     return entropy, reliable, selected, e_0
@@ -105,7 +126,8 @@ def eata_selection(
 @register_objective("eata", EATAConfig)
 class EATA(Objective):
     """Sample-efficient entropy minimisation with an optional Fisher anti-forgetting penalty."""
-    gallery_access = "full"  # running average of the softmax over every gallery item
+
+    gallery_access = "per_item"  # running average of the softmax: an N-vector; the softmax itself is over C
 
     def init_state(self, device="cpu") -> ObjectiveState:
         return {
@@ -116,11 +138,16 @@ class EATA(Objective):
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
         logits = inputs.scores / c.tau
-        if state["model_probs"].numel() not in (0, logits.shape[1]):  # another gallery: start the average again
+        ids = inputs.candidate_ids
+        if state["model_probs"].numel() not in (0, inputs.num_items):  # another gallery: start the average again
             state["model_probs"] = state["model_probs"][:0]
-        entropy, reliable, selected, e_0 = eata_selection(logits, state["model_probs"], c.e_margin, c.d_margin, c.selection)
+        entropy, reliable, selected, e_0 = eata_selection(
+            logits, state["model_probs"], c.e_margin, c.d_margin, c.selection, columns=ids
+        )
         if not inputs.in_closure:
-            state["model_probs"] = update_model_probs(state["model_probs"], logits.detach()[selected].softmax(1), c.probs_momentum)
+            state["model_probs"] = update_model_probs(
+                state["model_probs"], logits.detach()[selected].softmax(1), c.probs_momentum, ids, inputs.num_items
+            )
         logs = {"reliable": reliable.sum(), "selected": selected.sum(), "entropy_margin": e_0}
         if not selected.any():
             return LossOutput(loss=None, n_selected=0, logs=logs)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..configuration_utils import check_choice, check_positive
+from ..gallery.stats import blocked_spherical_kmeans, tensor_blocks
 from .base import (
     LossOutput,
     Objective,
@@ -89,31 +90,12 @@ def spherical_kmeans(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine k-means of the rows of ``x`` (assumed L2-normalised): k-means++ seeding with ``generator`` (CPU draws,
     so it is deterministic on any device), then Lloyd iterations until the assignment is stable. An empty cluster keeps
-    its previous centre. Returns ``(centroids (k, D) normalised, labels (N,))``; ``k`` is capped at ``N``."""
+    its previous centre. Returns ``(centroids (k, D) normalised, labels (N,))``; ``k`` is capped at ``N``. Computed in
+    blocks of ``hf_tta.gallery.stats.BLOCK_ROWS`` rows by the code a top-k backend's :meth:`~hf_tta.gallery.GalleryBackend.kmeans`
+    runs, so both give the same result on the same vectors."""
     x = x.detach().float()
-    n = x.shape[0]
-    k = min(k, n)
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
-    first = int(torch.randint(n, (1,), generator=gen))
-    centres = [x[first]]
-    dist = (1 - x @ x[first]).clamp(min=0)
-    for _ in range(1, k):
-        weights = (dist**2).cpu().double()
-        if weights.sum() <= 0:  # all remaining points coincide with a centre: any unused point will do
-            weights = torch.ones(n, dtype=torch.float64)
-        nxt = int(torch.multinomial(weights, 1, generator=gen))
-        centres.append(x[nxt])
-        dist = torch.minimum(dist, (1 - x @ x[nxt]).clamp(min=0))
-    centroids = torch.stack(centres)
-    labels = (x @ centroids.T).argmax(dim=1)
-    for _ in range(iters):
-        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
-        counts = torch.bincount(labels, minlength=k)
-        centroids = torch.where(counts[:, None] > 0, F.normalize(sums, dim=1), centroids)
-        new = (x @ centroids.T).argmax(dim=1)
-        if torch.equal(new, labels):
-            break
-        labels = new
+    centroids, labels, _, _ = blocked_spherical_kmeans(tensor_blocks(x), x.shape[0], lambda i: x[i], k, gen, iters)
     return centroids, labels
 
 
@@ -156,17 +138,28 @@ def candidate_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return idx, duplicate_mask(idx)
 
 
-def make_logits_fn(idx, repeated, labels, scale, tau):
-    """``scores (B, N) -> refined logits (B, C)`` over the fixed candidate set (gallery columns, then centroids)."""
+def make_logits_fn(idx, repeated, labels, scale, tau, centroid_columns: int | None = None):
+    """``scores (B, N) -> refined logits (B, C)`` over the fixed candidate set (gallery columns, then centroids).
+    ``centroid_columns``: the centroids' scores are the columns from this one on (a top-k backend's candidate view,
+    where the centroids are scored as extra candidates) instead of being formed from ``labels`` and ``scale``."""
 
     def logits_fn(scores: torch.Tensor) -> torch.Tensor:
         sims = scores.gather(1, idx).masked_fill(repeated, 0.0)
-        if labels is not None and labels.numel():
-            sims = torch.cat([sims, centroid_scores(scores, labels, scale)], dim=1)
+        cent = _centroid_part(scores, labels, scale, centroid_columns)
+        if cent is not None:
+            sims = torch.cat([sims, cent], dim=1)
         mask = _full_mask(repeated, sims.shape[1])
         return (sims / tau).masked_fill(mask, MASKED_LOGIT)
 
     return logits_fn
+
+
+def _centroid_part(scores, labels, scale, centroid_columns: int | None) -> torch.Tensor | None:
+    if centroid_columns is not None:
+        return scores[:, centroid_columns:] if scores.shape[1] > centroid_columns else None
+    if labels is not None and labels.numel():
+        return centroid_scores(scores, labels, scale)
+    return None
 
 
 def _full_mask(repeated: torch.Tensor, width: int) -> torch.Tensor:
@@ -174,11 +167,14 @@ def _full_mask(repeated: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(repeated, (0, pad), value=False) if pad else repeated
 
 
-def candidate_similarities(scores, idx, repeated, labels, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_similarities(
+    scores, idx, repeated, labels, scale, centroid_columns: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine similarities ``(B, C)`` of each query with its candidates and the validity mask (``True`` = masked)."""
     sims = scores.gather(1, idx)
-    if labels is not None and labels.numel():
-        sims = torch.cat([sims, centroid_scores(scores, labels, scale)], dim=1)
+    cent = _centroid_part(scores, labels, scale, centroid_columns)
+    if cent is not None:
+        sims = torch.cat([sims, cent], dim=1)
     return sims, _full_mask(repeated, sims.shape[1])
 
 
@@ -205,8 +201,24 @@ def hard_mining_loss(
 # ----------------------------------------------------------------------------------------------- objective
 @register_objective("rest", RESTConfig)
 class REST(Objective):
-    """``L = L_U + L_G + L_REM + L_RHM`` on the refined candidate sets of Eq. 4-5 (REST Eq. 3)."""
-    gallery_access = "full"  # k-means centroids of the whole gallery (Eq. 4)
+    """``L = L_U + L_G + L_REM + L_RHM`` on the refined candidate sets of Eq. 4-5 (REST Eq. 3).
+
+    With a top-k gallery backend the k-means runs once on the backend (:meth:`GalleryBackend.kmeans`, seeded with
+    ``TTAConfig.seed``, cached and saved with it) and its centroids are scored as extra candidates; the top-1 and the
+    other queries' top-K lie in the candidate set (the backend searches at least K per query), so REST is exact on an
+    exact backend. The dense path draws its k-means seeding from the wrapper's RNG at first use: the same draws on a
+    fresh stream (the same centroids), not after a gallery change mid-stream.
+    """
+
+    gallery_access = "stats"  # k-means centroids of the whole gallery (Eq. 4): computed once per backend
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.gallery_k = self.config.num_neighbours  # each query's top-K must be among the candidates
+
+    def candidate_extras(self, backend, seed: int) -> torch.Tensor | None:
+        k = self.config.num_clusters
+        return backend.kmeans(k, self.config.kmeans_iters, seed).centroids if k else None
 
     def init_state(self, device="cpu") -> ObjectiveState:
         state = init_queue_state(device)
@@ -229,9 +241,14 @@ class REST(Objective):
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
-        labels, scale = self.clusters(inputs, state)
-        idx, repeated = candidate_indices(inputs.scores, c.num_neighbours)
-        logits_fn = make_logits_fn(idx, repeated, labels, scale, c.tau)
+        if inputs.candidate_ids is None:
+            labels, scale = self.clusters(inputs, state)
+            n_cols = None
+        else:  # a top-k backend: candidate columns, then the centroids (candidate_extras)
+            labels = scale = None
+            n_cols = inputs.candidate_ids.numel()
+        idx, repeated = candidate_indices(inputs.scores[:, :n_cols], c.num_neighbours)
+        logits_fn = make_logits_fn(idx, repeated, labels, scale, c.tau, n_cols)
         logits = logits_fn(inputs.scores)
         zg = inputs.gallery_emb[idx[:, 0]]  # pseudo-positives
         maybe_update_queue(c, inputs, state, zg, logits)
@@ -242,7 +259,7 @@ class REST(Objective):
         entropy = softmax_entropy(logits)
         l_rem, mask = noise_robust_entropy(entropy, e_max, c.entropy_eps)
         weight = (1 - entropy.detach() / (e_max + c.entropy_eps)).clamp(min=0)
-        sims, masked = candidate_similarities(inputs.scores, idx, repeated, labels, scale)
+        sims, masked = candidate_similarities(inputs.scores, idx, repeated, labels, scale, n_cols)
         h = hard_mining_loss(sims, logits, masked, c.consistency, c.consistency_eps)
         l_rhm = (weight * h)[mask].mean() if mask.any() else (h * 0).sum()
         l_u = uniformity_loss(zq, c.uniformity_t)

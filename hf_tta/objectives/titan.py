@@ -20,6 +20,13 @@ Per step, with B queries:
      distinct pseudo-matched gallery items of the batch), tau = 0.01. The paper only says the model is fine-tuned on
      the pseudo-labels; the base model's contrastive loss is the natural choice.
 
+With a top-k gallery backend (``gallery_access="per_item"``) the match counts stay a dense N-vector keyed by global
+gallery index (the candidates' top-1 are scattered into it) and everything else runs on the batch's candidate set C.
+R_q (a column of the batch's scores) is exact on C; R_v is each query's rank among C, which equals its global rank for
+its own top-k items and is >= k for every other item, so the rematched pseudo-match is the dense one whenever
+k > alpha (B - 1 + query_bank_size) (k = 100 with batches of 64; no other item can beat the top-1's
+R_v + alpha R_q <= alpha (B - 1 + bank)). Counterfactual text queries are scored against C, not searched themselves.
+
 Causal bias correction (Sec. 3.3) needs confounder dictionaries built from action/object detectors, and its learned
 parts (the projections w1..w5, g, the MLP and the variational mutual-information estimator) are first trained on
 labelled *source* pairs, which a test-time library does not have. It is therefore implemented only in its
@@ -47,9 +54,8 @@ from .base import (
     ObjectiveInputs,
     ObjectiveState,
     config_field,
-    gallery_fingerprint,
     register_objective,
-    same_gallery,
+    same_fingerprint,
 )
 
 
@@ -178,7 +184,8 @@ def occlusion_masks(
 @register_objective("titan", TITANConfig)
 class TITAN(Objective):
     """Rematched pseudo-pairs (+ counterfactual text queries) fitted with a contrastive loss."""
-    gallery_access = "full"  # per-item match counts (hubs)
+
+    gallery_access = "per_item"  # per-item match counts (hubs): an N-vector keyed by global gallery index
 
     def init_state(self, device="cpu") -> ObjectiveState:
         state = {
@@ -198,20 +205,23 @@ class TITAN(Objective):
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
         scores, zq, zg = inputs.scores, inputs.query_emb, inputs.gallery_emb
-        if not same_gallery(state, "gallery_fingerprint", zg):  # a new gallery: hub counts and bank start again
-            state["match_counts"] = torch.zeros(zg.shape[0], dtype=torch.long, device=zg.device)
+        key = inputs.gallery_key()
+        if not same_fingerprint(state, "gallery_fingerprint", key):  # a new gallery: hub counts and bank start again
+            state["match_counts"] = torch.zeros(inputs.num_items, dtype=torch.long, device=zg.device)
             state["query_bank"] = state["query_bank"][:0]
-            state["gallery_fingerprint"] = gallery_fingerprint(zg)
+            state["gallery_fingerprint"] = key
         ranked = scores
         if "confounders" in state:
             ranked = confounder_correction(scores.detach(), zq.detach(), zg, state["confounders"], c.cbc_eta, c.cbc_weight)
         bank = state["query_bank"]
         bank_scores = bank @ zg.T if bank.numel() else None
         top1 = ranked.detach().argmax(dim=1)
+        top1_item = inputs.global_ids(top1)  # gallery index (a top-k backend's columns are its candidates)
         if inputs.step == 0 and not inputs.in_closure:
-            state["match_counts"] = state["match_counts"] + torch.bincount(top1, minlength=zg.shape[0])
+            counts = state["match_counts"]
+            state["match_counts"] = counts.index_add(0, top1_item.to(counts.device), torch.ones_like(top1_item).to(counts))
         rows_scores, n_cf = scores, 0
-        hubs = state["match_counts"][top1] > c.hub_threshold
+        hubs = state["match_counts"][top1_item.to(state["match_counts"].device)] > c.hub_threshold
         if (
             c.counterfactual and inputs.query_modality == "text" and hubs.any() and inputs.reencode is not None
             and inputs.queries is not None and "input_ids" in inputs.queries
