@@ -8,7 +8,7 @@ recipe runs the same streams (image->text, the shipped source model, batches of 
 3 steps) with the dense gallery and with the exact chunked backend at several k, and prints R@1/5/10 and how often the
 top-1 agrees with the dense run.
 
-    OMP_NUM_THREADS=1 python recipes/topk_vs_dense.py --limit 300 --ks 10,100
+    OMP_NUM_THREADS=1 python recipes/topk_vs_dense.py --queries 256 --ks 10,100
 """
 
 from __future__ import annotations
@@ -30,9 +30,18 @@ from hf_tta.gallery import TopKScores
 OBJECTIVES = "tcr,tcr_training_free,rest,tent,eata,sar,read,deyo,pl,shot,dn,cliptta,titan"
 
 
-def stream(runner: GridRunner, objective: str, cond: Condition, gallery, seed: int) -> tuple[TopKScores, dict]:
-    """One adapted stream; each query's top-10 and the top-k metrics."""
+def sample_queries(runner: GridRunner, cond: Condition, seed: int, num: int | None):
+    """The stream's raw queries and relevant items, or a seeded sample of ``num`` of them (against the whole gallery)."""
     raw, relevant = runner.task.queries(cond, seed)
+    if num is None or num >= len(relevant):
+        return raw, relevant
+    pick = sorted(torch.randperm(len(relevant), generator=torch.Generator().manual_seed(seed))[:num].tolist())
+    return take_items(raw, pick), [relevant[i] for i in pick]
+
+
+def stream(runner: GridRunner, objective: str, cond: Condition, gallery, seed: int, queries) -> tuple[TopKScores, dict]:
+    """One adapted stream; each query's top-10 and the top-k metrics."""
+    raw, relevant = queries
     tta = TTAWrapper(copy.deepcopy(runner.pristine), runner.row_config(objective, cond, seed))
     order = runner.order(len(raw), seed)
     bs = runner.settings.batch_size
@@ -57,6 +66,9 @@ def main(argv=None) -> None:
     p.add_argument("--objectives", default=OBJECTIVES)
     p.add_argument("--ks", default="10,100", help="Neighbours per query of the top-k backend (each >= 10).")
     p.add_argument("--limit", type=int, default=None, help="Use this many emoji concepts (default: all 1,899).")
+    p.add_argument(
+        "--queries", type=int, default=None, help="A seeded sample of this many queries per stream, against the whole gallery."
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="outputs/topk_vs_dense.json")
     args = p.parse_args(argv)
@@ -69,6 +81,7 @@ def main(argv=None) -> None:
     for corruption in args.corruptions.split(","):
         cond = Condition("i2t", corruption, args.severity)
         dense = runner.gallery(cond)
+        queries = sample_queries(runner, cond, args.seed, args.queries)
         for objective in args.objectives.split(","):
             galleries = [("dense", dense)] + [
                 (f"top-{k}", ChunkedGallery(dense.embeddings, dense.modality, k=k)) for k in ks
@@ -76,7 +89,7 @@ def main(argv=None) -> None:
             ref = None
             for name, gallery in galleries:
                 t0 = time.perf_counter()
-                top, m = stream(runner, objective, cond, gallery, args.seed)
+                top, m = stream(runner, objective, cond, gallery, args.seed, queries)
                 ref = top if ref is None else ref
                 agree = (top.indices[:, 0] == ref.indices[:, 0]).float().mean().item()
                 row = {"corruption": corruption, "objective": objective, "gallery": name, **m, "top1_agree": agree}
