@@ -16,6 +16,7 @@ from .objectives import (
     available_objectives,
     register_objective,
 )
+from .routing import DomainRouter, RoutedTTAWrapper, RoutingConfig
 from .version import __version__
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
@@ -28,6 +29,7 @@ __all__ = [
     "TopKScores",
     "ClapAdapter",
     "DistributedTTAWrapper",
+    "DomainRouter",
     "DualEncoderAdapter",
     "GalleryCache",
     "LossOutput",
@@ -35,6 +37,8 @@ __all__ = [
     "Objective",
     "ObjectiveConfig",
     "ObjectiveInputs",
+    "RoutedTTAWrapper",
+    "RoutingConfig",
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",

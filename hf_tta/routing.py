@@ -44,7 +44,7 @@ from .configuration_utils import ConfigMixin, check_choice, check_positive
 from .gallery.base import GalleryBackend, TopKScores
 from .models.base import ModelAdapter
 from .version import __version__
-from .wrapper import GalleryCache, TTAOutput, TTAWrapper, _batch_size
+from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
 FEATURES = ("style", "embedding")
 ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
@@ -351,6 +351,8 @@ class RoutedTTAWrapper(TTAWrapper):
         routing: RoutingConfig | Mapping[str, Any] | None = None,
     ):
         super().__init__(model, config)
+        if getattr(self, "safety", None) is not None:  # its last-good snapshot and counters would span domains
+            raise ValueError("TTAConfig.safety is not supported with per-domain adapters yet: leave it None for RoutedTTAWrapper.")
         self.routing = _as_routing_config(routing)
         self.router = DomainRouter(self.routing)
         self._domains: list[_Domain] = []
@@ -478,7 +480,7 @@ class RoutedTTAWrapper(TTAWrapper):
     @torch.no_grad()
     def router_features(self, queries: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The router's ``(B, F)`` features of checked query inputs, computed by the source model (float64, CPU)."""
-        n = _batch_size(queries)
+        n = _rows(queries)
         with self.disabled():
             if self.routing.features == "embedding":
                 emb = self.adapter.single_vector(self.adapter.encode(self.query_modality, dict(queries)))
@@ -506,7 +508,7 @@ class RoutedTTAWrapper(TTAWrapper):
 
     def _route(self, queries: dict, domain: Any, update: bool) -> tuple[torch.Tensor, list[DomainKey]]:
         """Per-query domain ids (``-1``: no domain, only when not ``update``) and the keys of the domains opened."""
-        n = _batch_size(queries)
+        n = _rows(queries)
         if domain is not None:
             before = self.num_domains
             slots = self._user_slots(domain, n, create=update)
@@ -553,7 +555,7 @@ class RoutedTTAWrapper(TTAWrapper):
             )
         gallery = self._check_gallery(gallery)
         queries = self._check_inputs(queries, self.query_modality)
-        n = _batch_size(queries)
+        n = _rows(queries)
         if labels is not None:
             if isinstance(gallery, GalleryBackend):
                 raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
@@ -585,7 +587,7 @@ class RoutedTTAWrapper(TTAWrapper):
             scores = self._transform_scores(inputs, inputs.scores.detach())
         out = TTAOutput(
             scores=scores, loss=None, num_updates=0, n_selected=0,
-            skipped=[f"{_batch_size(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
+            skipped=[f"{_rows(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
         )
         return self._topk_output(out, gallery) if isinstance(gallery, GalleryBackend) else out
 
@@ -632,7 +634,7 @@ class RoutedTTAWrapper(TTAWrapper):
         if isinstance(gallery, GalleryBackend):
             raise TypeError(f"embed_and_score needs the dense GalleryCache; {type(gallery).__name__} answers gallery.search(...).")
         queries = self._check_inputs(queries, self.query_modality)
-        n = _batch_size(queries)
+        n = _rows(queries)
         slots = self._route(queries, domain, update=False)[0]
         emb = scores = None
         for slot in torch.unique(slots).tolist():
@@ -826,6 +828,11 @@ def _channels_first(x: torch.Tensor, norm: nn.Module) -> bool:
         return True
     shape = getattr(norm, "normalized_shape", None)
     return bool(shape) and x.shape[-1] != shape[-1] and x.shape[1] == shape[0]
+
+
+def _rows(inputs: Mapping[str, Any]) -> int:
+    """The batch size of checked inputs (every value a tensor with one row per query)."""
+    return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0]
 
 
 def _is_key_type(t: type) -> bool:
