@@ -17,6 +17,7 @@ from .objectives import (
     register_objective,
 )
 from .routing import DomainRouter, RoutedTTAWrapper, RoutingConfig
+from .safety import SafetyConfig
 from .version import __version__
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
@@ -39,6 +40,7 @@ __all__ = [
     "ObjectiveInputs",
     "RoutedTTAWrapper",
     "RoutingConfig",
+    "SafetyConfig",
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",

@@ -9,6 +9,7 @@ from typing import Any
 from .configuration_utils import ConfigMixin, check_choice, check_positive
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
+from .safety import SafetyConfig, build_safety_config
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
 RESET_POLICIES = ("never", "episodic")
@@ -106,6 +107,14 @@ class TTAConfig(ConfigMixin):
     score_transform_config: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Overrides of the score transform's hyper-parameters."}
     )
+    safety: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "The safety layer (hf_tta.safety): None = off (default, until measured); a dict of SafetyConfig "
+            "overrides ({} = the defaults) or a SafetyConfig turns it on. It rolls back or resets adaptation that "
+            "label-free signals flag and returns the source model's scores for flagged batches."
+        },
+    )
 
     def __post_init__(self):
         get_objective_class(self.objective)  # raises with the list of available objectives
@@ -148,9 +157,19 @@ class TTAConfig(ConfigMixin):
             self.build_score_transform_config()
         elif self.score_transform_config:
             raise ValueError("`score_transform_config` is set but `score_transform` is None.")
+        if isinstance(self.safety, SafetyConfig):
+            self.safety = self.safety.to_dict()
+        build_safety_config(self.safety)  # a bad key or value fails now, not at the first batch
+        if self.safety is not None and not get_objective_class(self.objective).requires_grad:
+            raise ValueError(f"`safety` needs a gradient objective; {self.objective!r} is training-free (nothing to roll back).")
+        if self.safety is not None and self.reset_policy == "episodic":
+            raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")
 
     def build_objective_config(self) -> ObjectiveConfig:
         return _build(self.objective, self.objective_config, "objective_config")
+
+    def build_safety_config(self) -> SafetyConfig | None:
+        return build_safety_config(self.safety)
 
     def build_score_transform_config(self) -> ObjectiveConfig | None:
         if self.score_transform is None:
@@ -158,14 +177,15 @@ class TTAConfig(ConfigMixin):
         return _build(self.score_transform, self.score_transform_config, "score_transform_config")
 
     def resolved(self, **values: Any) -> "TTAConfig":
-        """This config with every default written out, as PEFT saves its configs: the objective's and the score
-        transform's full hyper-parameters, plus ``values`` (e.g. the wrapper's resolved ``lr`` and
+        """This config with every default written out, as PEFT saves its configs: the objective's, the score
+        transform's and the safety layer's full hyper-parameters, plus ``values`` (e.g. the wrapper's resolved ``lr`` and
         ``gallery_modality``). Saved checkpoints keep their meaning when a default changes."""
-        transform = self.build_score_transform_config()
+        transform, safety = self.build_score_transform_config(), self.build_safety_config()
         return dataclasses.replace(
             self,
             objective_config=self.build_objective_config().to_dict(),
             score_transform_config=transform.to_dict() if transform is not None else {},
+            safety=safety.to_dict() if safety is not None else None,
             **values,
         )
 

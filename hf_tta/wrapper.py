@@ -23,6 +23,7 @@ from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, Objective, ObjectiveInputs, build_objective
+from .safety import SafetyMonitor
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class TTAOutput:
         logs (`dict`): the objective's diagnostics of the last step.
         topk (`TopKScores`, *optional*): with a top-k gallery backend (``hf_tta.gallery``), each query's ``k`` best
             items (scores and global gallery indices, best first) from the last step's forward, instead of ``scores``.
+        safety_action (`str`, *optional*): with ``TTAConfig.safety``, what the safety layer did on this batch:
+            ``"skip_degenerate"`` (not adapted on), ``"rollback"`` (to the last-good snapshot), ``"reset"`` (to the
+            source model), or ``None`` (kept). On a flagged batch the scores are the source model's.
+        safety_logs (`dict`): the safety layer's label-free signals for this batch (see ``hf_tta.safety``).
     """
 
     scores: torch.Tensor | None
@@ -84,6 +89,8 @@ class TTAOutput:
     skipped: list[str] = field(default_factory=list)
     logs: dict[str, float] = field(default_factory=dict)
     topk: TopKScores | None = None
+    safety_action: str | None = None
+    safety_logs: dict[str, float] = field(default_factory=dict)
 
 
 class TTAWrapper:
@@ -149,6 +156,7 @@ class TTAWrapper:
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
+        self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
 
     # ------------------------------------------------------------------------------------------ setup
     def _other_modality(self) -> str:
@@ -450,9 +458,11 @@ class TTAWrapper:
         try:
             if not self.objective.requires_grad:
                 out = self._score_only(queries, gallery)
-            else:
+            elif self.safety is None or (out := self.safety.begin(self, queries, gallery)) is None:  # None: adapt
                 with torch.enable_grad():
                     out = self._adapt(queries, gallery)
+            if self.safety is not None:
+                out = self.safety.finish(out)
         finally:
             self._batch_labels = None
         if isinstance(gallery, GalleryBackend):
@@ -499,7 +509,7 @@ class TTAWrapper:
         (rare) restores the snapshot taken here and returns ``None`` so the batch is replayed by the checked loop.
         """
         snapshot = self._snapshot()
-        source_cache: list[torch.Tensor] = []
+        source_cache: list[torch.Tensor] = self.safety.source_cache() if self.safety is not None else []
         flags: list[tuple[int, torch.Tensor]] = []  # (step, 0 update | 1 nothing selected | 2 non-finite loss | 3 grad)
         skipped: dict[int, str] = {}  # skips decided without the device
         res = inputs = scores = None
@@ -589,7 +599,7 @@ class TTAWrapper:
         """The loop with the skip rule checked on the host at every step."""
         skipped: list[str] = []
         updates, last_loss, res, scores = 0, None, None, None
-        source_cache: list[torch.Tensor] = []
+        source_cache: list[torch.Tensor] = self.safety.source_cache() if self.safety is not None else []
         for step in range(self.config.steps):
             inputs = self._inputs(queries, gallery, step, source_cache)
             previous_state = dict(self.state)  # objectives replace state tensors, never write them in place
@@ -650,6 +660,8 @@ class TTAWrapper:
             with torch.no_grad():
                 inputs = self._inputs(queries, gallery, self.config.steps)
             scores = inputs.scores.detach()
+        if self.safety is not None:  # judged before the transform: a flagged batch returns the source model's scores
+            inputs, scores = self.safety.judge(self, inputs, scores)
         return self._transform_scores(inputs, scores)
 
     def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> torch.Tensor:
@@ -715,6 +727,13 @@ class TTAWrapper:
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.generator.manual_seed(self.config.seed)
+        if self.safety is not None:
+            self.safety.clear()
+
+    @property
+    def safety_counts(self) -> dict[str, int]:
+        """How often the safety layer skipped, rolled back and reset since the last :meth:`reset` (empty when off)."""
+        return dict(self.safety.counts) if self.safety is not None else {}
 
     def resolved_config(self) -> TTAConfig:
         """The config with every default written out (objective hyper-parameters, learning rate, gallery modality):
@@ -748,6 +767,8 @@ class TTAWrapper:
             tensors[f"score_transform.{key}"] = value
         tensors["wrapper.batch_index"] = torch.tensor(self.batch_index)
         tensors["wrapper.rng_state"] = self.generator.get_state()
+        if self.safety is not None:
+            self.safety.save_into(tensors, meta)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
         checkpoint.write_checkpoint(save_directory, config, tensors, meta)
@@ -788,6 +809,8 @@ class TTAWrapper:
             self.transform_state = loaded or self.score_transform.init_state(self.device)
         self.batch_index = int(tensors["wrapper.batch_index"])
         self.generator.set_state(tensors["wrapper.rng_state"].cpu())
+        if self.safety is not None:
+            self.safety.load_from(self, tensors, meta.get("safety"))
 
     @classmethod
     def from_pretrained(

@@ -1,0 +1,343 @@
+"""The safety layer (issue 10): degenerate batches are not adapted on, a harmful update is rolled back bit-exactly to
+the last-good snapshot, collapse resets to the source model, flagged batches return the source model's scores, the
+monitor's state resumes bit-exactly from a checkpoint, and with safety off nothing changes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_tta import ChunkedGallery, GalleryCache, SafetyConfig, TTAConfig, TTAWrapper, retrieval_metrics
+from hf_tta.objectives.base import OBJECTIVES, LossOutput, Objective, ObjectiveConfig, register_objective
+from tiny_models import batch, make_model
+
+B = 16
+
+
+def _gallery(n=40, dim=16, seed=3) -> GalleryCache:
+    g = torch.Generator().manual_seed(seed)
+    return GalleryCache(F.normalize(torch.randn(n, dim, generator=g), dim=1), "text")
+
+
+def _stream(n: int, seed: int = 100) -> list[dict[str, torch.Tensor]]:
+    return [batch("image", B, seed=seed + i) for i in range(n)]
+
+
+def _constant(seed: int = 99) -> dict[str, torch.Tensor]:
+    """One image repeated B times (a frozen camera, a blank frame)."""
+    return {"pixel_values": batch("image", 1, seed=seed)["pixel_values"].expand(B, -1, -1, -1).contiguous()}
+
+
+def _source_scores(tta: TTAWrapper, queries, gallery) -> torch.Tensor:
+    with tta.disabled():
+        return tta.embed_and_score(queries, gallery)[1]
+
+
+def _state(tta: TTAWrapper) -> dict[str, torch.Tensor]:
+    """Every adapted tensor: parameters, optimiser state (by parameter name) and objective state, copied."""
+    out = {f"param.{n}": p.detach().clone() for n, p in tta.params.items()}
+    for n, p in tta.params.items():
+        for k, v in tta.optimizer.state.get(p, {}).items():
+            out[f"optim.{n}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+    out.update({f"objective.{k}": v.clone() for k, v in tta.state.items()})
+    return out
+
+
+def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------------------------- a harmful test objective
+@dataclass
+class _PushConfig(ObjectiveConfig):
+    """``mode`` on the batches ``harm_batches``: "collapse" pulls every query to item 0, "shift" pulls each query to
+    the item after its own top-1 (predictions change, diversity stays); other batches make a zero-gradient update
+    (AdamW's step count and weight decay still move)."""
+
+    mode: str = "shift"
+    harm_batches: list[int] = field(default_factory=list)
+
+
+class _Push(Objective):
+    def init_state(self, device="cpu"):
+        return {"calls": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def __call__(self, inputs, state):
+        state["calls"] = state["calls"] + 1  # objective state that moves at every step (replaced, never in place)
+        s = inputs.scores
+        if inputs.batch_index not in self.config.harm_batches:
+            return LossOutput(loss=(s * 0).sum(), n_selected=s.shape[0])
+        if self.config.mode == "collapse":
+            target = torch.zeros(s.shape[0], dtype=torch.long, device=s.device)
+        else:
+            target = (s.detach().argmax(dim=1) + 1) % s.shape[1]
+        return LossOutput(loss=F.cross_entropy(s / 0.01, target), n_selected=s.shape[0])
+
+
+@pytest.fixture
+def push():
+    register_objective("safety_push_test", _PushConfig)(_Push)
+    yield "safety_push_test"
+    OBJECTIVES.pop("safety_push_test")
+
+
+def _push_wrapper(push, mode, harm, lr=0.5, **safety):
+    cfg = TTAConfig(objective=push, objective_config={"mode": mode, "harm_batches": harm}, lr=lr, safety=safety)
+    return TTAWrapper(make_model("clip"), cfg)
+
+
+# ------------------------------------------------------------------------------------- config
+def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
+    cfg = SafetyConfig(min_agreement=0.3, snapshot_every=2)
+    assert SafetyConfig.from_dict(json.loads(cfg.to_json_string())) == cfg
+    tta_cfg = TTAConfig(objective="tent", safety=cfg)
+    assert tta_cfg.safety == cfg.to_dict()  # stored as a dict: tta_config.json stays plain JSON
+    assert TTAConfig.from_dict(json.loads(tta_cfg.to_json_string())) == tta_cfg
+    assert TTAConfig(objective="tcr", safety={}).resolved().safety == SafetyConfig().to_dict()  # defaults written out
+    assert TTAConfig().safety is None and TTAConfig().resolved().safety is None  # off by default
+    bad = [
+        ({"min_agreement": 1.5}, "min_agreement"),
+        ({"collapse_ratio": -0.1}, "collapse_ratio"),
+        ({"max_agreement_drop": 0}, "max_agreement_drop"),
+        ({"agreement_ema_decay": 1.0}, "agreement_ema_decay"),
+        ({"max_rollbacks": 0}, "max_rollbacks"),
+        ({"snapshot_every": 1.5}, "snapshot_every"),
+        ({"min_queries": True}, "min_queries"),
+        ({"entropy_temperature": 0}, "entropy_temperature"),
+        ({"min_agreemnt": 0.3}, "min_agreement"),  # a typo names the valid keys
+    ]
+    for overrides, name in bad:
+        with pytest.raises(ValueError, match=name) as err:
+            TTAConfig(objective="tcr", safety=overrides)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="training-free"):
+        TTAConfig(objective="dn", safety={})
+    with pytest.raises(ValueError, match="episodic"):
+        TTAConfig(objective="tcr", reset_policy="episodic", safety={})
+    with pytest.raises(TypeError, match="safety"):
+        TTAConfig(objective="tcr", safety=0.5)
+
+
+# ------------------------------------------------------------------------------------- rollback
+def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push):
+    tta = _push_wrapper(push, "shift", harm=[3], min_agreement=0.5, collapse_ratio=0.0)
+    gallery, xs = _gallery(), _stream(5)
+    for x in xs[:3]:
+        assert tta.adapt_step(x, gallery).safety_action is None
+    before = _state(tta)  # the last-good snapshot: the state after the last kept batch (snapshot_every=1)
+    assert int(before["objective.calls"]) == 9 and float(before[f"optim.{next(iter(tta.params))}.step"]) == 9
+    out = tta.adapt_step(xs[3], gallery)
+    assert out.num_updates == 3 and out.safety_action == "rollback"
+    assert out.safety_logs["agreement"] < 0.5 <= out.safety_logs["agreement_ema"]
+    _assert_bit_equal(_state(tta), before)  # parameters, moments, step counts and objective state
+    assert torch.equal(out.scores, _source_scores(tta, xs[3], gallery))  # a flagged batch returns the source's scores
+    assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 1, "reset": 0}
+    assert tta.batch_index == 4  # the stream's counter goes on
+    assert tta.adapt_step(xs[4], gallery).safety_action is None  # and the stream adapts on from the snapshot
+
+
+def test_rollback_before_any_kept_batch_drops_the_optimiser_state_it_created(push):
+    tta = _push_wrapper(push, "shift", harm=[0], min_agreement=0.5, collapse_ratio=0.0)
+    source = _state(tta)
+    assert not tta.optimizer.state
+    out = tta.adapt_step(_stream(1)[0], _gallery())
+    assert out.safety_action == "rollback"
+    _assert_bit_equal(_state(tta), source)
+    assert all(not tta.optimizer.state.get(p) for p in tta.params.values())  # moments and steps created after: gone
+
+
+def test_the_agreement_ema_flags_a_relative_drop_and_repeated_rollbacks_reset(push):
+    # no floor (min_agreement=0): only the drop below half the running agreement fires
+    tta = _push_wrapper(push, "shift", harm=[2, 3, 4], min_agreement=0.0, collapse_ratio=0.0, max_rollbacks=3)
+    gallery, xs = _gallery(), _stream(6)
+    actions = [tta.adapt_step(x, gallery).safety_action for x in xs]
+    assert actions == [None, None, "rollback", "rollback", "reset", None]
+    assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 2, "reset": 1}
+    with pytest.raises(AssertionError):  # the 5 benign updates after the reset moved the state off the source
+        _assert_bit_equal({k: v for k, v in _state(tta).items() if k.startswith("param.")}, {f"param.{n}": v for n, v in tta._source.items()})
+
+
+# ------------------------------------------------------------------------------------- collapse
+def test_collapse_resets_to_the_source_model(push):
+    tta = _push_wrapper(push, "collapse", harm=[2], lr=5.0)
+    gallery, xs = _gallery(), _stream(3)
+    for x in xs[:2]:
+        assert tta.adapt_step(x, gallery).safety_action is None
+    generator = tta.generator.get_state()
+    out = tta.adapt_step(xs[2], gallery)
+    assert out.safety_action == "reset"
+    assert out.safety_logs["adapted_diversity"] < 0.5 * out.safety_logs["source_diversity"]  # all to one or two items
+    for name, p in tta.params.items():
+        assert torch.equal(p, tta._source[name]), name
+    assert not tta.optimizer.state and torch.equal(tta.state["calls"], torch.zeros((), dtype=torch.int64))
+    assert torch.equal(out.scores, _source_scores(tta, xs[2], gallery))
+    assert tta.safety_counts["reset"] == 1 and tta.batch_index == 3
+    assert torch.equal(tta.generator.get_state(), generator)  # the RNG stream goes on (not re-seeded)
+
+
+def test_collapse_without_safety_stays_collapsed(push):
+    # the same stream unprotected: the harm persists (so the test above can fail)
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective=push, objective_config={"mode": "collapse", "harm_batches": [2]}, lr=5.0))
+    gallery, xs = _gallery(), _stream(4)
+    outs = [tta.adapt_step(x, gallery) for x in xs]
+    assert outs[3].scores.argmax(1).unique().numel() <= 2 < _source_scores(tta, xs[3], gallery).argmax(1).unique().numel()
+
+
+# ------------------------------------------------------------------------------------- degenerate batches
+def _forward_counter(tta: TTAWrapper) -> list[int]:
+    calls = [0]
+    tta.model.vision_model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_a_degenerate_batch_is_not_adapted_on():
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", safety={}))
+    gallery = _gallery()
+    tta.adapt_step(_stream(1)[0], gallery)
+    before, calls = _state(tta), _forward_counter(tta)
+    out = tta.adapt_step(_constant(), gallery)
+    assert out.safety_action == "skip_degenerate" and out.num_updates == 0 and out.loss is None
+    assert out.safety_logs["source_diversity"] == 0.0 and "not adapted" in out.skipped[0]
+    assert calls[0] == 1  # one source forward, no step
+    _assert_bit_equal(_state(tta), before)  # parameters, optimiser and TCR's queue untouched
+    assert torch.equal(out.scores, _source_scores(tta, _constant(), gallery))
+
+
+def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream():
+    """30 batches of one constant image, then the clean stream: with safety on, the clean part is scored bit-exactly as
+    by a wrapper that never saw the constant prefix (the prefix changed no parameter, moment or queue entry); without
+    safety, at the same (high) learning rate, the prefix drags the clean part's recall down."""
+    gallery, clean = _gallery(), _stream(5, seed=200)
+    prefix = [_constant()] * 30
+
+    def run(safety, with_prefix):
+        tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=1e-2, safety=safety))
+        for x in prefix if with_prefix else []:
+            tta.adapt_step(x, gallery)
+        if with_prefix and safety is not None:
+            for name, p in tta.params.items():  # the prefix changed nothing at all
+                assert torch.equal(p, tta._source[name]), name
+            assert not tta.optimizer.state and tta.safety_counts["skip_degenerate"] == 30
+        return tta, torch.cat([tta.adapt_step(x, gallery).scores for x in clean])
+
+    tta, safe = run({}, True)
+    _, fresh = run({}, False)
+    assert torch.equal(safe, fresh)
+    source = torch.cat([_source_scores(tta, x, gallery) for x in clean])
+    relevant = source.argmax(1)  # a label-free stand-in for relevance: the source's own top-1 (source R@1 = 100)
+    _, unsafe = run(None, True)
+    assert (unsafe - fresh).abs().max() > 0.1
+    r_safe, r_unsafe = retrieval_metrics(safe, relevant)["R@1"], retrieval_metrics(unsafe, relevant)["R@1"]
+    assert r_unsafe < r_safe - 10  # measured: 33.8 vs 62.5
+
+
+# ------------------------------------------------------------------------------------- off by default, exact when quiet
+QUIET = dict(min_source_diversity=0.0, collapse_ratio=0.0, min_agreement=0.0, max_agreement_drop=1.0)
+
+
+@pytest.mark.parametrize(
+    "objective,extra",
+    [("tcr", {}), ("tent", {}), ("rest", {"gradient_decoupling": True}), ("eata", {}), ("tcr", {"fast_step": True})],
+)
+def test_safety_that_never_fires_changes_nothing_and_shares_the_source_forward(objective, extra):
+    gallery, xs = _gallery(), _stream(3)
+    runs = {}
+    for name, safety in (("off", None), ("quiet", QUIET), ("on", {})):
+        tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, safety=safety, **extra))
+        calls = _forward_counter(tta)
+        outs = [tta.adapt_step(x, gallery) for x in xs]
+        runs[name] = (tta, outs, calls[0])
+    (off, outs_off, n_off), (quiet, outs_quiet, n_quiet) = runs["off"], runs["quiet"]
+    for a, b in zip(outs_off, outs_quiet):
+        assert torch.equal(a.scores, b.scores) and a.loss == b.loss and a.safety_action is None
+        assert a.safety_logs == {} and b.safety_logs["agreement"] >= 0  # the signals are logged
+    _assert_bit_equal(_state(off), _state(quiet))
+    assert off.safety_counts == {} and off.safety is None
+    # one no-grad source forward per batch, none extra when gradient decoupling computes it anyway
+    assert n_quiet == n_off + (0 if extra.get("gradient_decoupling") else len(xs))
+    tta_on, outs_on, _ = runs["on"]
+    assert [o.safety_action for o in outs_on] == [None] * len(xs)  # the defaults do not fire on a benign stream
+
+
+# ------------------------------------------------------------------------------------- paths
+def test_safety_on_the_fused_one_sync_path_equals_the_checked_loop(push):
+    outs, states = {}, {}
+    for fast in (False, True):
+        cfg = TTAConfig(objective="tcr", fast_step=fast, lr=1e-2, safety={"min_agreement": 0.9, "collapse_ratio": 0.0})
+        tta = TTAWrapper(make_model("clip"), cfg)
+        assert tta._deferred_checks_apply() == fast
+        gallery = _gallery()
+        outs[fast] = [tta.adapt_step(x, gallery) for x in _stream(6)]
+        states[fast] = _state(tta)
+    actions = [o.safety_action for o in outs[False]]
+    assert "rollback" in actions and actions == [o.safety_action for o in outs[True]]
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.allclose(a.scores, b.scores, atol=1e-5)
+    for k in states[False]:
+        assert torch.allclose(states[False][k].float(), states[True][k].float(), atol=1e-5), k
+
+
+def test_score_transform_applies_to_the_source_scores_of_a_flagged_batch():
+    gallery = _gallery()
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", score_transform="dn", safety={}))
+    out = tta.adapt_step(_constant(), gallery)
+    assert out.safety_action == "skip_degenerate"
+    dn = TTAWrapper(make_model("clip"), TTAConfig(objective="dn"))  # the source model with DN, nothing adapted
+    expected = dn.adapt_step(_constant(), gallery).scores
+    assert torch.allclose(out.scores, expected, atol=1e-6)
+    assert not torch.allclose(out.scores, _source_scores(tta, _constant(), gallery), atol=1e-4)  # DN did change them
+
+
+def test_top_k_backend_returns_the_source_top_k_on_flagged_batches(push):
+    dense = _gallery()
+    backend = ChunkedGallery(dense.embeddings, "text", k=5)
+    tta = _push_wrapper(push, "collapse", harm=[1], lr=5.0)
+    outs = [tta.adapt_step(x, backend) for x in [_stream(1)[0], _stream(1, seed=300)[0], _constant()]]
+    assert [o.safety_action for o in outs] == [None, "reset", "skip_degenerate"]
+    for out, x in zip(outs[1:], [_stream(1, seed=300)[0], _constant()]):
+        src = _source_scores(tta, x, dense)
+        values, indices = src.topk(5, dim=1)
+        assert out.scores is None and torch.equal(out.topk.indices, indices)
+        assert torch.allclose(out.topk.values, values, atol=1e-6)
+    assert tta.safety_counts == {"skip_degenerate": 1, "rollback": 0, "reset": 1}
+
+
+# ------------------------------------------------------------------------------------- checkpoint and reset
+def test_resume_with_safety_equals_an_uninterrupted_stream(push, tmp_path):
+    # snapshot_every=3: at the save the last-good snapshot is older than the state, so it must come from the checkpoint
+    def wrapper():
+        return _push_wrapper(push, "shift", harm=[2, 7], min_agreement=0.5, collapse_ratio=0.0, snapshot_every=3)
+
+    gallery, xs = _gallery(), _stream(10)
+    full = wrapper()
+    outs_full = [full.adapt_step(x, gallery) for x in xs]
+    assert [o.safety_action for o in outs_full].count("rollback") == 2
+
+    first = wrapper()
+    outs = [first.adapt_step(x, gallery) for x in xs[:5]]
+    first.save_pretrained(tmp_path / "ckpt")
+    resumed = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
+    assert resumed.safety_counts == {"skip_degenerate": 0, "rollback": 1, "reset": 0}
+    assert resumed.safety.agreement_ema == first.safety.agreement_ema and resumed.safety.kept_in_row == first.safety.kept_in_row
+    outs += [resumed.adapt_step(x, gallery) for x in xs[5:]]
+    for a, b in zip(outs_full, outs):
+        assert torch.equal(a.scores, b.scores) and a.safety_action == b.safety_action and a.safety_logs == b.safety_logs
+    _assert_bit_equal(_state(full), _state(resumed))
+    assert full.safety_counts == resumed.safety_counts
+
+
+def test_reset_clears_the_monitor():
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", safety={}))
+    gallery = _gallery()
+    tta.adapt_step(_stream(1)[0], gallery)
+    tta.adapt_step(_constant(), gallery)
+    assert tta.safety_counts["skip_degenerate"] == 1 and tta.safety.agreement_ema is not None
+    tta.reset()
+    assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 0, "reset": 0}
+    assert tta.safety.agreement_ema is None and tta.safety.snapshot is None
