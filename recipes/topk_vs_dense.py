@@ -8,7 +8,7 @@ recipe runs the same streams (image->text, the shipped source model, batches of 
 3 steps) with the dense gallery and with the exact chunked backend at several k, and prints R@1/5/10 and how often the
 top-1 agrees with the dense run.
 
-    OMP_NUM_THREADS=1 python recipes/topk_vs_dense.py --queries 256 --ks 10,100
+    OMP_NUM_THREADS=1 python recipes/topk_vs_dense.py --queries 256 --render-factor 1 --ks 10,100
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ def main(argv=None) -> None:
     p.add_argument(
         "--queries", type=int, default=None, help="A seeded sample of this many queries per stream, against the whole gallery."
     )
+    p.add_argument(
+        "--render-factor", type=float, default=None,
+        help="Query rendering factor k (default: the benchmark's, protocol v2); 1 = protocol v1, where shifts hurt more.",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="outputs/topk_vs_dense.json")
     args = p.parse_args(argv)
@@ -76,7 +80,8 @@ def main(argv=None) -> None:
     if min(ks) < 10:
         p.error("--ks: each k must be >= 10 (R@10 is reported).")
     torch.manual_seed(args.seed)
-    runner = GridRunner(EmojiTask(limit=args.limit, seed=args.seed), RunSettings(show_progress=False))
+    task = EmojiTask(limit=args.limit, seed=args.seed, render_factor=args.render_factor)
+    runner = GridRunner(task, RunSettings(show_progress=False))
     rows = []
     for corruption in args.corruptions.split(","):
         cond = Condition("i2t", corruption, args.severity)
@@ -95,7 +100,7 @@ def main(argv=None) -> None:
                 row = {"corruption": corruption, "objective": objective, "gallery": name, **m, "top1_agree": agree}
                 rows.append({**row, "seconds": round(time.perf_counter() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"\ngallery size {len(dense)}, queries per stream {rows[0]['num_queries']}")
+    print(f"\ngallery size {len(dense)}, queries per stream {rows[0]['num_queries']}, render factor {task.render_factor}")
     print("| corruption | objective | gallery | R@1 | R@5 | R@10 | top-1 = dense |\n|---|---|---|---|---|---|---|")
     for r in rows:
         agree = "–" if r["gallery"] == "dense" else f"{100 * r['top1_agree']:.1f}%"
