@@ -361,15 +361,21 @@ def full_grid_rows() -> list[str]:
 
 def _objectives(value: str) -> list[str]:
     from . import available_objectives
-    from .benchmarks.grid import row_objective
+    from .benchmarks.grid import row_spec
     from .objectives import get_objective_class
 
     methods = [n for n in available_objectives() if not get_objective_class(n).requires_labels]  # not the oracle
     names = methods if value == "all" else _csv(value)
-    unknown = [n for n in names if row_objective(n)[0] not in available_objectives() and n != "source"]
+    def known(name: str) -> bool:
+        try:
+            return name == "source" or row_spec(name).objective in available_objectives()
+        except ValueError:
+            return False
+
+    unknown = [n for n in names if not known(n)]
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
-                         "and <objective>+gd (see `hf-tta list`).")
+                         "and <objective>+gd, +safe, +route (see `hf-tta list`).")
     if not names:
         raise UsageError("--objectives is empty; name at least one, e.g. --objectives tent,tcr.")
     return names
@@ -588,7 +594,8 @@ def cmd_list(args) -> int:
     print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
     print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix)")
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
-    print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default)")
+    print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
+    print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router); combine: tcr+gd+safe")
     from .benchmarks.grid import AV_DIRECTIONS
     from .data.builders.audioset import AV_BENCHMARKS
 

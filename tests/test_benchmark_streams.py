@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from hf_tta.benchmarks import SOURCE, Condition, GridRunner, Job, RunSettings, build_grid
@@ -71,3 +72,31 @@ def test_degenerate_stream_feeds_a_constant_prefix_and_scores_the_clean_part():
     clean = runner.run(Job(Condition("i2t", "clean"), SOURCE, 0))
     source = runner.run(Job(cond, SOURCE, 0))
     assert source["hits"] == clean["hits"] and source["R@1"] == clean["R@1"]
+
+
+def test_row_names_parse_their_options():
+    from hf_tta.benchmarks.grid import RowSpec, row_objective, row_spec
+
+    assert row_spec("tcr+gd+safe") == RowSpec("tcr", gd=True, safe=True)
+    assert row_spec("tent+route") == RowSpec("tent", route=True) and row_spec("oracle_all") == RowSpec("oracle")
+    assert row_objective("rest+gd") == ("rest", True)
+    for bad in ("tcr+fast", "tcr+safe+safe"):
+        with pytest.raises(ValueError, match="options are"):
+            row_spec(bad)
+
+
+def test_safe_and_routed_rows_run_and_report_what_they_did():
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, degenerate_batches=3,
+                                                                  safety={"min_queries": 4}))
+    cond = Condition("i2t", "degenerate")
+    safe = runner.run(Job(cond, "tent+safe", 0))
+    assert "error" not in safe, safe.get("error")
+    tta = runner._wrappers[("tent+safe", "i2t", False)]
+    assert tta.config.safety == {"min_queries": 4} and safe["safety"] == tta.safety_counts
+    # the constant prefix: every one of its batches is degenerate for the source model, so none is adapted on
+    assert safe["safety"].get("skip_degenerate", 0) >= 3
+    routed = runner.run(Job(Condition("i2t", "clean"), "tent+route", 0))
+    assert "error" not in routed, routed.get("error")
+    assert routed["domains"] >= 1 and type(runner._wrappers[("tent+route", "i2t", False)]).__name__ == "RoutedTTAWrapper"
+    plain = runner.run(Job(Condition("i2t", "clean"), "tent", 0))
+    assert "safety" not in plain and "domains" not in plain

@@ -52,6 +52,10 @@ SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_de
 ORACLE_ROWS = ("oracle", "oracle_all")
 #: A row name ending in this runs its objective with REST's gradient decoupling (e.g. ``rest+gd``).
 GD_SUFFIX = "+gd"
+#: Row options, appended in any order (``tcr+gd+safe``): gradient decoupling, the safety layer
+#: (:mod:`hf_tta.safety`, default thresholds) and per-domain adapters with the unsupervised router
+#: (:mod:`hf_tta.routing`, default config).
+ROW_OPTIONS = ("gd", "safe", "route")
 
 
 # ------------------------------------------------------------------------------------------------ grid
@@ -202,12 +206,31 @@ def jobs_for(
     ]
 
 
+@dataclass(frozen=True)
+class RowSpec:
+    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on."""
+
+    objective: str
+    gd: bool = False
+    safe: bool = False
+    route: bool = False
+
+
+def row_spec(row: str) -> RowSpec:
+    """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` -> ``RowSpec("oracle")``.
+    Raises ``ValueError`` for an unknown or repeated option."""
+    name, *options = row.split("+")
+    unknown = [o for o in options if o not in ROW_OPTIONS]
+    if unknown or len(set(options)) != len(options):
+        raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
+    return RowSpec("oracle" if name == "oracle_all" else name, **{o: True for o in options})
+
+
 def row_objective(row: str) -> tuple[str, bool]:
     """The registered objective a row runs and whether the row name asks for gradient decoupling:
     ``"rest+gd"`` -> ``("rest", True)``, ``"oracle_all"`` -> ``("oracle", False)``."""
-    gd = row.endswith(GD_SUFFIX)
-    name = row[: -len(GD_SUFFIX)] if gd else row
-    return ("oracle" if name == "oracle_all" else name), gd
+    spec = row_spec(row)
+    return spec.objective, spec.gd
 
 
 def av_dataset_configs(dataset) -> list[str]:

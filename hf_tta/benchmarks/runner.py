@@ -36,7 +36,7 @@ from .grid import (
     SOURCE,
     Condition,
     Job,
-    row_objective,
+    row_spec,
     stream_order,
 )
 from .tasks import Task, take_items
@@ -57,6 +57,12 @@ class RunSettings:
     show_progress: bool = field(default=True, metadata={"help": "Progress bars."})
     cache_dir: str | None = field(
         default=None, metadata={"help": "Gallery embeddings are stored here (safetensors) and read back; delete after changing model."}
+    )
+    safety: dict = field(
+        default_factory=dict, metadata={"help": "SafetyConfig overrides of the `<objective>+safe` rows (default thresholds)."}
+    )
+    routing: dict = field(
+        default_factory=dict, metadata={"help": "RoutingConfig overrides of the `<objective>+route` rows (default router)."}
     )
     degenerate_batches: int = field(
         default=DEGENERATE_BATCHES,
@@ -130,7 +136,8 @@ class GridRunner:
         from ..models import get_adapter
 
         s = self.settings
-        objective, gd = row_objective(row)
+        spec = row_spec(row)
+        objective, gd = spec.objective, spec.gd
         if s.gradient_decoupling is None:
             gd = gd or (objective == "rest" and cond.shift == "diverse")  # REST's protocol on diverse shift
         else:
@@ -149,6 +156,7 @@ class GridRunner:
             seed=seed,
             target_modules=targets,
             gradient_decoupling=gd,
+            safety=dict(s.safety) if spec.safe else None,
         )
 
     def _wrapper(self, row: str, cond: Condition, seed: int):
@@ -158,7 +166,13 @@ class GridRunner:
         key = (row, cond.direction, cfg.gradient_decoupling)
         held = self._wrappers.get(key)
         if held is None:
-            held = self._wrappers[key] = TTAWrapper(copy.deepcopy(self.pristine), cfg)
+            if row_spec(row).route:
+                from ..routing import make_wrapper
+
+                held = make_wrapper(copy.deepcopy(self.pristine), cfg, dict(self.settings.routing))
+            else:
+                held = TTAWrapper(copy.deepcopy(self.pristine), cfg)
+            self._wrappers[key] = held
         elif held.config.seed != seed:
             held.config.seed = seed  # reset() re-seeds the wrapper's RNG from the config
         held.reset()
@@ -274,6 +288,10 @@ class GridRunner:
                     skipped += len(out.skipped)
                 after, _ = self._score_all(tta, modality, raw, gallery, source=False)
                 info = {"updates": updates, "skipped_steps": skipped, "gradient_decoupling": bool(tta.config.gradient_decoupling)}
+                if tta.config.safety is not None:  # how often the safety layer acted over the stream
+                    info["safety"] = tta.safety_counts
+                if hasattr(tta, "num_domains"):
+                    info["domains"] = tta.num_domains
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
             row.update(info)
