@@ -757,15 +757,7 @@ class RoutedTTAWrapper(TTAWrapper):
     ) -> "RoutedTTAWrapper":
         """Rebuild a routed wrapper around the *source* ``model`` from a checkpoint of :meth:`save_pretrained` (a local
         folder or a Hub repository), with the checkpoint's TTA and routing configs and every domain."""
-        from .checkpoint_hub import resolve_checkpoint_folder
-
-        folder = resolve_checkpoint_folder(repo_id_or_path, revision=revision, token=token, api=api)
-        ckpt = checkpoint.read_checkpoint(folder)
-        if ckpt.fingerprint is not None:  # class and config before PEFT wraps the model
-            base = model.model if isinstance(model, ModelAdapter) else model
-            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, checkpoint.model_fingerprint(base, {}), check_params=False)
-            if mismatch:
-                raise ValueError(mismatch)
+        _, ckpt = cls._read_checkpoint_for(model, repo_id_or_path, revision=revision, token=token, api=api)
         config = dict(ckpt.config)
         routing = config.pop("routing", None)
         if routing is None:

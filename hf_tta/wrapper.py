@@ -828,19 +828,28 @@ class TTAWrapper:
         The checkpoint's fingerprint is checked before the model is touched: a checkpoint adapted from another model
         is refused with a message naming both.
         """
+        folder, ckpt = cls._read_checkpoint_for(model, repo_id_or_path, revision=revision, token=token, api=api)
+        wrapper = cls(model, TTAConfig.from_dict(ckpt.config))
+        wrapper.load_state(folder)  # through the (overridable) public path, e.g. DistributedTTAWrapper's barrier
+        return wrapper
+
+    @staticmethod
+    def _read_checkpoint_for(
+        model: nn.Module | ModelAdapter, repo_id_or_path: str | os.PathLike, **hub: Any
+    ) -> tuple[str | os.PathLike, checkpoint.Checkpoint]:
+        """Resolve (local folder or Hub repository) and read a checkpoint, refusing one adapted from another model:
+        its class and config are checked before PEFT wraps ``model``, its parameters when the state is loaded."""
         from .checkpoint_hub import resolve_checkpoint_folder
 
-        folder = resolve_checkpoint_folder(repo_id_or_path, revision=revision, token=token, api=api)
+        folder = resolve_checkpoint_folder(repo_id_or_path, **hub)
         ckpt = checkpoint.read_checkpoint(folder)
-        if ckpt.fingerprint is not None:  # class and config before PEFT wraps the model; parameters after
+        if ckpt.fingerprint is not None:
             base = model.model if isinstance(model, ModelAdapter) else model
             current = checkpoint.model_fingerprint(base, {})
             mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, current, check_params=False)
             if mismatch:
                 raise ValueError(mismatch)
-        wrapper = cls(model, TTAConfig.from_dict(ckpt.config))
-        wrapper.load_state(folder)  # through the (overridable) public path, e.g. DistributedTTAWrapper's barrier
-        return wrapper
+        return folder, ckpt
 
     def push_to_hub(
         self,
