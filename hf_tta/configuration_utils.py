@@ -80,6 +80,12 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
         raise ValueError(f"`{name}` must be {bound}, got {value!r}.")
 
 
+def check_positive_int(name: str, value, owner: str = "") -> None:
+    """Raise a ``ValueError`` naming the field unless ``value`` is an integer >= 1 (``bool`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner + ' ' if owner else ''}`{name}` must be an integer >= 1, got {value!r}.")
+
+
 def check_fraction(name: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")

@@ -40,7 +40,7 @@ from torch import nn
 
 from . import checkpoint
 from .config import TTAConfig
-from .configuration_utils import ConfigMixin, check_choice, check_positive
+from .configuration_utils import ConfigMixin, check_choice, check_positive, check_positive_int
 from .gallery.base import GalleryBackend, TopKScores
 from .models.base import ModelAdapter
 from .version import __version__
@@ -109,15 +109,13 @@ class RoutingConfig(ConfigMixin):
     )
 
     def __post_init__(self):
-        if not isinstance(self.max_domains, int) or isinstance(self.max_domains, bool) or self.max_domains < 1:
-            raise ValueError(f"`max_domains` must be an integer >= 1, got {self.max_domains!r}.")
+        check_positive_int("max_domains", self.max_domains)
         check_positive("new_domain_threshold", self.new_domain_threshold)
         check_choice("features", self.features, FEATURES)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum!r}.")
         check_positive("var_floor", self.var_floor, allow_zero=True)
-        if not isinstance(self.min_domain_batch, int) or isinstance(self.min_domain_batch, bool) or self.min_domain_batch < 1:
-            raise ValueError(f"`min_domain_batch` must be an integer >= 1, got {self.min_domain_batch!r}.")
+        check_positive_int("min_domain_batch", self.min_domain_batch)
 
 
 def _as_routing_config(routing: RoutingConfig | Mapping[str, Any] | None) -> RoutingConfig:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .configuration_utils import ConfigMixin
+from .configuration_utils import ConfigMixin, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objectives.base import ObjectiveInputs
@@ -105,9 +105,7 @@ class SafetyConfig(ConfigMixin):
 
     def __post_init__(self):
         for name in ("min_queries", "max_rollbacks", "snapshot_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SafetyConfig `{name}` must be an integer >= 1, got {value!r}.")
+            check_positive_int(name, getattr(self, name), owner="SafetyConfig")
         ranges = {
             "min_source_diversity": (0.0, 1.0, "[0, 1]", True),
             "collapse_ratio": (0.0, 1.0, "[0, 1]", True),
