@@ -18,11 +18,13 @@ from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import TTAConfig
+from .fast_step import adapt_deferred
 from .gallery.base import GalleryBackend, TopKScores
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter, get_adapter, match_module_names
 from .objectives.base import LossOutput, Objective, ObjectiveInputs, build_objective
+from .outputs import TTAOutput, float_logs
 from .safety import SafetyMonitor
 from .version import __version__
 
@@ -60,37 +62,6 @@ class GalleryCache:
 
     def to(self, device) -> "GalleryCache":
         return GalleryCache(self.embeddings.to(device), self.modality)
-
-
-@dataclass
-class TTAOutput:
-    """Result of one :meth:`TTAWrapper.adapt_step`.
-
-    Args:
-        scores (`torch.Tensor` of shape `(B, N)`): the queries' scores against the whole gallery, from the forward
-            of the last step (as TCR's reference code reports them); ``None`` with a top-k gallery backend.
-        loss (`float`, *optional*): the last step's loss (``None`` for training-free objectives).
-        num_updates (`int`): parameter updates made on this batch.
-        n_selected (`int`): queries that contributed to the last step's loss.
-        skipped (`list[str]`): why steps were skipped (nothing selected, non-finite loss or gradient).
-        logs (`dict`): the objective's diagnostics of the last step.
-        topk (`TopKScores`, *optional*): with a top-k gallery backend (``hf_tta.gallery``), each query's ``k`` best
-            items (scores and global gallery indices, best first) from the last step's forward, instead of ``scores``.
-        safety_action (`str`, *optional*): with ``TTAConfig.safety``, what the safety layer did on this batch:
-            ``"skip_degenerate"`` (not adapted on), ``"rollback"`` (to the last-good snapshot), ``"reset"`` (to the
-            source model), or ``None`` (kept). On a flagged batch the scores are the source model's.
-        safety_logs (`dict`): the safety layer's label-free signals for this batch (see ``hf_tta.safety``).
-    """
-
-    scores: torch.Tensor | None
-    loss: float | None
-    num_updates: int
-    n_selected: int
-    skipped: list[str] = field(default_factory=list)
-    logs: dict[str, float] = field(default_factory=dict)
-    topk: TopKScores | None = None
-    safety_action: str | None = None
-    safety_logs: dict[str, float] = field(default_factory=dict)
 
 
 class TTAWrapper:
@@ -477,7 +448,7 @@ class TTAWrapper:
             inputs = self._inputs(queries, gallery, step=0)
             res = self.objective(inputs, self.state)
         scores = self._transform_scores(inputs, res.scores if res.scores is not None else inputs.scores)
-        return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=_floats(res.logs))
+        return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=float_logs(res.logs))
 
     def _adapt(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
         if self._deferred_checks_apply():
@@ -500,76 +471,8 @@ class TTAWrapper:
         )
 
     def _adapt_deferred(self, queries: dict, gallery: GalleryCache) -> TTAOutput | None:
-        """:meth:`_adapt_checked` with one host sync per batch instead of several per step.
-
-        Each step's skip rule (nothing selected, non-finite loss or gradient) is evaluated on the device and fed to
-        the fused AdamW as ``found_inf``, which then leaves parameters, moments and step count untouched, as the
-        checked loop does. A step with nothing selected keeps the objective's state, as in the checked loop; after a
-        non-finite step the checked loop also rolls the objective's state back, which later steps see: that case
-        (rare) restores the snapshot taken here and returns ``None`` so the batch is replayed by the checked loop.
-        """
-        snapshot = self._snapshot()
-        source_cache: list[torch.Tensor] = self.safety.source_cache() if self.safety is not None else []
-        flags: list[tuple[int, torch.Tensor]] = []  # (step, 0 update | 1 nothing selected | 2 non-finite loss | 3 grad)
-        skipped: dict[int, str] = {}  # skips decided without the device
-        res = inputs = scores = None
-        for step in range(self.config.steps):
-            inputs = self._inputs(queries, gallery, step, source_cache)
-            previous_state = dict(self.state)
-            res = self.objective(inputs, self.state)
-            scores = (res.scores if res.scores is not None else inputs.scores).detach()
-            n_sel = res.n_selected
-            if res.loss is None or not res.loss.requires_grad or (not torch.is_tensor(n_sel) and n_sel == 0):
-                reason = self._skip_reason(res)  # decided on the host (at most one sync, only in these cases)
-                if reason.startswith("non-finite"):
-                    self.state.clear()
-                    self.state.update(previous_state)
-                skipped[step] = reason
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            res.loss.backward()
-            grads = [p.grad for p in self.params.values() if p.grad is not None]
-            flag = torch.where(torch.isfinite(res.loss.detach()).all(), 0, 2)
-            if grads:
-                finite_grad = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
-                flag = torch.where((flag == 0) & ~finite_grad, 3, flag)
-            if torch.is_tensor(n_sel):
-                flag = torch.where(n_sel == 0, 1, flag)
-            self.optimizer.found_inf = (flag != 0).float()
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf
-            self.optimizer.zero_grad(set_to_none=True)
-            flags.append((step, flag))
-        # the one sync: step flags, last loss, selected count and logs in one device-to-host transfer
-        named = {f"flag.{s}": f for s, f in flags}
-        named.update({f"log.{k}": v for k, v in res.logs.items()})
-        named["loss"] = res.loss
-        named["n_selected"] = res.n_selected
-        on_device = {k: v for k, v in named.items() if torch.is_tensor(v) and v.device.type != "cpu"}
-        values = {k: v.item() if torch.is_tensor(v) else v for k, v in named.items() if k not in on_device}
-        if on_device:
-            stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in on_device.values()]).tolist()
-            values.update(zip(on_device, stacked))
-        codes = {s: int(values[f"flag.{s}"]) for s, _ in flags}
-        if any(c >= 2 for c in codes.values()):
-            self._restore(snapshot)
-            return None
-        skipped.update({s: "no query selected" for s, c in codes.items() if c == 1})
-        last_loss, n_selected = values["loss"], int(values["n_selected"])
-        out_logs = {k[len("log.") :]: v for k, v in values.items() if k.startswith("log.")}
-        skipped_list = [f"step {s}: {skipped[s]}" for s in sorted(skipped)]
-        if skipped_list:
-            logger.info("adapt_step skipped %s", "; ".join(skipped_list))
-        return TTAOutput(
-            scores=self._final_scores(queries, gallery, inputs, scores),
-            loss=None if res.loss is None else last_loss,
-            num_updates=self.config.steps - len(skipped_list),
-            n_selected=n_selected,
-            skipped=skipped_list,
-            logs=_floats(out_logs),
-        )
+        """The checked loop with one host sync per batch (:func:`hf_tta.fast_step.adapt_deferred`)."""
+        return adapt_deferred(self, queries, gallery)
 
     def _snapshot(self) -> tuple:
         """Adapted parameters, optimiser moments and steps (copied on the device in one foreach call), the
@@ -633,7 +536,7 @@ class TTAWrapper:
         scores = self._final_scores(queries, gallery, inputs, scores)
         return TTAOutput(
             scores=scores, loss=last_loss, num_updates=updates, n_selected=int(res.n_selected), skipped=skipped,
-            logs=_floats(res.logs),
+            logs=float_logs(res.logs),
         )
 
     def _backward(self, res: LossOutput, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
@@ -883,11 +786,6 @@ def _grads_finite(params: Iterable[nn.Parameter]) -> bool:
     """One device sync for all gradients (not one per tensor)."""
     grads = [p.grad for p in params if p.grad is not None]
     return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-
-
-def _floats(logs: Mapping[str, Any]) -> dict[str, float]:
-    """Objectives may log detached 0-d tensors; convert once, for the reported step (no device sync per step)."""
-    return {k: float(v) for k, v in logs.items()}
 
 
 def _batch_size(inputs: Mapping[str, Any]) -> int:
