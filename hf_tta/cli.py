@@ -375,7 +375,7 @@ def _objectives(value: str) -> list[str]:
     unknown = [n for n in names if not known(n)]
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
-                         "and <objective>+gd, +safe, +route (see `hf-tta list`).")
+                         "and <objective>+gd, +safe, +route, +all, +dn (see `hf-tta list`).")
     if not names:
         raise UsageError("--objectives is empty; name at least one, e.g. --objectives tent,tcr.")
     return names
@@ -595,7 +595,8 @@ def cmd_list(args) -> int:
     print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix)")
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
-    print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router); combine: tcr+gd+safe")
+    print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
+    print("                   +all (every query-tower parameter), +dn (DN score transform); combine: tcr+gd+safe")
     from .benchmarks.grid import AV_DIRECTIONS
     from .data.builders.audioset import AV_BENCHMARKS
 

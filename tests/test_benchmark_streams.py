@@ -78,9 +78,11 @@ def test_row_names_parse_their_options():
     from hf_tta.benchmarks.grid import RowSpec, row_objective, row_spec
 
     assert row_spec("tcr+gd+safe") == RowSpec("tcr", gd=True, safe=True)
-    assert row_spec("tent+route") == RowSpec("tent", route=True) and row_spec("oracle_all") == RowSpec("oracle")
+    assert row_spec("tent+route") == RowSpec("tent", route=True)
+    assert row_spec("oracle_all") == RowSpec("oracle", all_params=True) == row_spec("oracle+all")
+    assert row_spec("tcr+dn+all+safe") == RowSpec("tcr", safe=True, all_params=True, dn=True)
     assert row_objective("rest+gd") == ("rest", True)
-    for bad in ("tcr+fast", "tcr+safe+safe"):
+    for bad in ("tcr+fast", "tcr+safe+safe", "oracle_all+all"):
         with pytest.raises(ValueError, match="options are"):
             row_spec(bad)
 
@@ -98,5 +100,17 @@ def test_safe_and_routed_rows_run_and_report_what_they_did():
     routed = runner.run(Job(Condition("i2t", "clean"), "tent+route", 0))
     assert "error" not in routed, routed.get("error")
     assert routed["domains"] >= 1 and type(runner._wrappers[("tent+route", "i2t", False)]).__name__ == "RoutedTTAWrapper"
+
+
+def test_all_params_and_dn_rows_configure_the_wrapper():
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
+    noise = Condition("i2t", "gaussian_noise", 5)
+    plain, wide = runner.row_config("tcr", noise, 0), runner.row_config("tcr+all+dn", noise, 0)
+    assert plain.target_modules is None and plain.score_transform is None
+    assert wide.target_modules == runner.row_config("oracle_all", noise, 0).target_modules and wide.score_transform == "dn"
+    row = runner.run(Job(noise, "tcr+all+dn", 0))
+    assert "error" not in row, row.get("error")
+    n_ln, n_all = (sum(p.numel() for p in runner._wrapper(r, noise, 0).params.values()) for r in ("tcr", "tcr+all+dn"))
+    assert n_all > n_ln > 0 and runner._wrapper("tcr+all+dn", noise, 0).score_transform is not None
     plain = runner.run(Job(Condition("i2t", "clean"), "tent", 0))
     assert "safety" not in plain and "domains" not in plain

@@ -53,9 +53,11 @@ ORACLE_ROWS = ("oracle", "oracle_all")
 #: A row name ending in this runs its objective with REST's gradient decoupling (e.g. ``rest+gd``).
 GD_SUFFIX = "+gd"
 #: Row options, appended in any order (``tcr+gd+safe``): gradient decoupling, the safety layer
-#: (:mod:`hf_tta.safety`, default thresholds) and per-domain adapters with the unsupervised router
-#: (:mod:`hf_tta.routing`, default config).
-ROW_OPTIONS = ("gd", "safe", "route")
+#: (:mod:`hf_tta.safety`, default thresholds), per-domain adapters with the unsupervised router
+#: (:mod:`hf_tta.routing`, default config), every parameter of the query tower instead of its LayerNorms
+#: (``oracle_all`` is ``oracle+all``) and Distribution Normalization as a score transform on top of the objective.
+#: Each maps to its :class:`RowSpec` field.
+ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "dn": "dn"}
 
 
 # ------------------------------------------------------------------------------------------------ grid
@@ -214,16 +216,20 @@ class RowSpec:
     gd: bool = False
     safe: bool = False
     route: bool = False
+    all_params: bool = False
+    dn: bool = False
 
 
 def row_spec(row: str) -> RowSpec:
-    """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` -> ``RowSpec("oracle")``.
-    Raises ``ValueError`` for an unknown or repeated option."""
+    """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` ->
+    ``RowSpec("oracle", all_params=True)``. Raises ``ValueError`` for an unknown or repeated option."""
     name, *options = row.split("+")
+    if name == "oracle_all":
+        name, options = "oracle", [*options, "all"]
     unknown = [o for o in options if o not in ROW_OPTIONS]
     if unknown or len(set(options)) != len(options):
         raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
-    return RowSpec("oracle" if name == "oracle_all" else name, **{o: True for o in options})
+    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options})
 
 
 def row_objective(row: str) -> tuple[str, bool]:

@@ -144,7 +144,7 @@ class GridRunner:
             gd = gd or objective in s.gradient_decoupling
         modality = QUERY_MODALITY[cond.direction]
         targets = None
-        if row == "oracle_all":
+        if spec.all_params:
             targets = query_tower_modules(get_adapter(self.pristine, (modality, GALLERY_MODALITY[cond.direction])), modality)
         return TTAConfig(
             objective=objective,
@@ -156,6 +156,7 @@ class GridRunner:
             seed=seed,
             target_modules=targets,
             gradient_decoupling=gd,
+            score_transform="dn" if spec.dn else None,
             safety=dict(s.safety) if spec.safe else None,
         )
 
