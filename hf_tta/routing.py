@@ -22,6 +22,11 @@ order gives the same domains. How well it separates shifts depends on the model 
 benchmark's source model, shifts that look alike after its 2.5x downsampling (Gaussian noise and clean, defocus blur
 and snow) share a domain and contrast gets its own (see the README).
 
+The safety layer (``TTAConfig.safety``, :mod:`hf_tta.safety`) composes: each domain has its own monitor (last-good
+snapshot, agreement EMA, streaks, counts), swapped with the rest of its state, and judges that domain's sub-batch on
+its own queries; a rollback or reset restores that domain only, and a flagged sub-batch's rows get the source model's
+scores.
+
 Build one with :func:`make_wrapper` (``routing=None`` gives a plain ``TTAWrapper``), which is how the benchmark
 runner can construct rows with per-domain adapters.
 """
@@ -43,6 +48,7 @@ from .config import TTAConfig
 from .configuration_utils import ConfigMixin, check_choice, check_positive, check_positive_int
 from .gallery.base import GalleryBackend, TopKScores
 from .models.base import ModelAdapter
+from .safety import SAFETY_ACTIONS, SafetyMonitor
 from .version import __version__
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper
 
@@ -296,18 +302,23 @@ class RoutedTTAOutput(TTAOutput):
     """:class:`~hf_tta.TTAOutput` of a routed batch, in the original query order.
 
     ``num_updates`` and ``n_selected`` are summed over the domains, ``loss`` is the query-weighted mean of the domains'
-    losses, ``skipped`` and ``logs`` carry each domain's entries prefixed by its key (``"auto:0/loss_na"``).
+    losses, ``skipped``, ``logs`` and ``safety_logs`` carry each domain's entries prefixed by its key
+    (``"auto:0/loss_na"``). With the safety layer, ``safety_action`` is the most severe action of the batch's domains
+    (``"reset"`` > ``"rollback"`` > ``"skip_degenerate"``; ``None`` when no sub-batch was flagged) and
+    ``safety_actions`` holds each domain's.
 
     Args:
         domains (`torch.Tensor` of shape `(B,)`): each query's domain id (an index into ``domain_keys``).
         domain_keys (`list`): the wrapper's domain keys after this batch (user keys, or ``"auto:<k>"`` for the
             domains the router opened).
         new_domains (`list`): the keys of the domains this batch opened.
+        safety_actions (`dict`): with the safety layer, each of the batch's domains' action (key -> action or ``None``).
     """
 
     domains: torch.Tensor | None = None
     domain_keys: list[DomainKey] = field(default_factory=list)
     new_domains: list[DomainKey] = field(default_factory=list)
+    safety_actions: dict[DomainKey, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -321,6 +332,7 @@ class _Domain:
     transform_state: dict[str, torch.Tensor]
     generator: torch.Generator
     batch_index: int = 0
+    safety: SafetyMonitor | None = None  # the domain's own safety monitor (TTAConfig.safety)
 
 
 class RoutedTTAWrapper(TTAWrapper):
@@ -328,8 +340,11 @@ class RoutedTTAWrapper(TTAWrapper):
 
     A subclass rather than a holder of several wrappers: the model, its PEFT LN-tuning copies, the gallery checks, the
     objective and the adapt loop are shared; only the per-domain state (adapted parameter values, AdamW moments and
-    steps, objective and score-transform state, RNG, batch counter) is swapped into the one model around each domain's
-    sub-batch, by exact copies, so a domain's results are bit-identical to a wrapper that saw only its queries.
+    steps, objective and score-transform state, RNG, batch counter, safety monitor) is swapped into the one model around
+    each domain's sub-batch, by exact copies, so a domain's results are bit-identical to a wrapper that saw only its
+    queries. With ``TTAConfig.safety`` each domain's monitor judges its sub-batch (of at least ``min_queries`` queries)
+    and rolls back or resets that domain only; :attr:`safety_counts` sums the domains' counts and
+    :attr:`domain_safety_counts` gives them per domain.
 
     Args:
         model: as for :class:`~hf_tta.TTAWrapper`.
@@ -349,8 +364,6 @@ class RoutedTTAWrapper(TTAWrapper):
         routing: RoutingConfig | Mapping[str, Any] | None = None,
     ):
         super().__init__(model, config)
-        if getattr(self, "safety", None) is not None:  # its last-good snapshot and counters would span domains
-            raise ValueError("TTAConfig.safety is not supported with per-domain adapters yet: leave it None for RoutedTTAWrapper.")
         self.routing = _as_routing_config(routing)
         self.router = DomainRouter(self.routing)
         self._domains: list[_Domain] = []
@@ -376,6 +389,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 key=key, params=None, optimizer=None, state=self.objective.init_state(self.device),
                 transform_state=self.score_transform.init_state(self.device) if self.score_transform else {},
                 generator=torch.Generator().manual_seed(self.config.seed),
+                safety=SafetyMonitor(self.safety.config) if self.safety is not None else None,
             )
         )
         self._slots[key] = len(self._domains) - 1
@@ -396,7 +410,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 self.optimizer = self._make_optimizer()
             else:  # the stored tensors become the optimiser's state (moments and steps are exact)
                 self.optimizer.load_state_dict(d.optimizer)
-        self.state, self.transform_state, self.generator = d.state, d.transform_state, d.generator
+        self.state, self.transform_state, self.generator, self.safety = d.state, d.transform_state, d.generator, d.safety
         self.batch_index = d.batch_index
         self._live = d
 
@@ -411,6 +425,7 @@ class RoutedTTAWrapper(TTAWrapper):
         if self.optimizer is not None:
             d.optimizer = self.optimizer.state_dict()  # references; the next load_state_dict replaces, never writes them
         d.state, d.transform_state, d.generator, d.batch_index = self.state, self.transform_state, self.generator, self.batch_index
+        d.safety = self.safety
 
     def domain_parameters(self, key: DomainKey) -> dict[str, torch.Tensor]:
         """Copies of domain ``key``'s adapted parameter values, by name."""
@@ -420,6 +435,19 @@ class RoutedTTAWrapper(TTAWrapper):
         d = self._domains[self._slots[key]]
         values = d.params if d.params is not None else [self._source[n] for n in self.params]
         return {n: v.detach().clone() for n, v in zip(self.params, values)}
+
+    @property
+    def safety_counts(self) -> dict[str, int]:
+        """How often the safety layer skipped, rolled back and reset since the last :meth:`reset`, summed over the
+        domains (empty when off); :attr:`domain_safety_counts` has them per domain."""
+        if self.safety is None:
+            return {}
+        return {a: sum(d.safety.counts[a] for d in self._domains) for a in SAFETY_ACTIONS}
+
+    @property
+    def domain_safety_counts(self) -> dict[DomainKey, dict[str, int]]:
+        """Each domain's safety counts, by key (empty when the safety layer is off)."""
+        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety is not None}
 
     # ------------------------------------------------------------------------------------------ routing
     def _user_slots(self, domain: Any, n: int, create: bool) -> torch.Tensor:
@@ -608,6 +636,8 @@ class RoutedTTAWrapper(TTAWrapper):
             topk = TopKScores(values, indices)
         with_loss = [(idx.numel(), out.loss) for _, idx, out in outputs if out.loss is not None]
         loss = sum(m * v for m, v in with_loss) / sum(m for m, _ in with_loss) if with_loss else None
+        actions = {d.key: out.safety_action for d, _, out in outputs} if self.safety is not None else {}
+        flagged = [a for a in reversed(SAFETY_ACTIONS) if a in actions.values()]  # the most severe first
         return RoutedTTAOutput(
             scores=scores,
             loss=loss,
@@ -616,6 +646,9 @@ class RoutedTTAWrapper(TTAWrapper):
             skipped=[f"{d.key}: {s}" for d, _, out in outputs for s in out.skipped],
             logs={f"{d.key}/{name}": v for d, _, out in outputs for name, v in out.logs.items()},
             topk=topk,
+            safety_action=flagged[0] if flagged else None,
+            safety_logs={f"{d.key}/{name}": v for d, _, out in outputs for name, v in out.safety_logs.items()},
+            safety_actions=actions,
             domains=slots,
             domain_keys=self.domain_keys,
             new_domains=new_keys,
@@ -658,18 +691,19 @@ class RoutedTTAWrapper(TTAWrapper):
             TTAWrapper.reset(self)
             return
         self._live = None
-        self.generator = torch.Generator()  # the dropped domains' generators stay theirs
+        self.generator = torch.Generator()  # the dropped domains' generators and safety monitors stay theirs
+        self.safety = SafetyMonitor(self.safety.config) if self.safety is not None else None
         TTAWrapper.reset(self)
         self._domains, self._slots, self._router_slots = [], {}, []
         self.router.reset()
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write every domain's state (tensors prefixed ``domain.<id>.``, laid out as :meth:`TTAWrapper.save_pretrained`
-        lays out one wrapper's) and the router's statistics (``router.*``) as one atomic checkpoint folder; the routing
-        config goes in ``tta_config.json`` under ``"routing"``."""
+        lays out one wrapper's, its safety monitor included) and the router's statistics (``router.*``) as one atomic
+        checkpoint folder; the routing config goes in ``tta_config.json`` under ``"routing"``."""
         self._sync()
         tensors: dict[str, torch.Tensor] = {}
-        optimizers = []
+        optimizers, safety = [], []
         for i, d in enumerate(self._domains):
             p = f"domain.{i}."
             values = d.params if d.params is not None else [self._source[n] for n in self.params]
@@ -690,6 +724,12 @@ class RoutedTTAWrapper(TTAWrapper):
             tensors.update({f"{p}score_transform.{k}": v for k, v in d.transform_state.items()})
             tensors[f"{p}wrapper.batch_index"] = torch.tensor(d.batch_index)
             tensors[f"{p}wrapper.rng_state"] = d.generator.get_state()
+            if d.safety is not None:  # laid out as TTAWrapper's: tensors under safety.*, metadata under "safety"
+                part: dict[str, torch.Tensor] = {}
+                part_meta: dict[str, Any] = {}
+                d.safety.save_into(part, part_meta)
+                tensors.update({f"{p}{k}": v for k, v in part.items()})
+                safety.append(part_meta["safety"])
         tensors.update({f"router.{k}": v for k, v in self.router.state_tensors().items()})
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta: dict[str, Any] = {
@@ -701,6 +741,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 "keys": self.domain_keys,
                 "router_slots": self._router_slots,
                 "optimizers": optimizers,
+                "safety": safety if self.safety is not None else None,
                 "routing": self.routing.to_dict(),
             },
         }
@@ -736,7 +777,10 @@ class RoutedTTAWrapper(TTAWrapper):
         for i, key in enumerate(keys):
             slot = self._new_domain(key)
             self._domains[slot].generator = self.generator = torch.Generator()
+            self.safety = self._domains[slot].safety  # load_from fills this domain's monitor
             sub_meta = {"param_names": list(self.params), "optimizer": routed["optimizers"][i]}
+            if routed.get("safety"):  # a checkpoint saved without the safety layer starts fresh monitors
+                sub_meta["safety"] = routed["safety"][i]
             TTAWrapper._load_checkpoint(self, dataclasses.replace(ckpt, tensors=parts[i], metadata=sub_meta))
             self._live = self._domains[slot]
             self._sync()

@@ -38,6 +38,10 @@ reset restores them to the source model (as :meth:`TTAWrapper.reset` does). Both
 stream and the score transform's state going (they are not adaptation), and the counts of actions
 (``TTAWrapper.safety_counts``). The monitor's state (counts, EMA, streaks, snapshot) is saved with the checkpoint
 under ``safety.``, so a resumed stream equals an uninterrupted one; :meth:`TTAWrapper.reset` clears it.
+
+**Per-domain adapters.** :class:`~hf_tta.routing.RoutedTTAWrapper` gives every domain its own monitor, swapped in
+with the rest of the domain's state: each domain's sub-batch is judged on its own queries, a rollback or reset
+restores that domain only, and each monitor is saved under ``domain.<id>.safety.``.
 """
 
 from __future__ import annotations

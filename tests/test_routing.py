@@ -311,10 +311,3 @@ def test_routed_and_plain_checkpoints_are_not_confused(tmp_path):
     with pytest.raises(ValueError, match="routed with"):
         _routed(RoutingConfig(max_domains=3)).load_state(tmp_path / "routed")
     assert tta.domain_keys == keys
-
-
-@pytest.mark.skipif("safety" not in TTAConfig.__dataclass_fields__, reason="this hf_tta has no safety layer")
-def test_the_safety_layer_is_refused_until_its_state_is_per_domain():
-    with pytest.raises(ValueError, match="safety") as err:
-        RoutedTTAWrapper(make_model("clip"), TTAConfig(query_modality="image", safety={}))
-    assert "\n" not in str(err.value)
