@@ -16,7 +16,8 @@ from .objectives import (
     available_objectives,
     register_objective,
 )
-from .routing import DomainRouter, RoutedTTAWrapper, RoutingConfig
+from .router import DomainRouter, RoutingConfig
+from .routing import RoutedTTAWrapper
 from .safety import SafetyConfig
 from .version import __version__
 from .wrapper import GalleryCache, TTAOutput, TTAWrapper

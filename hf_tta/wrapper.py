@@ -652,29 +652,51 @@ class TTAWrapper:
         :mod:`hf_tta.checkpoint`): ``tta_config.json`` (the full resolved config) and ``tta_state.safetensors``
         (adapted parameters, optimiser and objective state, batch counter, RNG state, the config again and the model
         fingerprint), so that a resumed stream continues exactly where it stopped."""
-        tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in self.params.items()}
+        tensors, state_meta = self._state_tensors(
+            self.params, self.optimizer.state_dict() if self.optimizer is not None else None, self.state,
+            self.transform_state, self.batch_index, self.generator, self.safety,
+        )
         meta: dict[str, Any] = {"param_names": list(self.params), "fingerprint": self.fingerprint(), "hf_tta_version": __version__}
-        if self.optimizer is not None:
-            sd = self.optimizer.state_dict()
+        meta.update(state_meta)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
+        checkpoint.write_checkpoint(save_directory, config, tensors, meta)
+
+    @staticmethod
+    def _state_tensors(
+        params: Mapping[str, torch.Tensor],
+        optimizer: dict[str, Any] | None,
+        state: Mapping[str, torch.Tensor],
+        transform_state: Mapping[str, torch.Tensor],
+        batch_index: int,
+        generator: torch.Generator,
+        safety: SafetyMonitor | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One adapter's state as a checkpoint's tensors (``param.*``, ``optim.*``, ``objective.*``,
+        ``score_transform.*``, ``wrapper.*``, ``safety.*``) and metadata (``"optimizer"`` when ``optimizer``, an
+        optimiser ``state_dict``, is given; ``"safety"``), as :meth:`_load_checkpoint` reads them. Shared by
+        :meth:`save_pretrained` and :class:`~hf_tta.routing.RoutedTTAWrapper`, which saves each domain's stored state
+        in this layout under a ``domain.<id>.`` prefix."""
+        tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in params.items()}
+        meta: dict[str, Any] = {}
+        if optimizer is not None:
             plain_state: dict[str, dict[str, Any]] = {}
-            for pid, st in sd["state"].items():
+            for pid, st in optimizer["state"].items():
                 for key, value in st.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim.{pid}.{key}"] = value
                     else:
                         plain_state.setdefault(str(pid), {})[key] = value
-            meta["optimizer"] = {"param_groups": sd["param_groups"], "plain_state": plain_state}
-        for key, value in self.state.items():
+            meta["optimizer"] = {"param_groups": optimizer["param_groups"], "plain_state": plain_state}
+        for key, value in state.items():
             tensors[f"objective.{key}"] = value
-        for key, value in self.transform_state.items():
+        for key, value in transform_state.items():
             tensors[f"score_transform.{key}"] = value
-        tensors["wrapper.batch_index"] = torch.tensor(self.batch_index)
-        tensors["wrapper.rng_state"] = self.generator.get_state()
-        if self.safety is not None:
-            self.safety.save_into(tensors, meta)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
-        checkpoint.write_checkpoint(save_directory, config, tensors, meta)
+        tensors["wrapper.batch_index"] = torch.tensor(batch_index)
+        tensors["wrapper.rng_state"] = generator.get_state()
+        if safety is not None:
+            safety.save_into(tensors, meta)
+        return tensors, meta
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint

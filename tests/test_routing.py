@@ -1,4 +1,5 @@
-"""Per-domain adapters (hf_tta.routing): config, user keys, the unsupervised router, reset, save/resume, bad input."""
+"""Per-domain adapters (hf_tta.routing) and their router (hf_tta.router): config, user keys, the unsupervised router,
+reset, save/resume, bad input."""
 
 from __future__ import annotations
 
