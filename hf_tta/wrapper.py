@@ -567,13 +567,15 @@ class TTAWrapper:
             inputs, scores = self.safety.judge(self, inputs, scores)
         return self._transform_scores(inputs, scores)
 
-    def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> torch.Tensor:
-        """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores."""
+    def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> torch.Tensor:
+        """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores; with
+        ``update_state=False`` on a copy of its state, so the batch leaves no trace (e.g. in DN's query mean)."""
         if self.score_transform is None:
             return scores
+        state = self.transform_state if update_state else {k: v.clone() for k, v in self.transform_state.items()}
         with torch.no_grad():
             view = dataclasses.replace(inputs, query_emb=inputs.query_emb.detach(), scores=scores.detach())
-            res = self.score_transform(view, self.transform_state)
+            res = self.score_transform(view, state)
         return (res.scores if res.scores is not None else scores).detach()
 
     @staticmethod

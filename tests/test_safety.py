@@ -209,15 +209,16 @@ def test_a_degenerate_batch_is_not_adapted_on():
     assert torch.equal(out.scores, _source_scores(tta, _constant(), gallery))
 
 
-def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream():
+@pytest.mark.parametrize("transform", [None, "dn"])
+def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
     """30 batches of one constant image, then the clean stream: with safety on, the clean part is scored bit-exactly as
-    by a wrapper that never saw the constant prefix (the prefix changed no parameter, moment or queue entry); without
-    safety, at the same (high) learning rate, the prefix drags the clean part's recall down."""
+    by a wrapper that never saw the constant prefix (the prefix changed no parameter, moment, queue entry or DN query
+    mean); without safety, at the same (high) learning rate, the prefix drags the clean part's recall down."""
     gallery, clean = _gallery(), _stream(5, seed=200)
     prefix = [_constant()] * 30
 
     def run(safety, with_prefix):
-        tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=1e-2, safety=safety))
+        tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=1e-2, safety=safety, score_transform=transform))
         for x in prefix if with_prefix else []:
             tta.adapt_step(x, gallery)
         if with_prefix and safety is not None:
