@@ -580,6 +580,7 @@ def cmd_list(args) -> int:
     from .benchmarks.emoji import STYLES
     from .benchmarks.grid import DEFAULT_IMAGE_CORRUPTIONS, image_corruption_names, offline_text_corruptions
     from .data.corruptions import TEXT_CORRUPTIONS
+    from .preset import RECOMMENDED_ROW
 
     print("objectives:       " + ", ".join(available_objectives()))
     print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5)")
@@ -597,6 +598,7 @@ def cmd_list(args) -> int:
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
     print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
     print("                   +all (every query-tower parameter), +dn (DN score transform); combine: tcr+gd+safe")
+    print("preset row:        recommended (TTAConfig.recommended: " + RECOMMENDED_ROW + ")")
     from .benchmarks.grid import AV_DIRECTIONS
     from .data.builders.audioset import AV_BENCHMARKS
 

@@ -165,6 +165,23 @@ class TTAConfig(ConfigMixin):
         if self.safety is not None and self.reset_policy == "episodic":
             raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")
 
+    @classmethod
+    def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
+        """The recommended preset (:mod:`hf_tta.preset`): TCR on the query tower's LayerNorms, DN on the scores and the
+        safety layer, chosen on seed 0 of the benchmark's selection grid and reported on seeds 1 and 2. ``overrides``
+        replace fields.
+
+        Example:
+            >>> cfg = TTAConfig.recommended("image")
+            >>> (cfg.objective, cfg.score_transform, cfg.safety) == ("tcr", "dn", {})
+            True
+            >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
+            True
+        """
+        from .preset import recommended_config
+
+        return recommended_config(query_modality, **overrides)
+
     def build_objective_config(self) -> ObjectiveConfig:
         return _build(self.objective, self.objective_config, "objective_config")
 

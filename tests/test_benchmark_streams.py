@@ -114,3 +114,20 @@ def test_all_params_and_dn_rows_configure_the_wrapper():
     assert n_all > n_ln > 0 and runner._wrapper("tcr+all+dn", noise, 0).score_transform is not None
     plain = runner.run(Job(Condition("i2t", "clean"), "tent", 0))
     assert "safety" not in plain and "domains" not in plain
+
+
+def test_recommended_row_runs_the_preset_of_tta_config():
+    """The benchmark's ``recommended`` row is TTAConfig.recommended with the runner's stream settings, so the
+    reported preset is exactly the one a user gets."""
+    from hf_tta import TTAConfig
+    from hf_tta.preset import RECOMMENDED_ROW
+
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
+    noise = Condition("i2t", "gaussian_noise", 5)
+    got = runner.row_config("recommended", noise, 3)
+    assert got == TTAConfig.recommended("image", gallery_modality="text", seed=3)
+    assert got == runner.row_config(RECOMMENDED_ROW, noise, 3)
+    assert TTAConfig.from_dict(got.to_dict()) == got
+    row = runner.run(Job(noise, "recommended", 0))
+    assert "error" not in row, row.get("error")
+    assert row["objective"] == "recommended" and ("safety" in row) == (got.safety is not None)

@@ -279,6 +279,25 @@ def test_config_forward_compatible_load(tmp_path, caplog):
     assert "a_future_option" in caplog.text
 
 
+def test_recommended_preset_round_trips_and_builds_a_wrapper(tmp_path):
+    from hf_tta.preset import RECOMMENDED
+
+    cfg = TTAConfig.recommended("text", lr=1e-4)
+    assert (cfg.objective, cfg.query_modality, cfg.lr) == (RECOMMENDED["objective"], "text", 1e-4)
+    assert cfg.safety == RECOMMENDED.get("safety") and cfg == TTAConfig(**{**RECOMMENDED, "query_modality": "text", "lr": 1e-4})
+    cfg.save_pretrained(tmp_path)
+    assert TTAConfig.from_pretrained(tmp_path) == cfg
+    assert TTAConfig.recommended("image", safety={"min_agreement": 0.3}).safety == {"min_agreement": 0.3}
+    tta = TTAWrapper(make_model("clip"), TTAConfig.recommended("image"))
+    assert (tta.safety is not None) == (RECOMMENDED.get("safety") is not None)
+    out = tta.adapt_step(batch("image", 8, seed=2), tta.encode_gallery(batch("text", 10, seed=1)))
+    assert torch.isfinite(out.scores).all()
+    tta.save_pretrained(tmp_path / "ckpt")
+    assert TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt").config == tta.resolved_config()
+    with pytest.raises(ValueError, match="query_modality"):
+        TTAConfig.recommended("smell")
+
+
 def test_autocast_bf16_runs_on_cpu():
     tta = _tta("clip", "image", autocast_dtype="bf16")
     g = tta.encode_gallery(batch("text", 10, seed=1))

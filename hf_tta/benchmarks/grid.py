@@ -52,6 +52,8 @@ SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_de
 ORACLE_ROWS = ("oracle", "oracle_all")
 #: A row name ending in this runs its objective with REST's gradient decoupling (e.g. ``rest+gd``).
 GD_SUFFIX = "+gd"
+#: The row that runs the recommended preset (:func:`hf_tta.TTAConfig.recommended`).
+RECOMMENDED = "recommended"
 #: Row options, appended in any order (``tcr+gd+safe``): gradient decoupling, the safety layer
 #: (:mod:`hf_tta.safety`, default thresholds), per-domain adapters with the unsupervised router
 #: (:mod:`hf_tta.routing`, default config), every parameter of the query tower instead of its LayerNorms
@@ -224,6 +226,11 @@ def row_spec(row: str) -> RowSpec:
     """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` ->
     ``RowSpec("oracle", all_params=True)``. Raises ``ValueError`` for an unknown or repeated option."""
     name, *options = row.split("+")
+    if name == RECOMMENDED:  # the preset of TTAConfig.recommended, as a row (tests check the two agree)
+        from ..preset import RECOMMENDED_ROW
+
+        name, *preset = RECOMMENDED_ROW.split("+")
+        options = [*preset, *options]
     if name == "oracle_all":
         name, options = "oracle", [*options, "all"]
     unknown = [o for o in options if o not in ROW_OPTIONS]

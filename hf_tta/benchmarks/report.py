@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .grid import AV_DIRECTIONS, SOURCE, Condition
+from .grid import AV_DIRECTIONS, ORACLE_ROWS, SOURCE, Condition
 
 IMAGE_ABBREVIATIONS = {
     "gaussian_noise": "Gauss.",
@@ -66,7 +66,7 @@ def _group_title(group: str) -> str:
 
 
 #: Display names of the supervised ceilings (they are not methods).
-ROW_LABELS = {"oracle": "oracle (LN)†", "oracle_all": "oracle (all)†"}
+ROW_LABELS = {"oracle": "oracle (LN)†", "oracle_all": "oracle (all)†", "recommended": "recommended preset"}
 #: Below this many R@1 points lost on a shift, no share of lost recall is reported (nothing to win back).
 MIN_LOST_RECALL = 1.0
 BOOTSTRAP_SAMPLES = 1000
@@ -147,7 +147,7 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
             if col not in columns:
                 columns.append(col)
         objectives: list[str] = []
-        for r in sorted(grows, key=lambda r: (r["objective"] != SOURCE, r["objective"] in ROW_LABELS)):
+        for r in sorted(grows, key=lambda r: (r["objective"] != SOURCE, r["objective"] in ORACLE_ROWS)):
             if r["objective"] not in objectives:
                 objectives.append(r["objective"])
         cells: dict[tuple, list[dict]] = {}
@@ -247,7 +247,7 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
             if row.get("won_back"):
                 lines.append("| " + " | ".join([f"• {row.get('label', row['objective'])}", *map(_pct, row["won_back"]),
                                                   _pct(row.get("won_back_mean"))]) + " |")
-    if any(r["objective"] in ROW_LABELS for r in table["rows"]):
+    if any(r["objective"] in ORACLE_ROWS for r in table["rows"]):
         lines += ["", "† supervised ceilings (trained on the true captions with the methods' stream, batches, steps and "
                   "optimiser), not methods: they bound what a label-free objective on those parameters could reach."]
     return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The recommended preset, ``TTAConfig.recommended(query_modality)``: the objective and guards the benchmark supports.
+
+How it was chosen (issue 10), so that the numbers reported for it were not tuned on: on **seed 0 only** of the emoji
+benchmark (protocol v2, image→text, severity 5, all 1,899 queries; ``hf-tta run --seeds 0 --switch --degenerate
+--diverse``), every candidate row ran on the default grid's four corruptions, the unseen style and the diverse,
+switching and degenerate streams. The rule, fixed after the components' rows (TCR, REST, each with safety or routing)
+and before the combined candidates' rows (TCR+DN+safety, TCR on every image-tower parameter + safety) were read:
+
+1. **Constraint**: no stream ends below the source model by more than the seed-to-seed noise (0.5 R@1, the largest
+   standard deviation of the source model over seeds on the default grid); on the degenerate stream the clean part
+   must stay within it of the source model.
+2. **Primary**: the highest mean R@1 over the six shifted streams that can move (four corruptions, diverse, switch).
+3. **Tie** (within 0.2 R@1): the simpler and cheaper candidate.
+
+Seed-0 rows (commits c36ec4f/3dc1087/de79a2d; R@1 %: mean of the six movable streams / worst change against the
+source model, and on which stream): source 35.1; TCR 38.3 / -11.4 (degenerate); REST 38.0 / -3.8 (degenerate);
+TCR+safety 38.3 / -0.2; REST+safety 38.0 / -0.2; TCR+routing 38.1 / -0.2; REST+routing 37.9 / -0.2;
+**TCR+DN+safety 38.6 / -0.1**; TCR on every image-tower parameter + safety: -0.8 on Gaussian noise and below TCR on
+defocus blur and snow (29.2, 11.1 vs 29.3, 14.5; 12 rollbacks and 4 resets on defocus), so the moonshot was
+dropped; oracle (LN) 38.9. Routing gained nothing on the diverse and switching streams (the router separates only
+contrast from the rest on this model). The preset is reported on seeds 1 and 2 in
+``model_cards/emoji-benchmark-results.md``. It was measured on image queries; text, audio and video queries get the
+same combination with their modality's default learning rate (not measured under protocol v2 yet; the card says so).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import TTAConfig
+
+#: The recommended combination: TCR on the query tower's LayerNorms, Distribution Normalization (its code's defaults,
+#: lambda = 0.25, means of 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps
+#: a degenerate stream from dragging the model down: TCR 85.0 -> 96.3 on the clean part, source 96.4).
+RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
+
+#: The same preset as a benchmark row (:func:`hf_tta.benchmarks.grid.row_spec` syntax); the row ``recommended`` runs it.
+RECOMMENDED_ROW = "tcr+dn+safe"
+
+
+def recommended_config(query_modality: str = "image", **overrides: Any) -> "TTAConfig":
+    """The :data:`RECOMMENDED` :class:`~hf_tta.TTAConfig` for ``query_modality``; ``overrides`` replace any field
+    (e.g. ``gallery_modality``, ``lr``, ``seed``; ``safety={"min_agreement": 0.3}`` replaces the safety thresholds)."""
+    from .config import TTAConfig
+
+    return TTAConfig(**{**RECOMMENDED, "query_modality": query_modality, **overrides})
