@@ -74,6 +74,12 @@ class DistributedTTAWrapper(TTAWrapper):
     process embeds ``1/P`` of the queries. Every process returns the same output. :meth:`save_pretrained` writes from
     the main process only; :meth:`from_pretrained` / :meth:`load_state` read on every process.
 
+    The safety layer (``TTAConfig(safety=...)``, part of :meth:`TTAConfig.recommended <hf_tta.TTAConfig.recommended>`)
+    runs unchanged: its source forward embeds the shards and all-gathers them like any forward, and it decides from
+    the gathered global batch's scores, so every process skips a degenerate batch, rolls back or resets together and
+    the monitor's state (saved from the main process with the rest) stays identical. The one-sync fast path
+    (``TTAConfig.fast_step``) is off: every step takes the checked loop, with an unfused AdamW.
+
     Args:
         model: as for :class:`~hf_tta.TTAWrapper` (the same model on every process: the main process's parameters and
             buffers are broadcast once at construction so every process starts from identical weights).
@@ -94,6 +100,9 @@ class DistributedTTAWrapper(TTAWrapper):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         super().__init__(model, config)
         self.fast_step = False  # every update goes through _backward (the gradient all-reduce)
+        # and the optimiser is the one a reset (TTAWrapper.reset, the safety layer's reset, SAR's recovery) rebuilds:
+        # not the fused AdamW that fast_step made above, so the update rule does not change mid-stream
+        self.optimizer = self._make_optimizer()
         with torch.no_grad():  # identical starting point everywhere
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for t in list(self.model.parameters()) + list(self.model.buffers()):

@@ -1,6 +1,9 @@
 """One stream across 2 CPU processes (gloo, spawned here) equals the single-process run on the same global batches
 (TCR and Tent, to 1e-5): query embeddings all-gathered with their gradient, gradients all-reduced and averaged, identical
-state on both processes, save from the main process and resume; a sharded gallery equals the dense top-k."""
+state on both processes, save from the main process and resume; a sharded gallery equals the dense top-k. With the
+safety layer (TCR + safety through a kept batch, a degenerate batch, rollbacks and a reset; the recommended preset on a
+dense and a sharded gallery) both processes take the single process's actions and end in its state, and a stream saved
+and resumed under distributed (mid-way through a run of rollbacks) continues as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -11,12 +14,20 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import ChunkedGallery, GalleryCache, TTAConfig, TTAWrapper
 from hf_tta.distributed import shard_bounds
 from tiny_models import make_model
 
 OBJECTIVES = ("tcr", "tent")
 BATCHES, BATCH = 3, 7  # 7 rows: an uneven split (4 + 3) across the 2 processes
+ACTIONS = (None, "skip_degenerate", "rollback", "reset")  # TTAOutput.safety_action, stored as its index
+# TCR with a strict agreement floor (judged from 2 queries up: the batches have 7): the stream below gives
+# [kept, skip_degenerate, rollback, rollback, reset (the 3rd rollback in a row), rollback] on one process
+SAFE = TTAConfig(
+    objective="tcr", query_modality="image", lr=5e-4, safety={"min_agreement": 0.9, "collapse_ratio": 0.0, "min_queries": 2}
+)
+SAVE_AFTER = 4  # the safety stream is saved after 4 batches (2 rollbacks in a row: the next one resets) and resumed
+REC_BATCH = 9  # the preset judges batches of >= 8 queries (SafetyConfig.min_queries); 5 + 4 rows
 
 
 def _captions():
@@ -32,11 +43,36 @@ def _batches():
     return [{"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=gen)} for _ in range(BATCHES)]
 
 
-def _run(tta, gallery, batches):
-    out = {}
-    for b, batch in enumerate(batches):
+def _safety_gallery():
+    """Random item embeddings (the captions above all retrieve one item: every batch would be degenerate)."""
+    emb = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
+    return GalleryCache(torch.nn.functional.normalize(emb, dim=1), "text")
+
+
+def _safety_stream(rows: int):
+    """Images, with one image repeated ``rows`` times (a degenerate batch) second."""
+    gen = torch.Generator().manual_seed(4)
+    xs = [{"pixel_values": torch.randn(rows, 3, 32, 32, generator=gen)} for _ in range(5)]
+    constant = {"pixel_values": torch.randn(1, 3, 32, 32, generator=gen).expand(rows, -1, -1, -1).contiguous()}
+    return [xs[0], constant, *xs[1:]]
+
+
+def _run(tta, gallery, batches, start=0, save_after=None, save_dir=None):
+    out, actions = {}, []
+    for b, batch in enumerate(batches, start):
         res = tta.adapt_step(batch, gallery)
-        out[f"scores.{b}"] = res.scores
+        if res.scores is None:  # a top-k backend
+            out[f"topk.values.{b}"], out[f"topk.indices.{b}"] = res.topk.values, res.topk.indices
+        else:
+            out[f"scores.{b}"] = res.scores
+        actions.append(ACTIONS.index(res.safety_action))
+        if b + 1 == save_after:
+            tta.save_pretrained(save_dir)
+    if tta.safety is not None:
+        out["actions"] = torch.tensor(actions)
+        out["counts"] = torch.tensor([tta.safety_counts[a] for a in ACTIONS[1:]])
+    for key, value in tta.transform_state.items():
+        out[f"transform.{key}"] = value
     for name, p in tta.params.items():
         out[f"param.{name}"] = p.detach().clone()
     for key, value in tta.state.items():
@@ -81,8 +117,38 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     {"values": res.values, "indices": res.indices, "rows": sharded.gather(cand)},
                     os.path.join(out_dir, f"sharded.rank{rank}.safetensors"),
                 )
+        _safety_worker(rank, out_dir)
     finally:
         dist.destroy_process_group()
+
+
+def _safety_worker(rank: int, out_dir: str) -> None:
+    from hf_tta.distributed import DistributedTTAWrapper
+    from hf_tta.gallery import ChunkedGallery, ShardedGallery
+
+    def save(name, out):
+        save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"{name}.rank{rank}.safetensors"))
+
+    gallery, xs = _safety_gallery(), _safety_stream(BATCH)
+    ckpt = os.path.join(out_dir, "safe_ckpt")
+    tta = DistributedTTAWrapper(make_model("clip", seed=rank), SAFE)
+    save("safe", _run(tta, gallery, xs, save_after=SAVE_AFTER, save_dir=ckpt))
+    resumed = DistributedTTAWrapper.from_pretrained(make_model("clip", seed=rank), ckpt)  # read on every process
+    save("safe_resumed", _run(resumed, gallery, xs[SAVE_AFTER:], start=SAVE_AFTER))
+    # the recommended preset (TCR + DN + safety at its defaults) on the dense gallery and on a sharded one (24 / 16)
+    xs = _safety_stream(REC_BATCH)[:4]
+    tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig.recommended("image"))
+    save("recommended", _run(tta, gallery, xs))
+    lo, hi = (0, 24) if rank == 0 else (24, 40)
+    sharded = ShardedGallery(ChunkedGallery(gallery.embeddings[lo:hi], "text", k=5, chunk_size=8))
+    tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig.recommended("image"))
+    save("recommended_sharded", _run(tta, sharded, xs))
+    # fast_step asked for: the fast path is off and the optimiser is the unfused AdamW a reset rebuilds, from the start
+    tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig(objective="tcr", query_modality="image", fast_step=True))
+    fused = [any(g.get("fused") for g in tta.optimizer.param_groups)]
+    tta.reset()
+    fused.append(any(g.get("fused") for g in tta.optimizer.param_groups))
+    save("fast_step", {"fused": torch.tensor(fused), "deferred": torch.tensor(tta._deferred_checks_apply())})
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +200,60 @@ def test_sharded_gallery_equals_dense(distributed_outputs):
         assert torch.equal(got["indices"], i[:, :5])
         torch.testing.assert_close(got["values"], v[:, :5], rtol=0, atol=1e-6)
         assert torch.equal(got["rows"], emb[torch.tensor([0, 59, 30, 31])])
+
+
+def _load_ranks(out_dir, name):
+    return [load_file(os.path.join(out_dir, f"{name}.rank{r}.safetensors")) for r in (0, 1)]
+
+
+def _assert_ranks_equal_single(ranks, single):
+    assert set(ranks[0]) == set(single) == set(ranks[1])
+    assert torch.equal(ranks[0]["actions"], single["actions"]) and torch.equal(ranks[0]["counts"], single["counts"])
+    for key, ref in single.items():
+        torch.testing.assert_close(ranks[0][key], ref, rtol=0, atol=1e-5, msg=key)
+        assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs between the processes"
+
+
+SAFETY_RUNS = {  # name: (config, gallery on one process, batch rows, batches, the actions taken)
+    "safe": (SAFE, "dense", BATCH, 6, [None, "skip_degenerate", "rollback", "rollback", "reset", "rollback"]),
+    "recommended": (TTAConfig.recommended("image"), "dense", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
+    "recommended_sharded": (TTAConfig.recommended("image"), "topk", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
+}
+
+
+@pytest.mark.parametrize("name", SAFETY_RUNS)
+def test_safety_two_processes_equal_one(distributed_outputs, name):
+    config, kind, rows, n, actions = SAFETY_RUNS[name]
+    gallery = _safety_gallery()
+    if kind == "topk":
+        gallery = ChunkedGallery(gallery.embeddings, "text", k=5, chunk_size=8)
+    tta = TTAWrapper(make_model("clip", seed=0), config)
+    single = _run(tta, gallery, _safety_stream(rows)[:n])
+    assert [ACTIONS[i] for i in single["actions"].tolist()] == actions  # the stream exercises what it should
+    _assert_ranks_equal_single(_load_ranks(distributed_outputs, name), single)
+
+
+def test_safety_resume_under_distributed(distributed_outputs):
+    # both processes resumed from the main process's checkpoint continue exactly as the uninterrupted distributed run
+    full, resumed = _load_ranks(distributed_outputs, "safe"), _load_ranks(distributed_outputs, "safe_resumed")
+    for r in (0, 1):
+        assert torch.equal(resumed[r]["actions"], full[r]["actions"][SAVE_AFTER:])
+        for key, value in resumed[r].items():
+            if key != "actions":
+                assert torch.equal(value, full[r][key]), f"rank {r}: {key}"
+    # and one process resumed from it continues as one uninterrupted process (rollbacks in a row, EMA and snapshot)
+    gallery, xs = _safety_gallery(), _safety_stream(BATCH)
+    one = TTAWrapper.from_pretrained(make_model("clip", seed=0), os.path.join(distributed_outputs, "safe_ckpt"))
+    tail = _run(one, gallery, xs[SAVE_AFTER:], start=SAVE_AFTER)
+    single = _run(TTAWrapper(make_model("clip", seed=0), SAFE), gallery, xs)
+    assert [ACTIONS[i] for i in tail["actions"].tolist()] == ["reset", "rollback"]
+    for key, value in tail.items():
+        ref = single[key][SAVE_AFTER:] if key == "actions" else single[key]
+        torch.testing.assert_close(value, ref, rtol=0, atol=1e-5, msg=key)
+
+
+def test_fast_step_is_off_with_one_optimiser_kind(distributed_outputs):
+    for got in _load_ranks(distributed_outputs, "fast_step"):
+        assert not got["deferred"] and got["fused"].tolist() == [False, False]
+    one = TTAWrapper(make_model("clip", seed=0), TTAConfig(objective="tcr", query_modality="image", fast_step=True))
+    assert any(g.get("fused") for g in one.optimizer.param_groups)  # what the distributed wrapper used to start with
