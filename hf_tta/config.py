@@ -110,7 +110,8 @@ class TTAConfig(ConfigMixin):
     safety: dict[str, Any] | None = field(
         default=None,
         metadata={
-            "help": "The safety layer (hf_tta.safety): None = off (default, until measured); a dict of SafetyConfig "
+            "help": "The safety layer (hf_tta.safety): None = off (default: the papers' methods as published; "
+            "TTAConfig.recommended turns it on); a dict of SafetyConfig "
             "overrides ({} = the defaults) or a SafetyConfig turns it on. It rolls back or resets adaptation that "
             "label-free signals flag and returns the source model's scores for flagged batches."
         },
