@@ -20,8 +20,8 @@ adaptation that the signals say hurt. Per ``adapt_step``:
 A flagged batch (skip, rollback, reset) returns the **source model's scores** (through the score transform, if any),
 so it is never worse than the source. A degenerate batch leaves no trace at all: not even the score transform's
 state sees it (DN's query mean would otherwise be the constant query's embedding: measured on the emoji benchmark,
-TCR+DN+safety on 200 constant batches then the clean stream: 95.6 on the clean part vs the source's 96.4). Batches with fewer than ``min_queries`` queries are adapted on without
-judgement (the signals are too noisy).
+TCR+DN+safety on 200 constant batches then the clean stream: 95.6 on the clean part vs the source's 96.4). Batches
+with fewer than ``min_queries`` queries are adapted on without judgement (the signals are too noisy).
 
 *Diversity* is ``(distinct top-1 items - 1) / (B - 1)``: 0 when every query retrieves the same item, 1 when all
 differ, at any batch size. *Agreement* is the share of queries whose adapted top-1 item is the source's.
