@@ -131,3 +131,57 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     row = runner.run(Job(noise, "recommended", 0))
     assert "error" not in row, row.get("error")
     assert row["objective"] == "recommended" and ("safety" in row) == (got.safety is not None)
+
+
+# ------------------------------------------------------------------------------------- the +key rows (routing ceiling)
+def test_query_domains_name_the_shift_each_query_was_corrupted_with():
+    from hf_tta.benchmarks.emoji import query_images
+    from hf_tta.benchmarks.source_model import input_side
+    from hf_tta.benchmarks.tasks import EmojiTask
+    from hf_tta.data.corruptions import corrupt_images_diverse, corrupt_texts_diverse, derive_seed
+
+    task = EmojiTask(limit=12, render_factor=1.5)
+    cond = Condition("i2t", "diverse")
+    raw = task.queries(cond, seed=3)[0]
+    # redo the stream by hand, keeping the names of the draws: it is the stream the runner scores
+    clean = query_images(task.bench, "clean", input_side=input_side(task.model), factor=1.5)
+    images, drawn = corrupt_images_diverse(list(clean), derive_seed(3, "emoji", "diverse", None), task._diverse_pool(cond))
+    assert np.array_equal(np.stack(images), raw)
+    domains = task.query_domains(cond, 3)
+    assert domains == [name for name, _ in drawn] and len(set(domains)) > 3
+    assert domains != task.query_domains(cond, 4)  # another seed draws other shifts
+
+    t2i = Condition("t2i", "diverse")
+    task.text_corruptions = ["char_swap", "random_deletion", "synonym_replacement"]
+    texts, drawn = corrupt_texts_diverse(task.bench.captions, derive_seed(3, "emoji", "diverse", None), task._diverse_pool(t2i))
+    assert task.queries(t2i, 3)[0] == texts and task.query_domains(t2i, 3) == [name for name, _ in drawn]
+
+    task.switch_every = 4
+    segment = switch_segments(12, 3, len(SWITCH_IMAGE_CORRUPTIONS), every=4)
+    assert task.query_domains(Condition("i2t", "switch"), 3) == [SWITCH_IMAGE_CORRUPTIONS[k] for k in segment.tolist()]
+    assert task.query_domains(Condition("i2t", "fog", 5), 3) == ["fog"] * 12
+    assert task.query_domains(Condition("i2t", "degenerate"), 3) == ["clean"] * 12  # the scored part
+
+
+def test_key_row_keeps_one_adapter_per_true_shift():
+    from hf_tta.benchmarks.grid import RowSpec, row_spec
+    from hf_tta.benchmarks.tasks import EmojiTask
+    from hf_tta.routing import RoutedTTAWrapper
+
+    assert row_spec("tcr+safe+key") == RowSpec("tcr", safe=True, key=True)
+    with pytest.raises(ValueError, match="pick one"):
+        row_spec("tcr+key+route")
+    task = EmojiTask(limit=16, render_factor=1.5)
+    task.switch_every = 4
+    runner = GridRunner(task, RunSettings(show_progress=False, batch_size=8, steps=1, degenerate_batches=2))
+    cond = Condition("i2t", "switch")
+    row = runner.run(Job(cond, "tent+key", 0))
+    assert "error" not in row, row.get("error")
+    tta = runner._wrappers[("tent+key", "i2t", False)]
+    assert isinstance(tta, RoutedTTAWrapper) and sorted(tta.domain_keys) == sorted(set(task.query_domains(cond, 0)))
+    assert row["domains"] == len(set(task.query_domains(cond, 0))) > 1
+    row = runner.run(Job(Condition("i2t", "degenerate"), "tent+key", 0))  # the prefix gets a domain of its own
+    assert "error" not in row and sorted(tta.domain_keys) == ["clean", "constant"]
+    # a task that does not record each query's shift: the row says how to go on instead of guessing
+    tiny = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=4))
+    assert "+route" in tiny.run(Job(Condition("i2t", "fog", 5), "tent+key", 0))["error"]

@@ -57,9 +57,10 @@ RECOMMENDED = "recommended"
 #: Row options, appended in any order (``tcr+gd+safe``): gradient decoupling, the safety layer
 #: (:mod:`hf_tta.safety`, default thresholds), per-domain adapters with the unsupervised router
 #: (:mod:`hf_tta.routing`, default config), every parameter of the query tower instead of its LayerNorms
-#: (``oracle_all`` is ``oracle+all``) and Distribution Normalization as a score transform on top of the objective.
-#: Each maps to its :class:`RowSpec` field.
-ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "dn": "dn"}
+#: (``oracle_all`` is ``oracle+all``), Distribution Normalization as a score transform on top of the objective, and
+#: per-domain adapters keyed by each query's true shift (``+key``: a routing ceiling, not label-free; it tells the
+#: router's errors from what per-domain adaptation itself can give). Each maps to its :class:`RowSpec` field.
+ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "dn": "dn", "key": "key"}
 
 
 # ------------------------------------------------------------------------------------------------ grid
@@ -220,6 +221,7 @@ class RowSpec:
     route: bool = False
     all_params: bool = False
     dn: bool = False
+    key: bool = False
 
 
 def row_spec(row: str) -> RowSpec:
@@ -236,6 +238,8 @@ def row_spec(row: str) -> RowSpec:
     unknown = [o for o in options if o not in ROW_OPTIONS]
     if unknown or len(set(options)) != len(options):
         raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
+    if "key" in options and "route" in options:
+        raise ValueError(f"Row {row!r}: +key routes by the true shift, +route by the unsupervised router; pick one.")
     return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options})
 
 

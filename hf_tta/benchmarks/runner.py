@@ -43,6 +43,9 @@ from .tasks import Task, take_items
 
 logger = logging.getLogger(__name__)
 
+#: The domain cap of the ``+key`` rows: every shift a stream can carry gets its own adapter (16 image corruptions).
+KEY_MAX_DOMAINS = 64
+
 
 @dataclass
 class RunSettings:
@@ -167,10 +170,14 @@ class GridRunner:
         key = (row, cond.direction, cfg.gradient_decoupling)
         held = self._wrappers.get(key)
         if held is None:
-            if row_spec(row).route:
+            spec = row_spec(row)
+            if spec.route or spec.key:
                 from ..routing import make_wrapper
 
-                held = make_wrapper(copy.deepcopy(self.pristine), cfg, dict(self.settings.routing))
+                routing = dict(self.settings.routing)
+                if spec.key:  # one adapter per true shift: the diverse stream draws from up to 16 x 5 of them
+                    routing["max_domains"] = KEY_MAX_DOMAINS
+                held = make_wrapper(copy.deepcopy(self.pristine), cfg, routing)
             else:
                 held = TTAWrapper(copy.deepcopy(self.pristine), cfg)
             self._wrappers[key] = held
@@ -231,9 +238,11 @@ class GridRunner:
         """The fixed random order of the query stream for a seed (:func:`~hf_tta.benchmarks.grid.stream_order`)."""
         return stream_order(n, self.settings.seed if seed is None else seed)
 
-    def _degenerate_prefix(self, tta, modality: str, raw: Sequence, relevant, gallery, seed: int) -> tuple[int, int]:
+    def _degenerate_prefix(
+        self, tta, modality: str, raw: Sequence, relevant, gallery, seed: int, keyed: bool = False
+    ) -> tuple[int, int]:
         """Feed ``settings.degenerate_batches`` batches of one constant query (a seeded pick of the clean stream)
-        before the clean stream; returns the updates made and steps skipped."""
+        before the clean stream (keyed ``constant`` on ``+key`` rows); returns the updates made and steps skipped."""
         s = self.settings
         pick = stream_order(len(raw), seed)[0]
         inputs = self.task.to_inputs(modality, take_items(raw, [pick] * s.batch_size))
@@ -242,7 +251,7 @@ class GridRunner:
         bar = tqdm(range(s.degenerate_batches), desc=f"constant prefix ({tta.config.objective})", leave=False,
                    disable=not s.show_progress)
         for _ in bar:
-            out = tta.adapt_step(inputs, gallery, labels=labels)
+            out = tta.adapt_step(inputs, gallery, labels=labels, **({"domain": "constant"} if keyed else {}))
             updates += out.num_updates
             skipped += len(out.skipped)
         return updates, skipped
@@ -273,17 +282,23 @@ class GridRunner:
                     self.run(Job(cond, SOURCE, seed))
                 tta = self._wrapper(job.objective, cond, seed)
                 supervised = tta.objective.requires_labels
+                domains = None
+                if row_spec(job.objective).key:  # per-domain adapters keyed by each query's true shift
+                    domains = self.task.query_domains(cond, seed)
+                    if domains is None:
+                        raise ValueError(f"Row {job.objective!r}: this task does not record each query's shift; use +route.")
                 order = self.order(len(raw), seed)
                 scores = torch.empty(len(raw), len(gallery))
                 updates, skipped = 0, 0
                 if cond.shift == "degenerate":  # a constant prefix first; recall is scored on the clean part only
-                    updates, skipped = self._degenerate_prefix(tta, modality, raw, relevant, gallery, seed)
+                    updates, skipped = self._degenerate_prefix(tta, modality, raw, relevant, gallery, seed, domains is not None)
                 batches = range(0, len(order), s.batch_size)
                 bar = tqdm(batches, desc=f"{job.objective} {cond.key}", leave=False, disable=not s.show_progress)
                 for start in bar:
                     idx = order[start : start + s.batch_size]
                     labels = [relevant[i] for i in idx] if supervised else None
-                    out = tta.adapt_step(self.task.to_inputs(modality, take_items(raw, idx)), gallery, labels=labels)
+                    keys = {} if domains is None else {"domain": [domains[i] for i in idx]}
+                    out = tta.adapt_step(self.task.to_inputs(modality, take_items(raw, idx)), gallery, labels=labels, **keys)
                     scores[idx] = out.scores.float().cpu()
                     updates += out.num_updates
                     skipped += len(out.skipped)

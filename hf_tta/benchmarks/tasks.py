@@ -36,6 +36,11 @@ class Task:
         corruptions where the task makes them (the emoji benchmark), ``None`` = the task's own seed."""
         raise NotImplementedError
 
+    def query_domains(self, cond: Condition, seed: int | None = None) -> list[str] | None:
+        """The shift each query of a stream carries (for the ``+key`` rows, whose per-domain adapters are keyed by
+        it), or ``None`` where the task does not record it."""
+        return None
+
     def gallery_key(self, cond: Condition) -> str:
         return cond.direction
 
@@ -163,13 +168,11 @@ class EmojiTask(Task):
 
     def _make_queries(self, cond: Condition, seed: int):
         from ..data.corruptions import (
-            MAX_IMAGE_SEVERITY,
             corrupt_images,
             corrupt_images_diverse,
             corrupt_texts,
             corrupt_texts_diverse,
             derive_seed,
-            make_pool,
         )
 
         b = self.bench
@@ -192,8 +195,7 @@ class EmojiTask(Task):
             elif cond.shift == "noto":
                 raw = b.images("noto")
             elif cond.shift == "diverse":
-                pool = make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
-                raw = np.stack(corrupt_images_diverse(list(clean), seed, pool)[0])
+                raw = np.stack(corrupt_images_diverse(list(clean), seed, self._diverse_pool(cond))[0])
             else:
                 raw = np.stack(corrupt_images(list(clean), cond.shift, cond.severity, seed=seed))
         else:
@@ -202,23 +204,53 @@ class EmojiTask(Task):
             if cond.shift in ("clean", "noto"):
                 raw = list(caps)
             elif cond.shift == "diverse":
-                names = self.text_corruptions if self.text_corruptions is not None else offline_text_corruptions()[0]
-                pool = make_pool("text", names=names, severities="max")
-                raw = corrupt_texts_diverse(caps, seed, pool)[0]
+                raw = corrupt_texts_diverse(caps, seed, self._diverse_pool(cond))[0]
             else:
                 raw = corrupt_texts(caps, cond.shift, cond.severity, seed=seed)
         return raw, relevant
 
+    def query_domains(self, cond: Condition, seed: int | None = None) -> list[str]:
+        """Query ``i``'s shift: its own draw on the diverse stream (the draw :meth:`queries` corrupted it with), its
+        segment's corruption on the switching stream, the stream's shift elsewhere (``clean`` for the degenerate
+        stream's scored part)."""
+        from ..data.corruptions import derive_seed, diverse_plan
+        from .grid import switch_segments
+
+        seed = self.seed if seed is None else int(seed)
+        n = len(self.bench.image_to_captions) if cond.direction == "i2t" else len(self.bench.caption_to_image)
+        if cond.shift == "diverse":
+            pool = self._diverse_pool(cond)
+            return [name for name, _ in diverse_plan(n, derive_seed(seed, "emoji", cond.shift, cond.severity), pool)]
+        if cond.shift == "switch":
+            shifts = self._switch_shifts(cond)
+            return [shifts[k].shift for k in switch_segments(n, seed, len(shifts), every=self.switch_every).tolist()]
+        return [("clean" if cond.shift == "degenerate" else cond.shift)] * n
+
+    def _diverse_pool(self, cond: Condition):
+        """The ``(corruption, severity)`` pool the diverse stream draws each query's shift from."""
+        from ..data.corruptions import MAX_IMAGE_SEVERITY, make_pool
+
+        if cond.direction == "i2t":
+            return make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
+        names = self.text_corruptions if self.text_corruptions is not None else offline_text_corruptions()[0]
+        return make_pool("text", names=names, severities="max")
+
+    @staticmethod
+    def _switch_shifts(cond: Condition) -> list[Condition]:
+        """The single-shift streams the switching stream cycles through, in order."""
+        from ..data.corruptions import TEXT_SEVERITIES
+        from .grid import SWITCH_IMAGE_CORRUPTIONS, SWITCH_TEXT_CORRUPTIONS
+
+        if cond.direction == "i2t":
+            return [Condition("i2t", c, 5) for c in SWITCH_IMAGE_CORRUPTIONS]
+        return [Condition(cond.direction, c, min(7, max(TEXT_SEVERITIES[c]))) for c in SWITCH_TEXT_CORRUPTIONS]
+
     def _switch_queries(self, cond: Condition, seed: int):
         """The switching stream: each query is the same query of the stream of the shift its segment of the stream
         order gets (:func:`~hf_tta.benchmarks.grid.switch_segments`), so every image equals its single-shift twin."""
-        from ..data.corruptions import TEXT_SEVERITIES
-        from .grid import SWITCH_IMAGE_CORRUPTIONS, SWITCH_TEXT_CORRUPTIONS, switch_segments
+        from .grid import switch_segments
 
-        if cond.direction == "i2t":
-            shifts = [Condition("i2t", c, 5) for c in SWITCH_IMAGE_CORRUPTIONS]
-        else:
-            shifts = [Condition(cond.direction, c, min(7, max(TEXT_SEVERITIES[c]))) for c in SWITCH_TEXT_CORRUPTIONS]
+        shifts = self._switch_shifts(cond)
         streams = [self.queries(c, seed) for c in shifts]
         relevant = streams[0][1]
         segment = switch_segments(len(relevant), seed, len(shifts), every=self.switch_every)
