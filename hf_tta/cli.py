@@ -375,7 +375,7 @@ def _objectives(value: str) -> list[str]:
     unknown = [n for n in names if not known(n)]
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
-                         "and <objective>+gd, +safe, +route, +all, +dn (see `hf-tta list`).")
+                         "and <objective>+gd, +safe, +route, +all, +dn, +key (see `hf-tta list`).")
     if not names:
         raise UsageError("--objectives is empty; name at least one, e.g. --objectives tent,tcr.")
     return names
@@ -597,7 +597,8 @@ def cmd_list(args) -> int:
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
     print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
-    print("                   +all (every query-tower parameter), +dn (DN score transform); combine: tcr+gd+safe")
+    print("                   +all (every query-tower parameter), +dn (DN score transform),")
+    print("                   +key (one adapter per true shift: a routing ceiling); combine: tcr+gd+safe")
     print("preset row:        recommended (TTAConfig.recommended: " + RECOMMENDED_ROW + ")")
     from .benchmarks.grid import AV_DIRECTIONS
     from .data.builders.audioset import AV_BENCHMARKS
