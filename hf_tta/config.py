@@ -113,7 +113,8 @@ class TTAConfig(ConfigMixin):
             "help": "The safety layer (hf_tta.safety): None = off (default: the papers' methods as published; "
             "TTAConfig.recommended turns it on); a dict of SafetyConfig "
             "overrides ({} = the defaults) or a SafetyConfig turns it on. It rolls back or resets adaptation that "
-            "label-free signals flag and returns the source model's scores for flagged batches."
+            "label-free signals flag and returns the source model's scores for flagged batches; around a "
+            "training-free objective (dn) it keeps degenerate batches out of its state."
         },
     )
 
@@ -161,8 +162,6 @@ class TTAConfig(ConfigMixin):
         if isinstance(self.safety, SafetyConfig):
             self.safety = self.safety.to_dict()
         build_safety_config(self.safety)  # a bad key or value fails now, not at the first batch
-        if self.safety is not None and not get_objective_class(self.objective).requires_grad:
-            raise ValueError(f"`safety` needs a gradient objective; {self.objective!r} is training-free (nothing to roll back).")
         if self.safety is not None and self.reset_policy == "episodic":
             raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")
 

@@ -1,7 +1,8 @@
 """The safety layer: adaptation that never ends below the source model (``TTAConfig(safety={...})``).
 
 Around any gradient objective, :class:`SafetyMonitor` judges every batch from label-free signals and undoes
-adaptation that the signals say hurt. Per ``adapt_step``:
+adaptation that the signals say hurt. Around a training-free objective (``objective="dn"``) only rule 1 applies: there
+is nothing to roll back, but a degenerate batch must not enter its state (DN's query mean). Per ``adapt_step``:
 
 1. **Degenerate batch** (before adapting): the frozen source model scores the batch (one no-grad forward, shared with
    objectives and gradient decoupling that need the source scores anyway). If its top-1 items are nearly all the same
@@ -266,6 +267,11 @@ class SafetyMonitor:
         if self._source is None or self._source_ids is not None:
             return []
         return [self._source.scores]
+
+    def source_inputs(self) -> "ObjectiveInputs | None":
+        """The batch's source-model inputs (embeddings and scores) on a dense gallery, else ``None``: a training-free
+        objective scores on them instead of running the same forward again."""
+        return self._source if self._source is not None and self._source_ids is None else None
 
     def begin(self, tta: "TTAWrapper", queries: dict, gallery) -> "TTAOutput | None":
         """Score the batch with the source model; return the output of a degenerate batch (not to be adapted on),

@@ -427,8 +427,9 @@ class TTAWrapper:
             raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
         self._batch_labels = self._label_mask(labels, _batch_size(queries), gallery)
         try:
-            if not self.objective.requires_grad:
-                out = self._score_only(queries, gallery)
+            if not self.objective.requires_grad:  # with safety: only its degenerate-batch rule (nothing to roll back)
+                if self.safety is None or (out := self.safety.begin(self, queries, gallery)) is None:
+                    out = self._score_only(queries, gallery)
             elif self.safety is None or (out := self.safety.begin(self, queries, gallery)) is None:  # None: adapt
                 with torch.enable_grad():
                     out = self._adapt(queries, gallery)
@@ -445,7 +446,9 @@ class TTAWrapper:
 
     def _score_only(self, queries: dict, gallery: GalleryCache) -> TTAOutput:
         with torch.no_grad():
-            inputs = self._inputs(queries, gallery, step=0)
+            # nothing is adapted, so the safety layer's source forward of this batch is this forward (dense gallery)
+            shared = self.safety.source_inputs() if self.safety is not None else None
+            inputs = dataclasses.replace(shared, step=0) if shared is not None else self._inputs(queries, gallery, step=0)
             res = self.objective(inputs, self.state)
         scores = self._transform_scores(inputs, res.scores if res.scores is not None else inputs.scores)
         return TTAOutput(scores=scores.detach(), loss=None, num_updates=0, n_selected=res.n_selected, logs=float_logs(res.logs))

@@ -123,8 +123,6 @@ def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
         with pytest.raises(ValueError, match=name) as err:
             TTAConfig(objective="tcr", safety=overrides)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="training-free"):
-        TTAConfig(objective="dn", safety={})
     with pytest.raises(ValueError, match="episodic"):
         TTAConfig(objective="tcr", reset_policy="episodic", safety={})
     with pytest.raises(TypeError, match="safety"):
@@ -401,3 +399,31 @@ def test_safety_composes_with_every_objective(objective):
             assert torch.equal(out.scores, _source_scores(strict, x, gallery))
     assert "rollback" in actions, actions  # lr 0.1 moves some top-1 away from the source's on every method
     assert strict.safety_counts["rollback"] == actions.count("rollback")
+
+
+# ------------------------------------------------------------------------------------- a training-free objective
+def test_safety_around_dn_alone_keeps_degenerate_batches_out_of_its_query_mean():
+    """objective="dn" with safety: only the degenerate rule applies. Quiet, it equals DN alone bit for bit with one
+    forward per batch (the source forward is DN's forward); a constant prefix changes neither DN's state nor the
+    clean part's scores, which without safety take their query mean from the prefix."""
+    gallery, clean = _gallery(), _stream(3, seed=200)
+    runs = {}
+    for name, safety in (("off", None), ("on", {})):
+        tta = TTAWrapper(make_model("clip"), TTAConfig(objective="dn", safety=safety))
+        calls = _forward_counter(tta)
+        runs[name] = (tta, torch.cat([tta.adapt_step(x, gallery).scores for x in clean]), calls)
+    (_, s_off, c_off), (on, s_on, c_on) = runs["off"], runs["on"]
+    assert torch.equal(s_off, s_on) and c_on[0] == c_off[0] == len(clean)  # no second forward
+    assert on.safety_counts == {"skip_degenerate": 0, "rollback": 0, "reset": 0}
+
+    def with_prefix(safety):
+        tta = TTAWrapper(make_model("clip"), TTAConfig(objective="dn", safety=safety))
+        outs = [tta.adapt_step(_constant(), gallery) for _ in range(5)]
+        if safety is not None:
+            assert [o.safety_action for o in outs] == ["skip_degenerate"] * 5
+            assert int(tta.state["query_count"]) == 0  # nothing entered the query mean
+            assert torch.equal(outs[0].scores, _source_scores(tta, _constant(), gallery))
+        return torch.cat([tta.adapt_step(x, gallery).scores for x in clean])
+
+    assert torch.equal(with_prefix({}), s_off)  # as if the prefix never happened
+    assert not torch.equal(with_prefix(None), s_off)  # without safety the prefix stays in DN's query mean
