@@ -175,7 +175,7 @@ class GridRunner:
                 from ..routing import make_wrapper
 
                 routing = dict(self.settings.routing)
-                if spec.key:  # one adapter per true shift: the diverse stream draws from up to 16 x 5 of them
+                if spec.key:  # one adapter per true shift: the diverse image stream draws from 16 corruptions
                     routing["max_domains"] = KEY_MAX_DOMAINS
                 held = make_wrapper(copy.deepcopy(self.pristine), cfg, routing)
             else:
