@@ -427,10 +427,11 @@ class TTAWrapper:
             raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
         self._batch_labels = self._label_mask(labels, _batch_size(queries), gallery)
         try:
-            if not self.objective.requires_grad:  # with safety: only its degenerate-batch rule (nothing to roll back)
-                if self.safety is None or (out := self.safety.begin(self, queries, gallery)) is None:
-                    out = self._score_only(queries, gallery)
-            elif self.safety is None or (out := self.safety.begin(self, queries, gallery)) is None:  # None: adapt
+            # the safety layer first: a degenerate batch gets the source's scores (training-free objectives: its only rule)
+            out = self.safety.begin(self, queries, gallery) if self.safety is not None else None
+            if out is None and not self.objective.requires_grad:
+                out = self._score_only(queries, gallery)
+            elif out is None:
                 with torch.enable_grad():
                     out = self._adapt(queries, gallery)
             if self.safety is not None:
