@@ -215,11 +215,13 @@ class GridRunner:
                 src = self.source_wrapper(cond.direction)
                 batches = self._batches(modality, items, self.settings.gallery_batch_size)
                 self._galleries[key] = src.encode_gallery(batches, show_progress=False)
-                if path is not None:
+                if path is not None:  # atomically: shards of one grid share the cache folder
                     from safetensors.torch import save_file
 
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    save_file({"embeddings": self._galleries[key].embeddings.cpu().contiguous()}, str(path))
+                    from .cache import write_atomically
+
+                    emb = self._galleries[key].embeddings.cpu().contiguous()
+                    write_atomically(path, lambda tmp: save_file({"embeddings": emb}, tmp))
         return self._galleries[key]
 
     def _score_all(self, tta, modality: str, raw: Sequence, gallery, source: bool) -> tuple[torch.Tensor, torch.Tensor]:

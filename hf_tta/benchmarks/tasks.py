@@ -14,6 +14,7 @@ adapter's declaration ``preprocess_as``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -75,8 +76,6 @@ class EmojiTask(Task):
         self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None,
         render_factor: float | None = None,
     ):
-        from pathlib import Path
-
         from .emoji import load_emoji_benchmark
         from .source_model import load_emoji_source_model
 
@@ -153,16 +152,18 @@ class EmojiTask(Task):
             self._cache[key] = (raw, relevant)
             return raw, relevant
         raw, relevant = self._make_queries(cond, seed)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        if path is not None:  # atomically: shards of one grid share the cache folder
+            from .cache import write_atomically
+
             if cond.direction == "i2t":
                 from safetensors.numpy import save_file
 
-                save_file({"images": np.ascontiguousarray(raw)}, str(path))
+                write_atomically(path, lambda tmp: save_file({"images": np.ascontiguousarray(raw)}, tmp))
             else:
                 import json
 
-                path.write_text(json.dumps(list(raw), ensure_ascii=False), encoding="utf-8")
+                text = json.dumps(list(raw), ensure_ascii=False)
+                write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
         self._cache[key] = (raw, relevant)
         return raw, relevant
 
