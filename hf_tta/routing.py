@@ -458,7 +458,7 @@ class RoutedTTAWrapper(TTAWrapper):
         self.router.reset()
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write every domain's state (tensors prefixed ``domain.<id>.``, laid out by :meth:`TTAWrapper._state_tensors`
+        """Write every domain's state (tensors prefixed ``domain.<id>.``, laid out by :func:`hf_tta.checkpoint.state_tensors`
         as one wrapper's, its safety monitor included) and the router's statistics (``router.*``) as one atomic
         checkpoint folder; the routing config goes in ``tta_config.json`` under ``"routing"``."""
         self._sync()

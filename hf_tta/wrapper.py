@@ -20,6 +20,7 @@ from . import checkpoint
 from .config import TTAConfig
 from .fast_step import adapt_deferred
 from .gallery.base import GalleryBackend, TopKScores
+from .gallery.candidates import candidate_items, candidate_topk, check_gallery_access
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter, get_adapter, match_module_names
@@ -241,72 +242,38 @@ class TTAWrapper:
         return selected
 
     def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
-        if isinstance(gallery, GalleryBackend):
-            return self._check_backend(gallery)
+        """A dense gallery, or a top-k backend (objectives see the batch's candidates, see ``hf_tta.gallery.base``)."""
         if isinstance(gallery, torch.Tensor):
             gallery = GalleryCache(gallery, self.gallery_modality)
-        if not isinstance(gallery, GalleryCache):
+        if not isinstance(gallery, (GalleryCache, GalleryBackend)):
             raise TypeError(f"gallery must be a GalleryCache (from encode_gallery) or a tensor, got {type(gallery).__name__}.")
         if gallery.modality != self.gallery_modality:
             raise ValueError(
                 f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
                 f"items for {self.query_modality} queries."
             )
+        if isinstance(gallery, GalleryBackend):
+            check_gallery_access(gallery, {"objective": self.objective, "score_transform": self.score_transform})
+            return gallery
         if len(gallery) == 0:
             raise ValueError("The gallery is empty.")
         if gallery.embeddings.device != self.device:
             raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {self.device}: use gallery.to(...).")
         return gallery
 
-    def _check_backend(self, gallery: GalleryBackend) -> GalleryBackend:
-        """A top-k backend: objectives see the batch's candidates (see ``hf_tta.gallery.base``); refuse objectives that
-        need every item's score at every step (``Objective.gallery_access == "full"``)."""
-        if gallery.modality != self.gallery_modality:
-            raise ValueError(
-                f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
-                f"items for {self.query_modality} queries."
-            )
-        for role, obj in (("objective", self.objective), ("score_transform", self.score_transform)):
-            if obj is not None and getattr(obj, "gallery_access", "softmax") == "full":
-                raise ValueError(
-                    f"The {role} {obj.name!r} needs every gallery item's score at every step (gallery_access='full'), "
-                    f"which a top-k backend ({type(gallery).__name__}) does not provide: pass the dense GalleryCache instead."
-                )
-        return gallery
-
     def _candidate_view(self, q: torch.Tensor, gallery: GalleryBackend, step: int) -> tuple[torch.Tensor, GalleryCache]:
-        """The union ``C`` of the batch's top-k items (sorted global indices) and their cached embeddings, as a small
-        dense gallery that the queries are scored against exactly (so gradients flow as with the dense gallery).
-
-        ``C`` also holds the top-k of the objective's ``search_vectors`` (and, on the reported step, the score
-        transform's: DN's shifted queries); the objective's ``candidate_extras`` (REST's centroids) follow as extra rows."""
-        k = max(gallery.k, getattr(self.objective, "gallery_k", 0) or 0)
+        """The batch's candidates (:func:`~hf_tta.gallery.candidates.candidate_items`) as a small dense gallery that
+        the queries are scored against exactly (so gradients flow as with the dense gallery); the score transform
+        (DN's shifted queries) searches too on the reported step."""
         searchers = [(self.objective, self.state)]
         if self.score_transform is not None and (step >= self.config.steps - 1 or not self.objective.requires_grad):
             searchers.append((self.score_transform, self.transform_state))
-        with torch.no_grad():
-            qd = q.detach().float()
-            found = [gallery.search_tokens(qd, k).flatten()]
-            for obj, state in searchers:
-                extra = obj.search_vectors(qd, state)
-                if extra is not None:
-                    found.append(gallery.search_tokens(extra, k).flatten())
-            ids = torch.unique(torch.cat([f.to(q.device) for f in found]))
-            emb = gallery.gather(ids).to(q.device)
-            extras = self.objective.candidate_extras(gallery, self.config.seed)
-            if extras is not None:
-                emb = torch.cat([emb, extras.to(emb)])
+        ids, emb = candidate_items(q, gallery, self.objective, searchers, self.config.seed)
         return ids, GalleryCache(emb, gallery.modality)
 
     def _topk_output(self, out: TTAOutput, gallery: GalleryBackend) -> TTAOutput:
         """Replace the candidate scores ``(B, |C|)`` of the reported step by each query's top-k over the gallery."""
-        # a stable sort: equal scores keep the smaller gallery index first (the columns are in index order); columns
-        # after the candidates are the objective's candidate_extras (REST's centroids), not gallery items
-        scores = out.scores[:, : self._candidate_ids.numel()]
-        values, local = scores.sort(dim=1, descending=True, stable=True)
-        k = min(gallery.k, scores.shape[1])
-        values, local = values[:, :k], local[:, :k]
-        return dataclasses.replace(out, scores=None, topk=TopKScores(values, self._candidate_ids[local]))
+        return dataclasses.replace(out, scores=None, topk=candidate_topk(out.scores, self._candidate_ids, gallery.k))
 
     # ------------------------------------------------------------------------------------------ the online step
     def _embed_queries(self, queries: dict) -> torch.Tensor:
@@ -668,41 +635,7 @@ class TTAWrapper:
         config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
         checkpoint.write_checkpoint(save_directory, config, tensors, meta)
 
-    @staticmethod
-    def _state_tensors(
-        params: Mapping[str, torch.Tensor],
-        optimizer: dict[str, Any] | None,
-        state: Mapping[str, torch.Tensor],
-        transform_state: Mapping[str, torch.Tensor],
-        batch_index: int,
-        generator: torch.Generator,
-        safety: SafetyMonitor | None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """One adapter's state as a checkpoint's tensors (``param.*``, ``optim.*``, ``objective.*``,
-        ``score_transform.*``, ``wrapper.*``, ``safety.*``) and metadata (``"optimizer"`` when ``optimizer``, an
-        optimiser ``state_dict``, is given; ``"safety"``), as :meth:`_load_checkpoint` reads them. Shared by
-        :meth:`save_pretrained` and :class:`~hf_tta.routing.RoutedTTAWrapper`, which saves each domain's stored state
-        in this layout under a ``domain.<id>.`` prefix."""
-        tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in params.items()}
-        meta: dict[str, Any] = {}
-        if optimizer is not None:
-            plain_state: dict[str, dict[str, Any]] = {}
-            for pid, st in optimizer["state"].items():
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"optim.{pid}.{key}"] = value
-                    else:
-                        plain_state.setdefault(str(pid), {})[key] = value
-            meta["optimizer"] = {"param_groups": optimizer["param_groups"], "plain_state": plain_state}
-        for key, value in state.items():
-            tensors[f"objective.{key}"] = value
-        for key, value in transform_state.items():
-            tensors[f"score_transform.{key}"] = value
-        tensors["wrapper.batch_index"] = torch.tensor(batch_index)
-        tensors["wrapper.rng_state"] = generator.get_state()
-        if safety is not None:
-            safety.save_into(tensors, meta)
-        return tensors, meta
+    _state_tensors = staticmethod(checkpoint.state_tensors)  # also RoutedTTAWrapper's, per domain
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint
@@ -710,38 +643,7 @@ class TTAWrapper:
         self._load_checkpoint(checkpoint.read_checkpoint(directory))
 
     def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
-        meta = ckpt.metadata
-        if ckpt.fingerprint is not None:
-            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, self.fingerprint())
-            if mismatch:
-                raise ValueError(mismatch)
-        if meta["param_names"] != list(self.params):
-            raise ValueError(
-                "The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?"
-            )
-        tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(tensors[f"param.{name}"])
-        if self.optimizer is not None:
-            state: dict[int, dict[str, Any]] = {}
-            for key, value in tensors.items():
-                if key.startswith("optim."):
-                    _, pid, sub = key.split(".", 2)
-                    state.setdefault(int(pid), {})[sub] = value.cpu() if sub == "step" else value
-            for pid, plain in meta["optimizer"]["plain_state"].items():
-                state.setdefault(int(pid), {}).update(plain)
-            self.optimizer = self._make_optimizer()
-            self.optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
-        self.state = {k[len("objective.") :]: v for k, v in tensors.items() if k.startswith("objective.")}
-        if self.score_transform is not None:
-            prefix = "score_transform."
-            loaded = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            self.transform_state = loaded or self.score_transform.init_state(self.device)
-        self.batch_index = int(tensors["wrapper.batch_index"])
-        self.generator.set_state(tensors["wrapper.rng_state"].cpu())
-        if self.safety is not None:
-            self.safety.load_from(self, tensors, meta.get("safety"))
+        checkpoint.restore_state(self, ckpt)
 
     @classmethod
     def from_pretrained(
