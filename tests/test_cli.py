@@ -183,6 +183,9 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         ("run", "--weights", str(tmp_path / "none")): "--weights",
         ("run", "--gradient-decoupling", "reest"): "--gradient-decoupling: unknown objectives",
         ("run", "--render-factor", "0.5"): "render factor is a number >= 1",
+        ("run", "--severities", "9"): "--severities: severities [9] not in [1, 2, 3, 4, 5]",
+        ("run", "--severities", "5,x"): "--severities '5,x': give integers separated by commas",
+        ("run", "--direction", "t2i", "--text-severities", "8"): "--text-severities: severities [8] not in",
         ("plot", str(tmp_path / "missing.json")): "no such file",
         ("merge", str(a_file), "--output-dir", str(tmp_path / "m")): "is not JSON",
     }

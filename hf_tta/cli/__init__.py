@@ -1,0 +1,96 @@
+"""``hf-tta``: run test-time adaptation benchmarks for cross-modal retrieval under query shift.
+
+With no arguments it runs the offline emoji benchmark (EmojiRetrieval + the shipped source model, see
+``model_cards/``): image→text at severity 5 for one corruption per ImageNet-C category plus the unseen Noto style,
+with the source model, Tent, TCR and REST; prints a table shaped like TCR's Table 1, and writes JSON, CSV, Markdown and
+PNG plots. ``--full`` runs the whole severity-5 grid (16 image corruptions, the offline text corruptions, the
+style and diverse shifts, every registered objective).
+
+Examples::
+
+    hf-tta                                         # the default offline benchmark (a few minutes on 2 CPU cores)
+    hf-tta run --objectives tent,tcr,eata --corruptions all --severities 5
+    hf-tta run --direction t2i --objectives tcr    # text queries, offline text corruptions
+    hf-tta run --full --device cuda                # the full severity-5 grid
+    hf-tta run --model openai/clip-vit-base-patch16 --dataset ./coco-c --corruptions all   # a real run
+    hf-tta run --model laion/clap-htsat-unfused --dataset ./audioset-o --direction a2t,t2a   # audio <-> text
+    hf-tta run --model microsoft/xclip-base-patch32 --dataset ./audioset-d --direction video->text
+    hf-tta list                                    # objectives, corruptions, styles
+    hf-tta clean                                   # clean R@1/5/10 of the source model
+
+The package, one idea per module: ``arguments`` (the parser, the argument types, :class:`UsageError` and
+:func:`validate_args`), ``environment`` (threads, offline mode), ``plan`` (the grid, the task and the run settings of
+``hf-tta run``), ``run`` (``hf-tta run`` and its resumable ``rows.jsonl``), ``listing`` (``hf-tta list``), ``clean``
+(``hf-tta clean``) and ``results`` (``hf-tta plot`` and ``hf-tta merge``); this module holds :func:`main`, the entry
+point of the ``hf-tta`` console script and of ``python -m hf_tta.cli``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from .arguments import SUBCOMMANDS, UsageError, build_parser, validate_args
+from .clean import cmd_clean
+from .environment import go_offline, setup_environment
+from .listing import cmd_list
+from .plan import full_grid_rows, make_task, prepare_run, resolve_av_grid, resolve_grid
+from .results import cmd_merge, cmd_plot
+from .run import RUN_HEADER, cmd_run, read_progress, run_signature
+
+__all__ = [
+    "RUN_HEADER",
+    "SUBCOMMANDS",
+    "UsageError",
+    "build_parser",
+    "cmd_clean",
+    "cmd_list",
+    "cmd_merge",
+    "cmd_plot",
+    "cmd_run",
+    "full_grid_rows",
+    "go_offline",
+    "main",
+    "make_task",
+    "prepare_run",
+    "read_progress",
+    "resolve_av_grid",
+    "resolve_grid",
+    "run_signature",
+    "setup_environment",
+    "validate_args",
+]
+
+
+def _default_to_run(argv: list[str]) -> list[str]:
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        return ["run", *argv]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. A user mistake prints one line naming the fix and returns 2; any other failure prints one line
+    and returns 1; ``--debug`` (anywhere on the command line) shows the traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
+    try:
+        args = build_parser().parse_args(_default_to_run(argv))
+        return handlers[args.command](args)
+    except UsageError as err:
+        if debug:
+            raise
+        print(f"hf-tta: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("hf-tta: interrupted; rerun the same command to continue from the rows already written.", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"hf-tta: {type(err).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

@@ -1,0 +1,39 @@
+"""``hf-tta list``: the objectives, corruptions, styles, row options and audio/video configs a grid can contain."""
+
+from __future__ import annotations
+
+from .environment import go_offline
+
+
+def cmd_list(args) -> int:
+    from .. import available_objectives
+    from ..benchmarks.emoji import STYLES
+    from ..benchmarks.grid import DEFAULT_IMAGE_CORRUPTIONS, image_corruption_names, offline_text_corruptions
+    from ..data.corruptions import TEXT_CORRUPTIONS
+    from ..preset import RECOMMENDED_ROW
+
+    print("objectives:       " + ", ".join(available_objectives()))
+    print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5)")
+    print("  default grid:    " + ", ".join(DEFAULT_IMAGE_CORRUPTIONS))
+    print("text corruptions:  " + ", ".join(TEXT_CORRUPTIONS) + " (char/word 1..7, sentence 1)")
+    if args.check_text:
+        go_offline()  # a seq2seq corruption whose checkpoint is not cached is reported, not downloaded
+        ok, missing = offline_text_corruptions(TEXT_CORRUPTIONS)
+        print("  runs here:       " + ", ".join(ok))
+        for name, why in missing.items():
+            print(f"  not here:        {name}: {why}")
+    print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
+    print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix)")
+    print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
+    print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
+    print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
+    print("                   +all (every query-tower parameter), +dn (DN score transform),")
+    print("                   +key (one adapter per true shift: a routing ceiling); combine: tcr+gd+safe")
+    print("preset row:        recommended (TTAConfig.recommended: " + RECOMMENDED_ROW + ")")
+    from ..benchmarks.grid import AV_DIRECTIONS
+    from ..data.builders.audioset import AV_BENCHMARKS
+
+    print("audio/video:       --direction " + ", ".join(f"{d} ({q}->{g})" for d, (q, g) in AV_DIRECTIONS.items()))
+    for name, configs in AV_BENCHMARKS.items():
+        print(f"  {name + ':':<16} " + ", ".join(configs))
+    return 0

@@ -1,0 +1,123 @@
+"""``hf-tta run``: run a grid, writing each finished run to ``rows.jsonl`` so that an interrupted run resumes; then
+the tables, JSON, CSV, Markdown and plots.
+
+The first line of ``rows.jsonl`` is ``{RUN_HEADER: run_signature(args)}``: a rerun continues from the rows only when
+its signature is the same."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .environment import setup_environment
+from .plan import prepare_run, run_seeds
+
+RUN_HEADER = "hf-tta-run"
+
+#: Options that change no result: a rerun that differs only in these continues an interrupted run.
+_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command")
+
+
+def run_signature(args) -> dict:
+    """The arguments that define a run's rows (what a rerun must repeat to continue from them)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in _PRESENTATION}
+
+
+def read_progress(path: Path) -> tuple[dict | None, list[dict]]:
+    """The header and the finished rows of a ``rows.jsonl`` progress file (a torn last line is dropped)."""
+    header, rows = None, []
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict) and RUN_HEADER in item:
+            header = item[RUN_HEADER]
+        elif isinstance(item, dict) and "direction" in item:
+            rows.append(item)
+    return header, rows
+
+
+def cmd_run(args) -> int:
+    from ..benchmarks.report import build_tables, format_table, row_key, won_back_line, write_outputs
+    from ..benchmarks.runner import GridRunner
+
+    setup_environment(args)
+    t0 = time.time()
+    jobs, notes, task, settings = prepare_run(args, show_progress=not args.quiet)
+    print(f"hf-tta: {len(jobs)} runs ({len({j.condition for j in jobs})} query streams x "
+          f"{len({j.objective for j in jobs})} rows incl. the source model x {len({j.seed for j in jobs})} seed(s))", flush=True)
+    for name, why in notes.get("text_corruptions_left_out", {}).items():
+        print(f"hf-tta: text corruption {name!r} left out: {why}", flush=True)
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        jobs = jobs[k::n]
+        print(f"hf-tta: shard {k}/{n}: {len(jobs)} runs", flush=True)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    progress = Path(args.output_dir) / "rows.jsonl"  # one line per finished run, so an interrupted grid keeps them
+    signature = json.loads(json.dumps(run_signature(args), default=str))
+    done: list[dict] = []
+    if progress.exists() and not args.fresh:
+        header, earlier = read_progress(progress)
+        if header == signature:
+            wanted = {row_key({"direction": j.condition.direction, "shift": j.condition.shift, "severity": j.condition.severity,
+                               "objective": j.objective, "seed": j.seed}): j for j in jobs}
+            done = [r for r in earlier if "error" not in r and row_key(r) in wanted]
+            finished = {row_key(r) for r in done}
+            jobs = [j for k_, j in wanted.items() if k_ not in finished]
+            if done:
+                print(f"hf-tta: resuming the interrupted run in {progress}: {len(done)} runs already done, {len(jobs)} to go "
+                      "(--fresh starts over).", flush=True)
+        elif earlier:
+            print(f"hf-tta: {progress} holds the rows of a run with other arguments; starting afresh.", flush=True)
+    with open(progress, "w") as f:
+        f.write(json.dumps({RUN_HEADER: signature}) + "\n")
+        for r in done:
+            f.write(json.dumps(r, default=str) + "\n")
+
+    def save(row):
+        with open(progress, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    runner = GridRunner(task, settings)
+    runner.remember(done)
+    rows = done + runner.run_all(jobs, on_row=save)
+    if done:
+        from ..benchmarks.report import merge_rows
+
+        rows = merge_rows(rows)
+    meta = {
+        "command": "hf-tta " + " ".join(sys.argv[1:]),
+        "task": task.describe(),
+        "settings": vars(settings) | {"device": args.device, "seeds": run_seeds(args)},
+        "notes": notes,
+        "resumed_rows": len(done),
+        "seconds": round(time.time() - t0, 1),
+        "versions": _versions(),
+    }
+    paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
+    print()
+    for table in build_tables(rows):
+        print(format_table(table))
+        print()
+        print(won_back_line(table))
+        print()
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"hf-tta: {r['objective']} on {r['direction']}/{r['shift']} (seed {r.get('seed', 0)}) failed: {r['error']}", file=sys.stderr)
+    print(f"\nwrote {', '.join(paths.values())} ({time.time() - t0:.0f} s)")
+    return 1 if errors and len(errors) == len(rows) else 0
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("hf_tta", "torch", "transformers", "peft"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    return out
