@@ -228,6 +228,14 @@ def test_an_interrupted_run_continues_from_its_rows(tmp_path, capsys):
     key = lambda r: (r["shift"], r["objective"])  # noqa: E731
     assert sorted(map(key, again)) == sorted(map(key, full))
     assert {key(r): r["R@1"] for r in again} == {key(r): r["R@1"] for r in full}
+    # the cache folder changes no result: another one continues too, as does a header that still names one
+    lines = progress.read_text().splitlines()
+    header = json.loads(lines[0])
+    header[cli.RUN_HEADER]["cache_dir"] = "/an/earlier/cache"
+    progress.write_text("\n".join([json.dumps(header), *lines[1:3]]) + "\n")
+    capsys.readouterr()
+    assert cli.main([*argv, "--cache-dir", str(tmp_path / "other-cache")]) == 0
+    assert "2 runs already done, 1 to go" in capsys.readouterr().out
     assert cli.main([*argv, "--steps", "2"]) == 0  # other arguments: starts afresh
     assert "starting afresh" in capsys.readouterr().out
 

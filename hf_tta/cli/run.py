@@ -16,13 +16,19 @@ from .plan import prepare_run, run_seeds
 
 RUN_HEADER = "hf-tta-run"
 
-#: Options that change no result: a rerun that differs only in these continues an interrupted run.
-_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command")
+#: Options that change no result: a rerun that differs only in these continues an interrupted run. ``cache_dir``
+#: holds renders and source-model embeddings that are rebuilt identically when missing.
+_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command", "cache_dir")
 
 
 def run_signature(args) -> dict:
     """The arguments that define a run's rows (what a rerun must repeat to continue from them)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in _PRESENTATION}
+    return _defining(vars(args))
+
+
+def _defining(arguments: dict) -> dict:
+    """``arguments`` without the options that change no result (also for headers written before one joined them)."""
+    return {k: v for k, v in sorted(arguments.items()) if k not in _PRESENTATION}
 
 
 def read_progress(path: Path) -> tuple[dict | None, list[dict]]:
@@ -61,7 +67,7 @@ def cmd_run(args) -> int:
     done: list[dict] = []
     if progress.exists() and not args.fresh:
         header, earlier = read_progress(progress)
-        if header == signature:
+        if header is not None and _defining(header) == signature:
             wanted = {row_key({"direction": j.condition.direction, "shift": j.condition.shift, "severity": j.condition.severity,
                                "objective": j.objective, "seed": j.seed}): j for j in jobs}
             done = [r for r in earlier if "error" not in r and row_key(r) in wanted]
