@@ -469,7 +469,7 @@ class RoutedTTAWrapper(TTAWrapper):
             optim = None
             if self.optimizer is not None:
                 optim = d.optimizer or {"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]}
-            part, part_meta = self._state_tensors(
+            part, part_meta = checkpoint.state_tensors(
                 dict(zip(self.params, values)), optim, d.state, d.transform_state, d.batch_index, d.generator, d.safety
             )
             tensors.update({f"domain.{i}.{k}": v for k, v in part.items()})

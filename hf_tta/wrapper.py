@@ -625,7 +625,7 @@ class TTAWrapper:
         :mod:`hf_tta.checkpoint`): ``tta_config.json`` (the full resolved config) and ``tta_state.safetensors``
         (adapted parameters, optimiser and objective state, batch counter, RNG state, the config again and the model
         fingerprint), so that a resumed stream continues exactly where it stopped."""
-        tensors, state_meta = self._state_tensors(
+        tensors, state_meta = checkpoint.state_tensors(
             self.params, self.optimizer.state_dict() if self.optimizer is not None else None, self.state,
             self.transform_state, self.batch_index, self.generator, self.safety,
         )
@@ -634,8 +634,6 @@ class TTAWrapper:
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         config = {**self.resolved_config().to_dict(), "hf_tta_version": __version__}
         checkpoint.write_checkpoint(save_directory, config, tensors, meta)
-
-    _state_tensors = staticmethod(checkpoint.state_tensors)  # also RoutedTTAWrapper's, per domain
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint
