@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .configuration_utils import ConfigMixin, check_choice, check_positive
+from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .safety import SafetyConfig, build_safety_config
@@ -124,6 +124,11 @@ class TTAConfig(ConfigMixin):
             self.objective_config = self.objective_config.to_dict()
         if not isinstance(self.objective_config, dict):
             raise TypeError("`objective_config` must be a dict of hyper-parameter overrides or an ObjectiveConfig.")
+        if isinstance(self.score_transform_config, ObjectiveConfig):
+            self.score_transform_config = self.score_transform_config.to_dict()
+        if isinstance(self.safety, SafetyConfig):
+            self.safety = self.safety.to_dict()
+        check_field_types(self)
         for name in ("query_modality", "gallery_modality"):
             value = getattr(self, name)
             if value is not None and value not in MODALITIES:
@@ -146,8 +151,6 @@ class TTAConfig(ConfigMixin):
             raise ValueError(
                 f"`gradient_decoupling=True` needs a gradient objective; {self.objective!r} is training-free."
             )
-        if isinstance(self.score_transform_config, ObjectiveConfig):
-            self.score_transform_config = self.score_transform_config.to_dict()
         if not isinstance(self.score_transform_config, dict):
             raise TypeError("`score_transform_config` must be a dict of hyper-parameter overrides or an ObjectiveConfig.")
         if self.score_transform is not None:
@@ -159,8 +162,6 @@ class TTAConfig(ConfigMixin):
             self.build_score_transform_config()
         elif self.score_transform_config:
             raise ValueError("`score_transform_config` is set but `score_transform` is None.")
-        if isinstance(self.safety, SafetyConfig):
-            self.safety = self.safety.to_dict()
         build_safety_config(self.safety)  # a bad key or value fails now, not at the first batch
         if self.safety is not None and self.reset_policy == "episodic":
             raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")

@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import numbers
 import os
+import types
+import typing
 from typing import Any, TypeVar
 
 from .version import __version__
@@ -70,8 +74,53 @@ class ConfigMixin:
         return cls.from_dict(data)
 
 
+class ConfigTypeError(TypeError, ValueError):
+    """A config field holds a value of the wrong type (a ``ValueError`` too, like every other bad config value)."""
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` fits ``annotation`` (the simple annotations configs use; anything else is not checked)."""
+    if annotation is Any:
+        return True
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if origin in (list, tuple):  # JSON turns tuples into lists
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def check_field_types(config: Any) -> None:
+    """Raise a :class:`ConfigTypeError` naming the first field of a dataclass config whose value does not fit its
+    annotation: ``None`` only where the field is optional, no ``bool`` for a number, finite floats, integers for
+    ``int`` fields."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if f.name not in hints:
+            continue
+        value, annotation = getattr(config, f.name), hints[f.name]
+        if not _matches(value, annotation):
+            expected = getattr(annotation, "__name__", None) or str(annotation)
+            if annotation is float:
+                expected = "a finite number"
+            raise ConfigTypeError(f"{type(config).__name__} `{f.name}` must be {expected}, got {value!r}.")
+
+
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    """Raise a ``ValueError`` naming the field unless ``value`` is (strictly) positive."""
+    """Raise a ``ValueError`` naming the field unless ``value`` is (strictly) positive; ``None`` passes (an optional
+    field left unset: :func:`check_field_types` refuses ``None`` where a field is not optional)."""
     if value is None:
         return
     ok = value >= 0 if allow_zero else value > 0

@@ -31,7 +31,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .configuration_utils import ConfigMixin, check_choice, check_positive, check_positive_int
+from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive, check_positive_int
 
 FEATURES = ("style", "embedding")
 _TINY = 1e-12
@@ -94,6 +94,7 @@ class RoutingConfig(ConfigMixin):
     )
 
     def __post_init__(self):
+        check_field_types(self)
         check_positive_int("max_domains", self.max_domains)
         check_positive("new_domain_threshold", self.new_domain_threshold)
         check_choice("features", self.features, FEATURES)

@@ -233,21 +233,17 @@ class RoutedTTAWrapper(TTAWrapper):
             raise ValueError(
                 f"`domain` must be a str or int key for the batch or a sequence of one key per query, got {type(domain).__name__}."
             )
-        slots = []
-        for key in keys:  # one per distinct key, not per query
+        # Check every distinct key before creating any domain, so that a refused call changes nothing.
+        for key in keys:
             if isinstance(key, str) and key.startswith(ROUTER_PREFIX):
                 raise ValueError(f"Domain key {key!r}: keys starting with {ROUTER_PREFIX!r} name the router's domains; pick another key.")
-            if key in self._slots:
-                slots.append(self._slots[key])
-            elif not create:
-                slots.append(-1)
-            elif self.num_domains >= self.routing.max_domains:
-                raise ValueError(
-                    f"{self.num_domains} domains exist (RoutingConfig.max_domains={self.routing.max_domains}): raise "
-                    f"max_domains to add domain {key!r}."
-                )
-            else:
-                slots.append(self._new_domain(key))
+        new = [key for key in keys if key not in self._slots]
+        if create and self.num_domains + len(new) > self.routing.max_domains:
+            raise ValueError(
+                f"{self.num_domains} domains exist and this batch adds {len(new)} ({new[0]!r}, ...) "
+                f"(RoutingConfig.max_domains={self.routing.max_domains}): raise max_domains."
+            )
+        slots = [self._slots[key] if key in self._slots else self._new_domain(key) if create else -1 for key in keys]
         return torch.tensor(slots, dtype=torch.long)[inverse]
 
     def _feature_hooks(self) -> list[tuple[nn.Module, nn.Module]]:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .configuration_utils import ConfigMixin, check_positive_int
+from .configuration_utils import ConfigMixin, check_field_types, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objectives.base import ObjectiveInputs
@@ -111,6 +111,7 @@ class SafetyConfig(ConfigMixin):
     )
 
     def __post_init__(self):
+        check_field_types(self)
         for name in ("min_queries", "max_rollbacks", "snapshot_every"):
             check_positive_int(name, getattr(self, name), owner="SafetyConfig")
         ranges = {

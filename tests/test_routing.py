@@ -133,6 +133,9 @@ def test_bad_domain_keys_are_one_line_value_errors():
             tta.adapt_step(x, gallery, domain=domain)
         assert "\n" not in str(err.value)
     assert tta.num_domains == 0  # nothing was opened by a refused batch
+    with pytest.raises(ValueError, match="adds 3 .* raise max_domains"):
+        tta.adapt_step(x, gallery, domain=["a", "b", "c", "c"])  # 3 new keys, room for 2
+    assert tta.num_domains == 0  # not even the two that would have fitted
     tta.adapt_step(x, gallery, domain=["a", "a", "b", "b"])
     with pytest.raises(ValueError, match="raise max_domains"):
         tta.adapt_step(x, gallery, domain="c")

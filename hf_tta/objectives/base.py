@@ -18,14 +18,21 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
-from ..configuration_utils import ConfigMixin
+from ..configuration_utils import ConfigMixin, check_field_types
 
 ObjectiveState = dict[str, torch.Tensor]
 
 
 @dataclass
 class ObjectiveConfig(ConfigMixin):
-    """Base class of the per-objective configs (hyper-parameters with the paper's defaults)."""
+    """Base class of the per-objective configs (hyper-parameters with the paper's defaults).
+
+    Subclasses are dataclasses; their ``__post_init__`` calls this one first, which checks every field's type against
+    its annotation, then checks the ranges.
+    """
+
+    def __post_init__(self):
+        check_field_types(self)
 
 
 @dataclass

@@ -96,6 +96,7 @@ class ClipTTAConfig(ObjectiveConfig):
     otsu_bins: int = config_field(256, "Histogram bins of Otsu's threshold (skimage default: 256).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("lambda_reg", self.lambda_reg, allow_zero=True)
         check_positive("memory_size", self.memory_size)

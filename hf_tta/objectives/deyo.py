@@ -74,6 +74,7 @@ class DeYOConfig(ObjectiveConfig):
     patch_len: int = config_field(4, "Grid size of the patch shuffle of array-like queries (DeYO: 4, i.e. 4 x 4 patches).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("deyo_margin", self.deyo_margin)
         check_positive("margin_e0", self.margin_e0)

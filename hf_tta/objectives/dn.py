@@ -65,6 +65,7 @@ class DNConfig(ObjectiveConfig):
     renormalize: bool = config_field(False, "L2-normalise both sides after the subtraction (the authors' zero-shot code); retrieval: no.")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("lam", self.lam, allow_zero=True)
         check_positive("num_samples", self.num_samples)
         check_choice("query_mean", self.query_mean, QUERY_MEANS)

@@ -67,6 +67,7 @@ class EATAConfig(ObjectiveConfig):
     fisher_batches: int = config_field(1, "Batches of the stream whose step-0 gradients estimate the Fisher (when fisher_alpha > 0).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("e_margin", self.e_margin)
         check_positive("d_margin", self.d_margin)

@@ -33,6 +33,7 @@ class OracleConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
 
 

@@ -28,6 +28,7 @@ class PLConfig(ObjectiveConfig):
     threshold: float = config_field(0.0, "Minimum top-1 probability for a query to contribute (0 = every query).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         if not 0.0 <= self.threshold < 1.0:
             raise ValueError(f"`threshold` must be in [0, 1), got {self.threshold!r}.")

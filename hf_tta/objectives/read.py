@@ -38,6 +38,7 @@ class READConfig(ObjectiveConfig):
     weight_bal: float = config_field(1.0, "Weight of the balance term (READ/TCR code: 1).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("gamma", self.gamma)
         check_positive("weight_bal", self.weight_bal, allow_zero=True)

@@ -64,6 +64,7 @@ class SARConfig(ObjectiveConfig):
     ema_momentum: float = config_field(0.9, "Momentum of that EMA (SAR: 0.9).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("margin_e0", self.margin_e0)
         check_positive("rho", self.rho)

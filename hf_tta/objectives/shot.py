@@ -39,6 +39,7 @@ class SHOTConfig(ObjectiveConfig):
     cluster_rounds: int = config_field(1, "Extra centroid rounds with hard labels after the soft initialisation (SHOT: 1).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("beta", self.beta, allow_zero=True)
         check_positive("weight_im", self.weight_im, allow_zero=True)

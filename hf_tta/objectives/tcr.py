@@ -126,6 +126,7 @@ class TCRConfig(ObjectiveConfig):
     weight_mg: float = config_field(1.0, "Weight of L_MG (Eq. 3: 1).")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("uniformity_t", self.uniformity_t)
         check_fraction("source_ratio", self.source_ratio)

@@ -32,6 +32,7 @@ class TentConfig(ObjectiveConfig):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
 
 

@@ -73,6 +73,7 @@ class TITANConfig(ObjectiveConfig):
     cbc_weight: float = config_field(1.0, "Weight of the confounder term in the corrected score.")
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive("tau", self.tau)
         check_positive("alpha", self.alpha, allow_zero=True)
         check_positive("hub_threshold", self.hub_threshold, allow_zero=True)
