@@ -228,7 +228,7 @@ class TTAWrapper:
         selected = self.adapter.check_inputs(modality, inputs)
         n = _batch_size(selected)
         if n == 0:
-            raise ValueError(f"Empty {modality} batch: adapt_step needs at least one query.")
+            raise ValueError(f"Empty {modality} batch: give at least one item (a query batch, or a gallery chunk).")
         device = self.device
         for key, value in selected.items():
             if value.dim() == 0 or value.shape[0] != n:
@@ -246,7 +246,10 @@ class TTAWrapper:
         if isinstance(gallery, torch.Tensor):
             gallery = GalleryCache(gallery, self.gallery_modality)
         if not isinstance(gallery, (GalleryCache, GalleryBackend)):
-            raise TypeError(f"gallery must be a GalleryCache (from encode_gallery) or a tensor, got {type(gallery).__name__}.")
+            raise TypeError(
+                f"gallery must be a GalleryCache (from encode_gallery), a top-k GalleryBackend (hf_tta.gallery) or a tensor, "
+                f"got {type(gallery).__name__}."
+            )
         if gallery.modality != self.gallery_modality:
             raise ValueError(
                 f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {self.gallery_modality} "
@@ -374,7 +377,7 @@ class TTAWrapper:
         return mask[:, :-1]
 
     def adapt_step(
-        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor, labels: Any = None
+        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | GalleryBackend | torch.Tensor, labels: Any = None
     ) -> TTAOutput:
         """Adapt on one batch of queries and return their scores against the whole gallery.
 

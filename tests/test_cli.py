@@ -186,6 +186,15 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         ("run", "--severities", "9"): "--severities: severities [9] not in [1, 2, 3, 4, 5]",
         ("run", "--severities", "5,x"): "--severities '5,x': give integers separated by commas",
         ("run", "--direction", "t2i", "--text-severities", "8"): "--text-severities: severities [8] not in",
+        ("run", "--objective-config", '{"tnet": {"tau": 0.01}}'): "--objective-config 'tnet': Unknown objective 'tnet'",
+        ("run", "--objective-config", '{"tent": {"temperature": 1}}'): "--objective-config 'tent':",
+        ("run", "--objective-config", '{"tcr": {"queue_size": 64.5}}'): "`queue_size` must be int",
+        ("run", "--direction", "t2i", "--text-corruptions", "ocr,char_swp"): "unknown text corruptions ['char_swp']",
+        ("run", "--gradient-decoupling", "dn"): "--gradient-decoupling: ['dn'] are training-free",
+        ("run", "--objectives", "tent,dn+gd"): "['dn+gd']: gradient decoupling (+gd) needs a gradient objective",
+        ("run", "--bogus"): "unrecognized arguments: --bogus (see `hf-tta run --help`)",
+        ("clean", "--bogus"): "(see `hf-tta clean --help`)",
+        ("clean", "--direction", "a2t"): "audio/video directions need --model",
         ("plot", str(tmp_path / "missing.json")): "no such file",
         ("merge", str(a_file), "--output-dir", str(tmp_path / "m")): "is not JSON",
     }
@@ -195,6 +204,24 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and err.startswith("hf-tta: error: ") and message in err, (argv, err)
     with pytest.raises(cli.UsageError, match="no such file or folder"):  # --debug: the exception and its traceback
         cli.main(["run", "--dataset", "/nonexistent", "--model", "m", "--debug"])
+
+
+def test_clean_exits_1_when_every_direction_failed(monkeypatch, capsys):
+    from hf_tta.benchmarks.runner import GridRunner
+
+    class Task:
+        model = None
+
+        def describe(self):
+            return "stub task"
+
+    monkeypatch.setattr("hf_tta.cli.clean.make_task", lambda args: Task())
+    failing = {"t2i"}
+    monkeypatch.setattr(GridRunner, "run", lambda self, job: {"error": "boom"} if job.condition.direction in failing else {"R@1": 1.0})
+    assert cli.main(["clean", "--direction", "i2t,t2i"]) == 0  # one direction measured
+    failing.add("i2t")
+    assert cli.main(["clean", "--direction", "i2t,t2i"]) == 1
+    assert '"error": "boom"' in capsys.readouterr().out
 
 
 def test_seeds_show_mean_std_bootstrap_and_won_back(tmp_path, capsys):

@@ -76,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     try:
-        args = build_parser().parse_args(_default_to_run(argv))
+        args, extra = build_parser().parse_known_args(_default_to_run(argv))
+        if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see `hf-tta {args.command} --help`)")
         return handlers[args.command](args)
     except UsageError as err:
         if debug:

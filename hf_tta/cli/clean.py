@@ -22,4 +22,4 @@ def cmd_clean(args) -> int:
         row = runner.run(Job(Condition(d, "clean"), SOURCE))
         out[d] = {k: row.get(k) for k in ("R@1", "R@5", "R@10", "num_queries", "gallery_size", "error") if k in row}
     print(json.dumps({"task": task.describe(), "clean": out}, indent=1, default=str))
-    return 0
+    return 1 if all("error" in row for row in out.values()) else 0

@@ -38,10 +38,11 @@ def _audio_video(args) -> bool:
 def make_task(args):
     from ..benchmarks.tasks import AVTask, EmojiTask, HubTask
 
+    audio_video = _audio_video(args)  # an audio/video direction needs --model and --dataset
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
             raise UsageError("a real run needs both --model and --dataset (or neither, for the emoji benchmark).")
-        task_class = AVTask if _audio_video(args) else HubTask
+        task_class = AVTask if audio_video else HubTask
         return task_class(args.model, args.dataset, limit=args.limit, device=args.device)
     return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir,
                      render_factor=getattr(args, "render_factor", None))
@@ -85,7 +86,13 @@ def resolve_grid(args) -> tuple[list, dict]:
         if args.text_corruptions == "offline":
             text_corruptions, missing = offline_text_corruptions()
         else:
-            text_corruptions, missing = offline_text_corruptions(comma_list(args.text_corruptions))
+            from ..data.corruptions import TEXT_CORRUPTIONS
+
+            named = comma_list(args.text_corruptions)
+            unknown = [n for n in named if n not in TEXT_CORRUPTIONS]
+            if unknown:
+                raise UsageError(f"unknown text corruptions {unknown}; choose from {', '.join(TEXT_CORRUPTIONS)} or 'offline'.")
+            text_corruptions, missing = offline_text_corruptions(named)
         if missing:
             notes["text_corruptions_left_out"] = missing
         text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
@@ -160,6 +167,9 @@ def _objectives(value: str) -> list[str]:
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
                          "and <objective>+gd, +safe, +route, +all, +dn, +key (see `hf-tta list`).")
+    free = [n for n in names if n != "source" and row_spec(n).gd and not get_objective_class(row_spec(n).objective).requires_grad]
+    if free:
+        raise UsageError(f"{free}: gradient decoupling (+gd) needs a gradient objective; leave +gd off training-free ones.")
     if not names:
         raise UsageError("--objectives is empty; name at least one, e.g. --objectives tent,tcr.")
     return names
@@ -167,6 +177,7 @@ def _objectives(value: str) -> list[str]:
 
 def _gradient_decoupling(value: str | None) -> tuple[str, ...] | None:
     from .. import available_objectives
+    from ..objectives import get_objective_class
 
     if value is None:
         return None
@@ -176,6 +187,9 @@ def _gradient_decoupling(value: str | None) -> tuple[str, ...] | None:
     unknown = [n for n in names if n not in available_objectives()]
     if unknown:
         raise UsageError(f"--gradient-decoupling: unknown objectives {unknown}; give registered names (see `hf-tta list`) or 'none'.")
+    free = [n for n in names if not get_objective_class(n).requires_grad]
+    if free:
+        raise UsageError(f"--gradient-decoupling: {free} are training-free; it applies to gradient objectives only.")
     return names
 
 
@@ -189,6 +203,14 @@ def _objective_configs(value: str | None) -> dict:
                          "write it like '{\"tent\": {\"tau\": 0.01}}'.") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise UsageError("--objective-config must map objective names to dicts, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
+    from ..benchmarks.grid import row_spec
+    from ..config import TTAConfig
+
+    for key, overrides in data.items():  # a row ("tcr+safe") or an objective ("tcr"); checked now, not per run
+        try:
+            TTAConfig(objective=row_spec(key).objective, objective_config=overrides)
+        except ValueError as err:
+            raise UsageError(f"--objective-config {key!r}: {str(err).splitlines()[0]}") from None
     return data
 
 
