@@ -365,7 +365,7 @@ class TTAWrapper:
             return None
         if not self.objective.requires_labels:
             raise ValueError(f"Objective {self.config.objective!r} adapts without labels: drop labels=... from adapt_step.")
-        if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        if isinstance(labels, torch.Tensor) and labels.dtype == torch.bool and labels.dim() == 2:
             if labels.shape != (batch, len(gallery)):
                 raise ValueError(f"labels must have shape (queries, gallery) = {(batch, len(gallery))}; got {tuple(labels.shape)}.")
             return labels.to(device=self.device, dtype=torch.bool)

@@ -128,3 +128,37 @@ def test_exact_arithmetic():
     assert type(m["meanr"]) is float and type(m["mAP"]) is float and type(m["medr"]) is float
     m3 = retrieval_metrics(torch.eye(3), torch.tensor([0, 1, 0]), ks=(1,))
     assert m3["R@1"] == 100.0 * 2 / 3  # the float64 value, bit for bit
+
+
+def test_numpy_and_nested_bool_masks_are_masks_not_indices():
+    import numpy as np
+
+    scores = torch.tensor([[0.1, 0.9, 0.3, 0.2], [0.8, 0.1, 0.2, 0.3]])
+    mask = torch.tensor([[False, False, True, False], [True, False, False, False]])
+    want = retrieval_metrics(scores, mask)
+    assert want["R@1"] == 50.0  # query 1's item 0 is its top-1; query 0's item 2 is second
+    for form in (mask.numpy(), mask.tolist(), [[bool(x) for x in row] for row in mask.numpy()]):
+        assert retrieval_metrics(scores, form) == want  # before: True/False were read as indices 1/0 (R@1 100)
+    assert retrieval_metrics(scores, np.array([[2], [0]])) == want
+    with pytest.raises(ValueError, match="3 columns but the gallery has 4"):
+        retrieval_metrics(scores, mask[:, :3])
+    with pytest.raises(ValueError, match="rectangular"):
+        retrieval_metrics(scores, [[False, True, False, False], [True]])
+    with pytest.raises(ValueError, match=">= 0"):
+        retrieval_metrics(scores, [[2, -3], [0]])
+    with pytest.raises(ValueError, match=">= 1"):
+        retrieval_metrics(scores, mask, ks=(0,))
+
+
+def test_topk_metric_ranks_nan_last_like_the_dense_metric():
+    from hf_tta.gallery import TopKScores
+    from hf_tta.metrics import topk_retrieval_metrics
+
+    nan = float("nan")
+    top = TopKScores(torch.tensor([[nan, nan, nan], [0.9, 0.5, 0.1]]), torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    m = topk_retrieval_metrics(top, [[0], [3]], ks=(1,))
+    assert m["R@1"] == 50.0  # the all-NaN row has no hit (before: 100, NaN counted as the best score)
+    dense = torch.full((2, 6), -1.0)
+    dense[0, :3] = nan
+    dense[1, 3:] = torch.tensor([0.9, 0.5, 0.1])
+    assert retrieval_metrics(dense, [[0], [3]], ks=(1,))["R@1"] == 50.0

@@ -20,21 +20,45 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 Relevance = torch.Tensor | Sequence[Sequence[int]] | Sequence[int]
 
 
-def relevance_to_index(relevant: Relevance, num_queries: int, device=None) -> torch.Tensor:
+def _is_bool(x) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _as_array(relevant):
+    """A NumPy array, or a nested list of bools (a mask), as a tensor; ragged index lists stay as they are."""
+    if isinstance(relevant, torch.Tensor):
+        return relevant
+    if isinstance(relevant, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(relevant))
+    first = next((r for r in relevant if hasattr(r, "__len__") and len(r)), None)
+    if first is not None and _is_bool(first[0]):
+        try:
+            return torch.from_numpy(np.asarray(relevant, dtype=bool))
+        except ValueError:
+            raise ValueError("A relevance mask must be rectangular: one bool per gallery item for every query.") from None
+    return relevant
+
+
+def relevance_to_index(relevant: Relevance, num_queries: int, device=None, num_items: int | None = None) -> torch.Tensor:
     """Relevant gallery indices as a ``(B, R)`` long tensor padded with ``-1``.
 
-    Accepts a ``(B, N)`` boolean mask, a ``(B,)`` or ``(B, R)`` index tensor (``-1`` = padding), or a list of
-    lists of indices (ragged).
+    Accepts a ``(B, N)`` boolean mask (a tensor, a NumPy array or nested lists of bools), a ``(B,)`` or ``(B, R)``
+    index tensor or array (``-1`` = padding), or a list of lists of indices (ragged). With ``num_items`` (the gallery
+    size) a mask must be exactly that wide.
     """
+    relevant = _as_array(relevant)
     if isinstance(relevant, torch.Tensor):
         if relevant.dtype == torch.bool:
             if relevant.dim() != 2:
                 raise ValueError(f"A relevance mask must be (queries, gallery); got {tuple(relevant.shape)}.")
+            if num_items is not None and relevant.shape[1] != num_items:
+                raise ValueError(f"The relevance mask has {relevant.shape[1]} columns but the gallery has {num_items} items.")
             counts = relevant.sum(1)
             r = int(counts.max().item()) if relevant.numel() else 0
             idx = torch.full((relevant.shape[0], max(r, 1)), -1, dtype=torch.long, device=relevant.device)
@@ -56,6 +80,8 @@ def relevance_to_index(relevant: Relevance, num_queries: int, device=None) -> to
                 out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     if out.shape[0] != num_queries:
         raise ValueError(f"Relevance has {out.shape[0]} rows but the scores have {num_queries} queries.")
+    if (out < -1).any():
+        raise ValueError(f"Relevant indices must be >= 0 (-1 pads a row); got {int(out.min())}.")
     if device is not None:
         out = out.to(device)
     return out
@@ -70,7 +96,7 @@ def relevant_ranks(scores: torch.Tensor, relevant: Relevance) -> tuple[torch.Ten
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be (queries, gallery); got shape {tuple(scores.shape)}.")
-    idx = relevance_to_index(relevant, scores.shape[0], device=scores.device)
+    idx = relevance_to_index(relevant, scores.shape[0], device=scores.device, num_items=scores.shape[1])
     valid = idx >= 0
     if (idx >= scores.shape[1]).any():
         raise ValueError(f"A relevant index is >= the gallery size {scores.shape[1]}.")
@@ -96,6 +122,8 @@ class RetrievalMetricAccumulator:
 
     def __init__(self, ks: Iterable[int] = (1, 5, 10)):
         self.ks = tuple(int(k) for k in ks)
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"Every cut-off K of R@K must be >= 1, got ks={self.ks}.")
         self._best: list[torch.Tensor] = []
         self._ap: list[torch.Tensor] = []
 

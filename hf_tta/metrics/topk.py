@@ -21,6 +21,7 @@ def topk_relevant_ranks(topk: TopKScores, relevant: Relevance) -> torch.Tensor:
     """Best (smallest) pessimistic rank of each query's relevant items within its top-k: ``(B,)``, ``inf`` if none of
     them is in the top-k."""
     values, indices = topk.values.float(), topk.indices
+    values = torch.nan_to_num(values, nan=float("-inf"))  # NaN ranks last, as in the dense metric (torch.topk puts it first)
     idx = relevance_to_index(relevant, values.shape[0], device=indices.device)  # (B, R), -1 padding
     if not (idx >= 0).any(dim=1).all():
         bad = int((~(idx >= 0).any(dim=1)).nonzero()[0])
