@@ -11,6 +11,7 @@ from hf_tta.data.corruptions import (
     IMAGE_CORRUPTIONS,
     IMAGE_SEVERITIES,
     MAX_TEXT_SEVERITY,
+    REDRAWN_TEXT_CORRUPTIONS,
     SENTENCE_CORRUPTIONS,
     TEXT_CORRUPTIONS,
     WORD_CORRUPTIONS,
@@ -205,6 +206,21 @@ def test_wordnet_synonym_corruptions(name):
         assert len(out.split()) > len(CAPTION.split())
 
 
+def test_the_first_wordnet_draw_of_a_process_equals_the_later_ones():
+    """Importing nltk advances Python's global RNG: WordNet must load before the seeded block, or the first call of a
+    process (a fresh builder worker) draws differently from the next one with the same seed."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hf_tta.data.corruptions import corrupt_text\n"
+        "t = 'a red train travelling down the tracks next to a brick building.'\n"
+        "print(corrupt_text(t, 'synonym_replacement', 7, seed=3) == corrupt_text(t, 'synonym_replacement', 7, seed=3))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-500:]
+
+
 def test_missing_wordnet_names_what_to_install(monkeypatch, tmp_path):
     import nltk.data
 
@@ -273,6 +289,12 @@ def test_optional_similarity_filter_redraws_until_similar_enough():
     first = corrupt_text(CAPTION, "random_deletion", 7, seed=0)
     assert corrupt_text(CAPTION, "random_deletion", 7, seed=0, similarity_fn=similarity, min_similarity=0.0) == first
     assert len(calls) == 1
+    calls.clear()
+    # character-level corruptions are not re-drawn (TCR's benchmark filters the word-level and style ones only)
+    ocr = corrupt_text(CAPTION, "ocr", 7, seed=0, similarity_fn=similarity, min_similarity=2.0, max_tries=6)
+    assert ocr == corrupt_text(CAPTION, "ocr", 7, seed=0) and calls == []
+    assert "back_translation" not in REDRAWN_TEXT_CORRUPTIONS and "formal" in REDRAWN_TEXT_CORRUPTIONS
+    assert set(WORD_CORRUPTIONS) <= REDRAWN_TEXT_CORRUPTIONS and not set(CHAR_CORRUPTIONS) & REDRAWN_TEXT_CORRUPTIONS
 
 
 # ------------------------------------------------------------------------------------------------ diverse

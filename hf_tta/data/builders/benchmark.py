@@ -33,7 +33,13 @@ from tqdm.auto import tqdm
 from ..corruptions.base import derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import corrupt_image
-from ..corruptions.text import TEXT_CORRUPTION_LEVELS, check_text_resources, corrupt_text, corrupt_texts
+from ..corruptions.text import (
+    REDRAWN_TEXT_CORRUPTIONS,
+    TEXT_CORRUPTION_LEVELS,
+    check_text_resources,
+    corrupt_text,
+    corrupt_texts,
+)
 from .base import BUILD_INFO, SPLIT, build_versions, built_configs, encode_image, is_built
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .specs import (
@@ -92,7 +98,7 @@ def _text_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
             new, names, sevs = [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
         else:
             name, sev = spec.corruption, spec.severity
-            if TEXT_CORRUPTION_LEVELS[name] == "sentence" and kw.get("similarity_fn") is None:
+            if TEXT_CORRUPTION_LEVELS[name] == "sentence" and (kw.get("similarity_fn") is None or name not in REDRAWN_TEXT_CORRUPTIONS):
                 # one generate() per image (its captions as a batch), seeded by the image id
                 extra = {k: v for k, v in kw.items() if k in ("models", "device", "generate_kwargs")}
                 new = corrupt_texts(
@@ -144,7 +150,8 @@ class BenchmarkBuilder:
         text_models, wordnet, device, generate_kwargs: resources of the text corruptions (see
             :func:`hf_tta.data.corruptions.text.corrupt_text`).
         similarity_fn, min_similarity, max_tries: the optional "re-draw until similar enough" filter, applied
-            to the word- and sentence-level text corruptions as in the benchmark.
+            to the word-level and style text corruptions as in the benchmark (not back-translation, which is
+            deterministic; see :data:`~hf_tta.data.corruptions.text.REDRAWN_TEXT_CORRUPTIONS`).
         num_proc: processes for ``Dataset.from_generator`` (keep 1 with a GPU seq2seq model).
     """
 

@@ -192,7 +192,7 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
         "- Text corruptions: as the MM_Robustness scripts (Qiu et al. 2023) that TCR used: `nlpaug` character "
         "augmenters, EDA word operations (WordNet 3.0), AEDA punctuation insertion, Styleformer style transfer and "
         "back-translation." + (
-            f" Word- and sentence-level outputs were re-drawn until similarity >= {params.get('min_similarity')}."
+            f" Word-level and style (formal, casual, passive, active) outputs were re-drawn until similarity >= {params.get('min_similarity')}."
             if params.get("similarity_filter")
             else " The optional \"re-draw until similarity >= 0.9\" filter of the benchmark was not applied."
         ),

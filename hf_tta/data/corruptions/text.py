@@ -87,6 +87,12 @@ TEXT_CORRUPTION_LEVELS: dict[str, str] = {
     **{n: "word" for n in WORD_CORRUPTIONS},
     **{n: "sentence" for n in SENTENCE_CORRUPTIONS},
 }
+
+#: The corruptions the similarity filter re-draws (TCR's benchmark: "the word-level and style corruptions"). Not the
+#: character-level ones, and not back-translation, whose greedy decoding gives the same text on every draw.
+REDRAWN_TEXT_CORRUPTIONS: frozenset[str] = frozenset(
+    n for n in TEXT_CORRUPTIONS if TEXT_CORRUPTION_LEVELS[n] == "word" or (TEXT_CORRUPTION_LEVELS[n] == "sentence" and n != "back_translation")
+)
 TEXT_SEVERITIES: dict[str, tuple[int, ...]] = {
     n: ((1,) if TEXT_CORRUPTION_LEVELS[n] == "sentence" else tuple(range(1, 8))) for n in TEXT_CORRUPTIONS
 }
@@ -259,6 +265,12 @@ def _draw(text: str, name: str, severity: int, seed: int | None, wordnet, models
     if not text.strip():
         return text  # no word to corrupt (nlpaug's augmenters fail on an empty string)
     level = TEXT_CORRUPTION_LEVELS[name]
+    # Load what the corruption reads before seeding: importing nltk and loading models draw from the global RNGs, so
+    # a first call that loaded them inside the seeded block would differ from every later call with the same seed.
+    if level == "sentence":
+        sentence_generators(name, models, device)  # cached
+    elif name in ("synonym_replacement", "random_insertion") and (wordnet is None or isinstance(wordnet, (str, os.PathLike))):
+        wordnet = load_wordnet(wordnet)
     with seeded(seed, torch_too=level == "sentence"):
         if level == "char":
             return _char_corrupt(text, name, severity)
@@ -314,7 +326,8 @@ def corrupt_text(
         models: seq2seq checkpoints of the sentence-level corruptions, by name (see :func:`register_text_model`).
         device: where to run the seq2seq models.
         generate_kwargs: overrides of the ``generate`` settings of the sentence-level corruptions.
-        similarity_fn, min_similarity, max_tries: the optional "re-draw until similar enough" filter.
+        similarity_fn, min_similarity, max_tries: the optional "re-draw until similar enough" filter; it applies to
+            :data:`REDRAWN_TEXT_CORRUPTIONS` (word-level and style) and is ignored for the others.
 
     Returns:
         The corrupted caption; a caption with no word (empty or whitespace only) is returned unchanged.
@@ -330,6 +343,8 @@ def corrupt_text(
     def draw(s):
         return _draw(text, name, severity, s, wordnet, models, device, generate_kwargs)
 
+    if name not in REDRAWN_TEXT_CORRUPTIONS:
+        similarity_fn = None
     return _filtered(text, draw, seed, similarity_fn, min_similarity, max_tries)
 
 
@@ -355,7 +370,8 @@ def corrupt_texts(
     bad = next((t for t in texts if not isinstance(t, str)), None)
     if bad is not None:
         raise TypeError(f"texts must be strs; got a {type(bad).__name__}.")
-    if TEXT_CORRUPTION_LEVELS[name] == "sentence" and similarity_fn is None:
+    if TEXT_CORRUPTION_LEVELS[name] == "sentence" and (similarity_fn is None or name not in REDRAWN_TEXT_CORRUPTIONS):
+        sentence_generators(name, kwargs.get("models"), kwargs.get("device"))  # loaded before the seeded blocks
         out: list[str] = []
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
@@ -415,6 +431,7 @@ __all__ = [
     "CHAR_CORRUPTIONS",
     "MAX_TEXT_SEVERITY",
     "PAPER_TEXT_SEVERITIES",
+    "REDRAWN_TEXT_CORRUPTIONS",
     "PUNCTUATION_MARKS",
     "SENTENCE_CORRUPTIONS",
     "TEXT_CORRUPTIONS",
