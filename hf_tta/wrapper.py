@@ -98,6 +98,7 @@ class TTAWrapper:
         self.gallery_modality = cfg.gallery_modality or self._other_modality()
         self.adapter.check_modality(self.gallery_modality)
         self.objective = build_objective(cfg.objective, cfg.build_objective_config())
+        self._closure_fault: str | None = None  # set by a SAM closure whose pass diverged (see _closure)
         # a training-free objective applied to the output scores of any objective (e.g. Distribution Normalization)
         self.score_transform = (
             build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
@@ -496,12 +497,16 @@ class TTAWrapper:
                     self.state.update(previous_state)
                 skipped.append(f"step {step}: {reason}")
                 continue
-            closure = (
-                self._closure(queries, gallery, step, source_cache) if getattr(self.optimizer, "requires_closure", False) else None
-            )
+            closure, snapshot = None, None
+            if getattr(self.optimizer, "requires_closure", False):  # SAM: a second pass inside the step
+                closure, snapshot, self._closure_fault = self._closure(queries, gallery, step, source_cache), self._snapshot(), None
             with scaled_step_size(self.optimizer, self._gd_step_factor(res)):  # GD's W_d on the step size
                 self.optimizer.step(closure)
             self.optimizer.zero_grad(set_to_none=True)
+            if snapshot is not None and self._closure_fault is not None:  # the second pass diverged: undo the step
+                self._restore(snapshot)
+                skipped.append(f"step {step}: {self._closure_fault} in the second (SAM) pass")
+                continue
             updates += 1
             if self.objective.on_step_end(inputs, res, self.state):
                 self._restore_parameters()
@@ -573,9 +578,14 @@ class TTAWrapper:
             inputs = dataclasses.replace(self._inputs(queries, gallery, step, source_cache, record=False), in_closure=True)
             res = self.objective(inputs, dict(self.state))
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
-            if loss is None or not torch.isfinite(loss):
+            if loss is None:  # nothing selected: SAR's code still takes its zero-gradient base step
+                return torch.tensor(float("nan"))
+            if not torch.isfinite(loss.detach()):
+                self._closure_fault = "non-finite loss"  # the caller restores the step's snapshot
                 return torch.tensor(float("nan"))
             self._backward(res, inputs)
+            if not _grads_finite(self.params.values()):
+                self._closure_fault = "non-finite gradient"
             return loss.detach()
 
         return closure

@@ -171,6 +171,42 @@ def test_non_finite_loss_updates_nothing(monkeypatch):
     assert torch.isfinite(out.scores).all()
 
 
+@pytest.mark.parametrize("fault", ["loss", "gradient"])
+def test_a_non_finite_second_sam_pass_updates_nothing(monkeypatch, fault):
+    """SAR's second pass runs inside the optimiser step: a NaN there must not reach the parameters, the Adam moments
+    or SAR's EMA (before: the base step ran anyway and the EMA went NaN for good)."""
+    tta = _tta("clip", "image", objective="sar")
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    tta.adapt_step(batch("image", 6, seed=2), g)  # EMA and moments exist
+    params = {n: p.clone() for n, p in tta.params.items()}
+    ema = tta.state["ema"].clone()
+    opt_state = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in tta.optimizer.state.items()}
+    original = type(tta.objective).__call__
+
+    def nan_second_pass(self, inputs, st):
+        out = original(self, inputs, st)
+        if inputs.in_closure and out.loss is not None:
+            if fault == "loss":
+                out.loss = out.loss * float("nan")
+                self._second_loss = out.loss.detach()
+            else:  # a finite loss whose gradient is NaN: d sqrt(z^2)/dz at z = 0 is 0/0
+                z = inputs.query_emb.sum() - inputs.query_emb.sum().detach()
+                out.loss = out.loss + torch.sqrt(z * z)
+        return out
+
+    monkeypatch.setattr(type(tta.objective), "__call__", nan_second_pass)
+    out = tta.adapt_step(batch("image", 6, seed=3), g)
+    monkeypatch.undo()
+    assert out.num_updates == 0 and len(out.skipped) == tta.config.steps
+    assert all("second (SAM) pass" in s for s in out.skipped), out.skipped
+    assert all(torch.equal(p, params[n]) for n, p in tta.params.items())
+    assert torch.equal(tta.state["ema"], ema) and torch.isfinite(tta.state["ema"]).all()
+    for k, v in tta.optimizer.state.items():
+        assert all(torch.equal(vv, opt_state[k][kk]) for kk, vv in v.items())
+    later = tta.adapt_step(batch("image", 6, seed=4), g)  # the stream goes on, finite
+    assert later.num_updates > 0 and torch.isfinite(later.scores).all() and torch.isfinite(tta.state["ema"]).all()
+
+
 # ------------------------------------------------------------------------------------- save / load / resume
 RESUME_CASES = [(m, q, "tcr") for m in sorted(TINY_MODELS) for q in ("image", "text")] + [("blip2", "image", "tent")]
 

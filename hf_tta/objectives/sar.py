@@ -189,7 +189,7 @@ class SAR(Objective):
     def on_step_end(self, inputs: ObjectiveInputs, output: LossOutput, state: ObjectiveState) -> bool:
         """Update the EMA of the second loss; ask for recovery (source parameters) when it falls below the constant."""
         second, self._second_loss, self._first_pass = self._second_loss, None, None
-        if second is None:
+        if second is None or not torch.isfinite(second):  # a diverged pass 2 never enters the EMA
             return False
         ema = state["ema"]
         m = self.config.ema_momentum
