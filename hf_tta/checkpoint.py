@@ -94,6 +94,31 @@ def describe_fingerprint(fp: Mapping[str, Any]) -> str:
     return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}, {len(fp['adapted'])} adapted tensors)"
 
 
+#: Config fields that say how to run, not what the adapted state means: a checkpoint loads across them (a checkpoint
+#: saved without the safety layer loads into a wrapper with it, whose monitors then start fresh).
+RUN_ONLY_FIELDS = ("fast_step", "gallery_batch_size", "safety")
+
+
+def config_mismatch(saved: Mapping[str, Any], wrapper: TTAWrapper) -> str | None:
+    """A one-line error when the checkpoint's config differs from ``wrapper``'s (both resolved, so a default written
+    out on one side equals the same value on the other) in anything but :data:`RUN_ONLY_FIELDS`; ``None`` if equal."""
+    from .config import TTAConfig
+
+    def plain(config: TTAConfig) -> dict[str, Any]:
+        data = json.loads(json.dumps(config.resolved().to_dict(), sort_keys=True))  # JSON's view: str keys, lists
+        return {k: v for k, v in data.items() if k not in RUN_ONLY_FIELDS}
+
+    ours = plain(wrapper.resolved_config())
+    theirs = plain(TTAConfig.from_dict({k: v for k, v in saved.items() if k in ours or k in RUN_ONLY_FIELDS}))
+    diff = [f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in sorted(ours) if theirs.get(k) != ours[k]]
+    if not diff:
+        return None
+    return (
+        f"The checkpoint was saved with another config ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): "
+        "load it with TTAWrapper.from_pretrained(model, path), which rebuilds the wrapper from the checkpoint's config."
+    )
+
+
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], check_params: bool = True) -> str | None:
     """``None`` if ``current`` is the model ``saved`` describes, else a message naming both."""
     if saved["model_class"] != current["model_class"]:
@@ -265,21 +290,25 @@ def state_tensors(
 def restore_state(wrapper: TTAWrapper, ckpt: Checkpoint) -> None:
     """Load what :func:`state_tensors` laid out into ``wrapper`` (same source model and config): parameters, a fresh
     optimiser with the saved state, objective and score-transform state, batch counter, RNG and safety monitor. A
-    checkpoint adapted from another model is refused with a message naming both, before anything changes."""
+    checkpoint adapted from another model, or saved with another config (objective, hyper-parameters, learning
+    rate, ...), is refused with a message naming the difference, before anything changes."""
     meta = ckpt.metadata
+    if "routed" in meta:
+        raise ValueError("This checkpoint holds one adapter per domain (saved by RoutedTTAWrapper): load it with RoutedTTAWrapper.")
     if ckpt.fingerprint is not None:
         mismatch = fingerprint_mismatch(ckpt.fingerprint, wrapper.fingerprint())
         if mismatch:
             raise ValueError(mismatch)
+    mismatch = config_mismatch(ckpt.config, wrapper)
+    if mismatch:
+        raise ValueError(mismatch)
     if meta["param_names"] != list(wrapper.params):
         raise ValueError(
             "The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?"
         )
     tensors = {k: v.to(wrapper.device) for k, v in ckpt.tensors.items()}
-    with torch.no_grad():
-        for name, p in wrapper.params.items():
-            p.copy_(tensors[f"param.{name}"])
-    if wrapper.optimizer is not None:
+    optimizer = None
+    if wrapper.optimizer is not None:  # built and loaded before any parameter changes: a refusal here changes nothing
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
             if key.startswith("optim."):
@@ -287,8 +316,13 @@ def restore_state(wrapper: TTAWrapper, ckpt: Checkpoint) -> None:
                 state.setdefault(int(pid), {})[sub] = value.cpu() if sub == "step" else value
         for pid, plain in meta["optimizer"]["plain_state"].items():
             state.setdefault(int(pid), {}).update(plain)
-        wrapper.optimizer = wrapper._make_optimizer()
-        wrapper.optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+        optimizer = wrapper._make_optimizer()
+        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    with torch.no_grad():
+        for name, p in wrapper.params.items():
+            p.copy_(tensors[f"param.{name}"])
+    if optimizer is not None:
+        wrapper.optimizer = optimizer
     wrapper.state = {k[len("objective.") :]: v for k, v in tensors.items() if k.startswith("objective.")}
     if wrapper.score_transform is not None:
         prefix = "score_transform."

@@ -501,6 +501,9 @@ class RoutedTTAWrapper(TTAWrapper):
                 raise ValueError(mismatch)
         if routed["param_names"] != list(self.params):
             raise ValueError("The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?")
+        mismatch = checkpoint.config_mismatch(ckpt.config, self)
+        if mismatch:
+            raise ValueError(mismatch.replace("TTAWrapper.from_pretrained", "RoutedTTAWrapper.from_pretrained"))
         saved = RoutingConfig.from_dict(routed["routing"])
         if saved != self.routing:
             raise ValueError(f"The checkpoint was routed with {saved}, this wrapper with {self.routing}: build it with the checkpoint's routing.")
@@ -523,7 +526,7 @@ class RoutedTTAWrapper(TTAWrapper):
             sub_meta = {"param_names": list(self.params), "optimizer": routed["optimizers"][i]}
             if routed.get("safety"):  # a checkpoint saved without the safety layer starts fresh monitors
                 sub_meta["safety"] = routed["safety"][i]
-            TTAWrapper._load_checkpoint(self, dataclasses.replace(ckpt, tensors=parts[i], metadata=sub_meta))
+            checkpoint.restore_state(self, dataclasses.replace(ckpt, tensors=parts[i], metadata=sub_meta))
             self._live = self._domains[slot]
             self._sync()
         self._router_slots = list(routed["router_slots"])

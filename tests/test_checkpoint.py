@@ -107,6 +107,29 @@ def test_load_state_refusal_changes_nothing(tmp_path):
     assert text.batch_index == 1
 
 
+@pytest.mark.parametrize(
+    "other, words",
+    [
+        ({"objective": "rest"}, "objective: 'tcr' there, 'rest' here"),  # before: loaded TCR's queue into REST
+        ({"lr": 1e-2}, "lr: 0.0003 there, 0.01 here"),  # before: the checkpoint's lr silently replaced the wrapper's
+        ({"objective_config": {"queue_size": 32}}, "objective_config"),
+        ({"objective": "cliptta", "objective_config": {"open_set": True}}, "objective"),  # 2 optimiser groups
+    ],
+)
+def test_load_state_refuses_another_config_and_changes_nothing(tmp_path, other, words):
+    saved = _adapted(1)
+    saved.save_pretrained(tmp_path / "ckpt")
+    tta = TTAWrapper(make_model("clip"), TTAConfig(**{"objective": "tcr", "query_modality": "image", **other}))
+    params = {n: p.detach().clone() for n, p in tta.params.items()}
+    with pytest.raises(ValueError, match=words) as err:
+        tta.load_state(tmp_path / "ckpt")
+    assert "TTAWrapper.from_pretrained" in str(err.value) and "\n" not in str(err.value)
+    assert _same_tensors(params, {n: p.detach() for n, p in tta.params.items()}) and tta.batch_index == 0
+    same = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", fast_step=False))
+    same.load_state(tmp_path / "ckpt")  # how to run (fast_step, gallery_batch_size) is not the config's meaning
+    assert same.batch_index == 1 and _same_tensors(dict(saved.params), dict(same.params))
+
+
 def test_bad_targets_are_refused(tmp_path):
     tta = _adapted(0)
     (tmp_path / "file").write_text("x")

@@ -305,8 +305,10 @@ def test_routed_and_plain_checkpoints_are_not_confused(tmp_path):
     gallery = _gallery(tta)
     tta.adapt_step({"pixel_values": _mixed(0)[0]}, gallery)
     tta.save_pretrained(tmp_path / "routed")
-    with pytest.raises(ValueError, match="other parameters"):
+    with pytest.raises(ValueError, match="saved by RoutedTTAWrapper.*load it with RoutedTTAWrapper"):
         TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "routed")
+    with pytest.raises(ValueError, match="another config .*objective: 'tcr' there, 'tent' here.*RoutedTTAWrapper.from_pretrained"):
+        _routed(objective="tent").load_state(tmp_path / "routed")
     plain = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image"))
     plain.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="one adapter"):
