@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from peft import LNTuningConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -49,6 +50,13 @@ class GalleryCache:
     single: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
+        if not isinstance(self.embeddings, torch.Tensor):
+            raise TypeError(f"Gallery embeddings must be a tensor, got {type(self.embeddings).__name__}: use encode_gallery().")
+        if self.embeddings.dim() not in (2, 3) or not self.embeddings.is_floating_point():
+            raise ValueError(
+                f"Gallery embeddings must be a floating-point (N, D) or (N, Q, D) tensor, got {self.embeddings.dtype} "
+                f"of shape {tuple(self.embeddings.shape)}: use encode_gallery()."
+            )
         self.embeddings = self.embeddings.detach()
         if not torch.isfinite(self.embeddings).all():  # checked once here, not at every step
             raise ValueError("The gallery embeddings contain NaN or inf values.")
@@ -99,6 +107,7 @@ class TTAWrapper:
         self.adapter.check_modality(self.gallery_modality)
         self.objective = build_objective(cfg.objective, cfg.build_objective_config())
         self._closure_fault: str | None = None  # set by a SAM closure whose pass diverged (see _closure)
+        self._tensor_gallery: tuple | None = None  # (tensor, its version, its GalleryCache): a raw gallery, wrapped once
         # a training-free objective applied to the output scores of any objective (e.g. Distribution Normalization)
         self.score_transform = (
             build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
@@ -109,6 +118,11 @@ class TTAWrapper:
         self.params: dict[str, nn.Parameter] = {}
         self.target_modules: list[str] = []
         if self.objective.requires_grad:
+            if any(isinstance(m, BaseTunerLayer) for m in self.model.modules()):
+                raise ValueError(
+                    "This model already carries PEFT adapter layers (does another TTAWrapper wrap it?): pass a fresh "
+                    "source model, or load a checkpoint into the existing wrapper with its load_state(path)."
+                )
             self.target_modules = self._resolve_targets()
             pattern = "^(" + "|".join(re.escape(n) for n in self.target_modules) + ")$"
             with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
@@ -245,7 +259,15 @@ class TTAWrapper:
     def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
         """A dense gallery, or a top-k backend (objectives see the batch's candidates, see ``hf_tta.gallery.base``)."""
         if isinstance(gallery, torch.Tensor):
-            gallery = GalleryCache(gallery, self.gallery_modality)
+            held = self._tensor_gallery
+            if held is not None and held[0] is gallery and held[1] == gallery._version:
+                gallery = held[2]  # the same, unmodified tensor as the last batch: wrapped (and NaN-checked) once
+            else:
+                tensor, dtype = gallery, next(self.model.parameters()).dtype
+                if tensor.is_floating_point() and tensor.dtype != dtype:
+                    gallery = gallery.to(dtype)  # like the queries' features: cast once to the model's dtype
+                gallery = GalleryCache(gallery, self.gallery_modality)
+                self._tensor_gallery = (tensor, tensor._version, gallery)
         if not isinstance(gallery, (GalleryCache, GalleryBackend)):
             raise TypeError(
                 f"gallery must be a GalleryCache (from encode_gallery), a top-k GalleryBackend (hf_tta.gallery) or a tensor, "

@@ -224,3 +224,34 @@ def test_custom_dual_encoder_checks_dtypes_and_declared_specs():
 def test_input_spec_kind_is_validated():
     with pytest.raises(ValueError, match="kind must be one of"):
         InputSpec("pixels")
+
+
+def test_gallery_tensors_are_checked_and_cast_once():
+    tta = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image"))
+    g = tta.encode_gallery(text_batch(8, seed=1))
+    q = batch("image", 4, seed=2)
+    for bad, words in [
+        (g.embeddings[0], "floating-point \\(N, D\\) or \\(N, Q, D\\)"),  # 1-D
+        (g.embeddings.long(), "floating-point"),
+        (g.embeddings.numpy(), "must be a GalleryCache"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=words):
+            tta.adapt_step(q, bad)
+    assert tta.batch_index == 0  # refused before anything ran
+    half = g.embeddings.half()  # another float dtype: cast once to the model's, as query features are
+    out = tta.adapt_step(q, half)
+    assert out.scores.dtype == torch.float32 and tta._tensor_gallery[2].embeddings.dtype == torch.float32
+    held = tta._tensor_gallery[2]
+    tta.adapt_step(batch("image", 4, seed=3), half)
+    assert tta._tensor_gallery[2] is held  # the same tensor is wrapped and NaN-checked once, not per batch
+    half.mul_(1.0)  # modified in place: wrapped again
+    tta.adapt_step(batch("image", 4, seed=4), half)
+    assert tta._tensor_gallery[2] is not held
+
+
+def test_a_model_already_wrapped_is_refused_in_one_line():
+    model = make_model("clip")
+    TTAWrapper(model, TTAConfig(query_modality="image"))
+    with pytest.raises(ValueError, match="already carries PEFT adapter layers") as err:
+        TTAWrapper(model, TTAConfig(query_modality="image"))
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
