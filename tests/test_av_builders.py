@@ -111,6 +111,16 @@ def test_cav_mae_datafile_with_label_names(tmp_path, fixture):
     assert len(frames) == T and getattr(frames[0], "encoded", None) is not None  # clean JPEGs are stored as they are
 
 
+def test_a_video_file_without_an_audio_entry_gives_its_own_audio_track(tmp_path):
+    (tmp_path / "a.mp4").write_bytes(b"not decoded by read_clip_list")
+    (tmp_path / "clips.jsonl").write_text(json.dumps({"id": "x", "video": "a.mp4", "text": "a dog barks"}) + "\n")
+    clips, report = read_clip_list(tmp_path / "clips.jsonl")
+    assert report.usable == 1 and report.missing_audio == [] and clips[0].audio is None  # read_clip_audio uses the video
+    (tmp_path / "clips.jsonl").write_text(json.dumps({"id": "y", "video": str(tmp_path), "text": "frames only"}) + "\n")
+    clips, report = read_clip_list(tmp_path / "clips.jsonl")
+    assert report.missing_audio == ["y"]  # a frame folder has no audio track
+
+
 def test_configs_hold_the_corrupted_queries_and_the_clean_gallery(fixture):
     built, pairs, settings = fixture["built"], fixture["pairs"], fixture["settings"]
     clean = built["clean"]

@@ -165,6 +165,17 @@ def test_missing_and_corrupt_sources_are_reported(tmp_path):
     assert len(report["missing"]) == 1 and len(report["unreadable"]) == 1 and report["problems"] == 2
 
 
+def test_an_image_without_captions_and_an_unknown_benchmark_are_one_line_errors(tmp_path):
+    path = write_karpathy(tmp_path, n=3)
+    data = json.loads(path.read_text())
+    data["images"][1]["sentences"] = []  # would be an i2t query with no relevant caption, failing only at evaluation
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"entry #1 \(COCO_val2014_000000000001.jpg\) has no sentences"):
+        make_builder(tmp_path, seed=0).build(["clean"])
+    with pytest.raises(ValueError, match="Unknown benchmark 'coco'; choose from coco-c, flickr-c"):
+        BenchmarkBuilder("coco", path, tmp_path, tmp_path / "out")
+
+
 def test_flickr_layout(tmp_path):
     write_karpathy(tmp_path, kind="flickr", n=2)
     ds = make_builder(tmp_path, kind="flickr", seed=0).build(["clean", "image-pixelate-5"])

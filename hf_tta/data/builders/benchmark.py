@@ -43,9 +43,9 @@ from ..corruptions.text import (
 from .base import BUILD_INFO, SPLIT, build_versions, built_configs, encode_image, is_built
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .specs import (
-    IMAGE_TEXT_BENCHMARKS,
     BenchmarkSpec,
     ConfigSpec,
+    benchmark_spec,
     default_configs,
     image_features,
     parse_config_name,
@@ -182,7 +182,7 @@ class BenchmarkBuilder:
         check_decode: bool = True,
         show_progress: bool = True,
     ):
-        self.spec = IMAGE_TEXT_BENCHMARKS[benchmark] if isinstance(benchmark, str) else benchmark
+        self.spec = benchmark_spec(benchmark)
         self.karpathy_json = Path(karpathy_json)
         self.images_root = Path(images_root)
         self.output_dir = Path(output_dir)

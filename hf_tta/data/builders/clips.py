@@ -139,7 +139,7 @@ def read_clip_list(
         raise ValueError(f"{path} lists the same clip id more than once.")
     if check_files:
         for c in clips:
-            if not c.audio or not Path(c.audio).exists():
+            if not _has_audio(c):
                 report.missing_audio.append(c.id)
             if not _has_video(c):
                 report.missing_video.append(c.id)
@@ -147,6 +147,13 @@ def read_clip_list(
         clips = [c for c in clips if c.id not in bad]
     logger.info("read_clip_list(%s): %s", path, report.summary())
     return clips, report
+
+
+def _has_audio(clip: AVClip) -> bool:
+    """An audio file, or (as :func:`read_clip_audio` reads it) a video file's own audio track."""
+    if clip.audio:
+        return Path(clip.audio).exists()
+    return bool(clip.video) and Path(clip.video).suffix.lower() in VIDEO_FILE_EXTENSIONS and Path(clip.video).exists()
 
 
 def _has_video(clip: AVClip) -> bool:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from .base import BUILD_INFO, CLEAN, SPLIT, built_configs
 from .card import card_metadata, card_text
-from .specs import IMAGE_TEXT_BENCHMARKS, BenchmarkSpec, parse_config_name
+from .specs import BenchmarkSpec, benchmark_spec, parse_config_name
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def push_benchmark(
     build_info = json.loads(info_path.read_text(encoding="utf-8"))
     if spec is None:
         spec = build_info["params"]["benchmark"]
-    spec = IMAGE_TEXT_BENCHMARKS[spec] if isinstance(spec, str) else spec
+    spec = benchmark_spec(spec)
     built = built_configs(output_dir)
     configs = _order(built if configs is None else configs)
     missing = [c for c in configs if c not in built]

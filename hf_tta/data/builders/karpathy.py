@@ -112,6 +112,8 @@ def karpathy_images(
             sentences = entry["sentences"]
         except KeyError as err:
             raise ValueError(f"Karpathy entry #{pos} lacks {err}: {str(entry)[:200]}") from err
+        if not sentences:  # it would be a query with no relevant caption, which no metric can score
+            raise ValueError(f"Karpathy entry #{pos} ({filename}) has no sentences: every image needs a caption; remove it from the split file.")
         image_id = int(entry.get("imgid", pos))
         raws = [str(s.get("raw", " ".join(s.get("tokens", [])))).strip() for s in sentences]
         ids = [int(s.get("sentid", image_id * 1000 + k)) for k, s in enumerate(sentences)]

@@ -93,6 +93,17 @@ FLICKR_C = BenchmarkSpec(
 IMAGE_TEXT_BENCHMARKS: dict[str, BenchmarkSpec] = {COCO_C.name: COCO_C, FLICKR_C.name: FLICKR_C}
 
 
+def benchmark_spec(benchmark: str | BenchmarkSpec) -> BenchmarkSpec:
+    """The spec of a benchmark name (``"coco-c"``, ``"flickr-c"``) or the spec itself; an unknown name is a
+    ``ValueError`` that lists the known ones."""
+    if isinstance(benchmark, BenchmarkSpec):
+        return benchmark
+    try:
+        return IMAGE_TEXT_BENCHMARKS[benchmark]
+    except (KeyError, TypeError):
+        raise ValueError(f"Unknown benchmark {benchmark!r}; choose from {', '.join(IMAGE_TEXT_BENCHMARKS)}.") from None
+
+
 # ------------------------------------------------------------------------------------------------ config names
 @dataclass(frozen=True)
 class ConfigSpec:
