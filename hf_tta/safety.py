@@ -158,11 +158,12 @@ class StateSnapshot:
 
     @staticmethod
     def _live(tta: "TTAWrapper") -> tuple[list[tuple[str, ...]], list[torch.Tensor], dict[str, dict[str, Any]]]:
-        keys: list[tuple[str, ...]] = [("param", n) for n in tta.params]
-        tensors: list[torch.Tensor] = [p.detach() for p in tta.params.values()]
+        named = tta.named_optimized_parameters()  # the adapted parameters and e.g. ClipTTA's open-set alpha
+        keys: list[tuple[str, ...]] = [("param", n) for n, _ in named]
+        tensors: list[torch.Tensor] = [p.detach() for _, p in named]
         plain: dict[str, dict[str, Any]] = {}
         opt_state = tta.optimizer.state if tta.optimizer is not None else {}
-        for name, p in tta.params.items():
+        for name, p in named:
             for key, value in opt_state.get(p, {}).items():
                 if torch.is_tensor(value):
                     keys.append(("optim", name, key))
@@ -189,18 +190,19 @@ class StateSnapshot:
     def restore(self, tta: "TTAWrapper") -> None:
         """Put the snapshot back, bit-exactly: parameters copied in place, the optimiser's per-parameter state replaced
         by copies (state created after the snapshot is dropped), the objective state replaced by copies."""
-        params = [tta.params[k[1]] for k in self.keys if k[0] == "param"]
+        live = dict(tta.named_optimized_parameters())
+        params = [live[k[1]] for k in self.keys if k[0] == "param"]
         values = [b for k, b in zip(self.keys, self.buffers) if k[0] == "param"]
         if params:
             torch._foreach_copy_(params, values)
         if tta.optimizer is not None:
-            for p in tta.params.values():
+            for p in live.values():
                 tta.optimizer.state.pop(p, None)
             for key, buf in zip(self.keys, self.buffers):
                 if key[0] == "optim":
-                    tta.optimizer.state[tta.params[key[1]]][key[2]] = buf.clone()
+                    tta.optimizer.state[live[key[1]]][key[2]] = buf.clone()
             for name, plain in self.optim_plain.items():
-                tta.optimizer.state[tta.params[name]].update(copy.deepcopy(plain))
+                tta.optimizer.state[live[name]].update(copy.deepcopy(plain))
         tta.state.clear()
         tta.state.update({k: v.clone() for k, v in self.objective.items()})
 

@@ -471,24 +471,33 @@ class TTAWrapper:
         """The checked loop with one host sync per batch (:func:`hf_tta.fast_step.adapt_deferred`)."""
         return adapt_deferred(self, queries, gallery)
 
+    def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The adapted parameters by name, then any other tensor the optimiser steps (ClipTTA's open-set threshold
+        alpha), named ``optimizer.extra.<i>``: what a rollback must restore, with its optimiser state."""
+        named = list(self.params.items())
+        if self.optimizer is not None:
+            seen = {id(p) for _, p in named}
+            extra = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in seen]
+            named += [(f"optimizer.extra.{i}", p) for i, p in enumerate(extra)]
+        return named
+
     def _snapshot(self) -> tuple:
-        """Adapted parameters, optimiser moments and steps (copied on the device in one foreach call), the
-        objective's state and the RNG state, for :meth:`_restore`."""
+        """Adapted parameters (and other optimised tensors), optimiser moments and steps (copied on the device in one
+        foreach call), the objective's state and the RNG state, for :meth:`_restore`."""
         opt_state = self.optimizer.state
-        had_state = [p in opt_state and bool(opt_state[p]) for p in self.params.values()]
-        tensors = list(self.params.values()) + [
-            t for p in self.params.values() if p in opt_state for t in opt_state[p].values() if torch.is_tensor(t)
-        ]
+        params = [p for _, p in self.named_optimized_parameters()]
+        had_state = [p in opt_state and bool(opt_state[p]) for p in params]
+        tensors = params + [t for p in params if p in opt_state for t in opt_state[p].values() if torch.is_tensor(t)]
         with torch.no_grad():
             copies = torch._foreach_mul(tensors, 1.0) if tensors else []  # x * 1 is exact (also -0.0 and NaN)
-        return tensors, copies, had_state, dict(self.state), self.generator.get_state()
+        return tensors, copies, params, had_state, dict(self.state), self.generator.get_state()
 
     @torch.no_grad()
     def _restore(self, snapshot: tuple) -> None:
-        tensors, copies, had_state, state, rng = snapshot
+        tensors, copies, params, had_state, state, rng = snapshot
         if tensors:
             torch._foreach_copy_(tensors, copies)
-        for p, had in zip(self.params.values(), had_state):
+        for p, had in zip(params, had_state):
             if not had:
                 self.optimizer.state.pop(p, None)  # moments created after the snapshot
         self.state.clear()

@@ -427,3 +427,25 @@ def test_safety_around_dn_alone_keeps_degenerate_batches_out_of_its_query_mean()
 
     assert torch.equal(with_prefix({}), s_off)  # as if the prefix never happened
     assert not torch.equal(with_prefix(None), s_off)  # without safety the prefix stays in DN's query mean
+
+
+def test_a_rollback_restores_every_optimised_tensor_also_cliptta_open_set_alpha():
+    """ClipTTA's open-set threshold alpha has its own AdamW group outside the adapted LayerNorms: a snapshot and a
+    rollback must cover its value and moments too (before: they kept the rolled-back steps' moments)."""
+    from hf_tta.safety import StateSnapshot
+
+    cfg = TTAConfig(objective="cliptta", query_modality="image", objective_config={"open_set": True}, lr=0.05)
+    tta = TTAWrapper(make_model("clip"), cfg)
+    g = tta.encode_gallery(batch("text", 12, seed=1))
+    tta.adapt_step(batch("image", 8, seed=2), g)
+    names = [n for n, _ in tta.named_optimized_parameters()]
+    assert names[-1] == "optimizer.extra.0" and len(names) == len(tta.params) + 1
+    alpha = dict(tta.named_optimized_parameters())["optimizer.extra.0"]
+    before = {k: v.clone() for k, v in tta.optimizer.state[alpha].items()}
+    value = alpha.detach().clone()
+    snap = StateSnapshot().take(tta)
+    tta.adapt_step(batch("image", 8, seed=3), g)
+    assert not torch.equal(tta.optimizer.state[alpha]["exp_avg"], before["exp_avg"])  # the step moved them
+    snap.restore(tta)
+    assert all(torch.equal(tta.optimizer.state[alpha][k], v) for k, v in before.items())
+    assert torch.equal(alpha.detach(), value)
