@@ -246,6 +246,25 @@ def test_missing_seq2seq_model_says_what_is_missing(monkeypatch):
         corrupt_text(CAPTION, "back_translation", 1, models={"back_translation": ("/nonexistent/en-de", "/nonexistent/de-en")})
 
 
+def test_default_seq2seq_checkpoints_are_never_downloaded_implicitly(monkeypatch):
+    """Offline by default: the benchmark's default checkpoints load only from the local cache; a checkpoint the user
+    names (models=...) loads as from_pretrained does."""
+    calls = []
+
+    def record(spec, device=None, purpose="", local_files_only=False):
+        calls.append((str(spec), local_files_only))
+        raise MissingResourceError(f"{purpose}: not here")
+
+    monkeypatch.setattr(text_mod, "_TEXT_MODELS", {})
+    monkeypatch.setattr(text_mod, "_LOADED", {})
+    monkeypatch.setattr(text_mod.Seq2SeqGenerator, "from_pretrained", staticmethod(record))
+    with pytest.raises(MissingResourceError, match="loads only from your Hugging Face cache"):
+        corrupt_text(CAPTION, "formal", 1, seed=0)
+    with pytest.raises(MissingResourceError):
+        corrupt_text(CAPTION, "formal", 1, seed=0, models={"formal": "me/my-styleformer"})
+    assert calls == [("prithivida/informal_to_formal_styletransfer", True), ("me/my-styleformer", False)]
+
+
 def test_registered_model_and_batched_sentence_corruption(tiny_seq2seq):
     text_mod.register_text_model("casual", tiny_seq2seq)
     try:

@@ -2,8 +2,9 @@
 active) and en→de→en back-translation, with any Hugging Face seq2seq checkpoint.
 
 The checkpoint of a corruption comes from the ``models=`` argument, else :func:`register_text_model`, else
-:data:`DEFAULT_TEXT_MODELS` (the benchmark's; offline only when they are in the Hugging Face cache). Loaded models
-are cached per process (:func:`clear_text_model_cache`).
+:data:`DEFAULT_TEXT_MODELS` (the benchmark's). Offline by default: the defaults load only from the local Hugging
+Face cache (``hf download <id>`` first, or name them with ``models=`` to let them download); checkpoints the user
+names load as ``from_pretrained`` does. Loaded models are cached per process (:func:`clear_text_model_cache`).
 """
 
 from __future__ import annotations
@@ -70,15 +71,17 @@ class Seq2SeqGenerator:
             self.model.to(device)
 
     @classmethod
-    def from_pretrained(cls, spec: str | os.PathLike, device=None, purpose: str = "") -> "Seq2SeqGenerator":
+    def from_pretrained(
+        cls, spec: str | os.PathLike, device=None, purpose: str = "", local_files_only: bool = False
+    ) -> "Seq2SeqGenerator":
         try:
             import torch
             from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
         except ImportError as err:  # pragma: no cover
             raise MissingResourceError(f"{purpose} needs `transformers` and `torch`. ({err})") from err
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(spec))
-            model = AutoModelForSeq2SeqLM.from_pretrained(str(spec), dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=local_files_only)
+            model = AutoModelForSeq2SeqLM.from_pretrained(str(spec), dtype=torch.float32, local_files_only=local_files_only)
         except (OSError, ValueError, ImportError) as err:
             raise MissingResourceError(
                 f"{purpose} could not load the seq2seq checkpoint {str(spec)!r}: {type(err).__name__}: "
@@ -101,7 +104,7 @@ class Seq2SeqGenerator:
         return [s.strip() for s in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
 
 
-def _resolve_generator(spec: Any, name: str, device, role: str = "") -> Seq2SeqGenerator:
+def _resolve_generator(spec: Any, name: str, device, role: str = "", local_files_only: bool = False) -> Seq2SeqGenerator:
     if isinstance(spec, Seq2SeqGenerator):
         return spec
     if isinstance(spec, (tuple, list)) and len(spec) == 2 and not isinstance(spec[0], (str, os.PathLike)):
@@ -111,16 +114,18 @@ def _resolve_generator(spec: Any, name: str, device, role: str = "") -> Seq2SeqG
         purpose = f"The sentence-level text corruption {name!r}{role}"
         with _LOCK:
             if key not in _LOADED:
-                _LOADED[key] = Seq2SeqGenerator.from_pretrained(spec, device, purpose)
+                _LOADED[key] = Seq2SeqGenerator.from_pretrained(spec, device, purpose, local_files_only=local_files_only)
     return _LOADED[key]
 
 
-def _model_spec(name: str, models: Mapping[str, Any] | None) -> Any:
+def _model_spec(name: str, models: Mapping[str, Any] | None) -> tuple[Any, bool]:
+    """The checkpoint(s) of a sentence-level corruption and whether the user named them (``models=`` or
+    :func:`register_text_model`): only those may be downloaded; the benchmark's defaults load from the local cache."""
     if models and name in models:
-        return models[name]
+        return models[name], True
     if name in _TEXT_MODELS:
-        return _TEXT_MODELS[name]
-    return DEFAULT_TEXT_MODELS[name]
+        return _TEXT_MODELS[name], True
+    return DEFAULT_TEXT_MODELS[name], False
 
 
 def _missing_model_error(name: str, err: Exception) -> MissingResourceError:
@@ -129,7 +134,8 @@ def _missing_model_error(name: str, err: Exception) -> MissingResourceError:
         "models={'back_translation': (en_de_path, de_en_path)}" if name == "back_translation" else f"models={{{name!r}: path}}"
     )
     return MissingResourceError(
-        f"{err} The benchmark used {default!r}. Pass your own checkpoint(s) with `{how}` (any Hugging Face seq2seq "
+        f"{err} The benchmark used {default!r}, which loads only from your Hugging Face cache (`hf download` it, or "
+        f"name it in `{how}` to let it download). Or pass your own checkpoint(s) with `{how}` (any Hugging Face seq2seq "
         f"model; {'translation models' if name == 'back_translation' else 'Styleformer-style T5 prompted with ' + repr(STYLE_PREFIXES[name])}), "
         f"or `register_text_model({name!r}, ...)`."
     )
@@ -137,7 +143,8 @@ def _missing_model_error(name: str, err: Exception) -> MissingResourceError:
 
 def sentence_generators(name: str, models: Mapping[str, Any] | None = None, device=None) -> list[Seq2SeqGenerator]:
     """The loaded generator(s) of a sentence-level corruption (two for back-translation); raises a clear error."""
-    spec = _model_spec(name, models)
+    spec, named = _model_spec(name, models)
+    local = not named  # offline by default: a default checkpoint is never downloaded behind the user's back
     try:
         if name == "back_translation":
             if isinstance(spec, Mapping):
@@ -145,10 +152,10 @@ def sentence_generators(name: str, models: Mapping[str, Any] | None = None, devi
             if not isinstance(spec, (tuple, list)) or len(spec) != 2:
                 raise MissingResourceError("back_translation needs two models: (en→de, de→en).")
             return [
-                _resolve_generator(spec[0], name, device, " (en→de)"),
-                _resolve_generator(spec[1], name, device, " (de→en)"),
+                _resolve_generator(spec[0], name, device, " (en→de)", local_files_only=local),
+                _resolve_generator(spec[1], name, device, " (de→en)", local_files_only=local),
             ]
-        return [_resolve_generator(spec, name, device)]
+        return [_resolve_generator(spec, name, device, local_files_only=local)]
     except MissingResourceError as err:
         raise _missing_model_error(name, err) from err
 
