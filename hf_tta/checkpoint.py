@@ -81,13 +81,33 @@ def _drop_volatile(value: Any) -> Any:
     return value
 
 
-def model_fingerprint(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """What a checkpoint was adapted from: the model's class, its config hash, the adapted parameters' names and shapes."""
-    return {
+def model_fingerprint(
+    model: nn.Module, params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint was adapted from: the model's class, its config hash, the adapted parameters' names and shapes,
+    and (given ``source``, their values before adaptation) a hash of those source values, which tells two checkpoints
+    of one architecture apart."""
+    out: dict[str, Any] = {
         "model_class": type(model).__name__,
         "config_sha256": config_hash(model),
         "adapted": {name: list(p.shape) for name, p in params.items()},
     }
+    if source:
+        digest = hashlib.sha256()
+        for name in sorted(source):  # float32 bytes: the same on every device and for a bf16 copy of the weights
+            digest.update(name.encode())
+            digest.update(source[name].detach().float().cpu().contiguous().numpy().tobytes())
+        out["source_sha256"] = digest.hexdigest()
+    return out
+
+
+def unwrapped_source(model: nn.Module, adapted: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The values of a checkpoint's adapted parameters (PEFT LN-tuning names) in a model PEFT has not wrapped yet, for
+    :func:`model_fingerprint` before the wrapper touches the model; ``None`` if the model lacks one of them."""
+    try:
+        return {n: model.get_parameter(n.replace("ln_tuning_layers.default.", "")) for n in adapted}
+    except AttributeError:
+        return None
 
 
 def describe_fingerprint(fp: Mapping[str, Any]) -> str:
@@ -130,6 +150,8 @@ def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], c
         shapes = [n for n in saved["adapted"] if n in current["adapted"] and saved["adapted"][n] != current["adapted"][n]]
         detail = f"names differ, e.g. {names[:2]}" if names else f"shapes differ, e.g. {shapes[:2]}"
         why = f"a wrapper that adapts other parameters ({detail}): another query modality or target_modules?"
+    elif saved.get("source_sha256") and current.get("source_sha256") and saved["source_sha256"] != current["source_sha256"]:
+        why = "other weights (the adapted layers' source values differ): another checkpoint of this architecture?"
     else:
         return None
     return (

@@ -662,7 +662,7 @@ class TTAWrapper:
 
     def fingerprint(self) -> dict[str, Any]:
         """The source model this wrapper adapts: class, config hash, adapted parameter names and shapes."""
-        return checkpoint.model_fingerprint(self.model, self.params)
+        return checkpoint.model_fingerprint(self.model, self.params, getattr(self, "_source", None))
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write the checkpoint folder, atomically (written beside it, then renamed into place; see
@@ -713,14 +713,15 @@ class TTAWrapper:
         model: nn.Module | ModelAdapter, repo_id_or_path: str | os.PathLike, **hub: Any
     ) -> tuple[str | os.PathLike, checkpoint.Checkpoint]:
         """Resolve (local folder or Hub repository) and read a checkpoint, refusing one adapted from another model:
-        its class and config are checked before PEFT wraps ``model``, its parameters when the state is loaded."""
+        its class, config and the source values of the adapted layers are checked before PEFT wraps ``model``."""
         from .checkpoint_hub import resolve_checkpoint_folder
 
         folder = resolve_checkpoint_folder(repo_id_or_path, **hub)
         ckpt = checkpoint.read_checkpoint(folder)
         if ckpt.fingerprint is not None:
             base = model.model if isinstance(model, ModelAdapter) else model
-            current = checkpoint.model_fingerprint(base, {})
+            source = checkpoint.unwrapped_source(base, ckpt.fingerprint["adapted"]) if ckpt.fingerprint.get("source_sha256") else None
+            current = checkpoint.model_fingerprint(base, {}, source)  # weights too, before PEFT wraps the model
             mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, current, check_params=False)
             if mismatch:
                 raise ValueError(mismatch)

@@ -81,6 +81,21 @@ def test_fingerprint_is_stable_across_transformers_save_and_load(tmp_path):
     assert TTAWrapper.from_pretrained(reloaded, tmp_path / "ckpt").batch_index == 1
 
 
+def test_same_architecture_with_other_weights_is_refused(tmp_path):
+    """Class and config match, but the source values of the adapted layers differ (another fine-tune of one
+    architecture): refused when the state is loaded, before anything changes."""
+    _adapted(1).save_pretrained(tmp_path / "ckpt")
+    other = make_model("clip")
+    with torch.no_grad():
+        other.vision_model.post_layernorm.weight.add_(0.1)  # pretrained checkpoints differ in every LayerNorm
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(ValueError, match="other weights .*source values differ"):
+        TTAWrapper.from_pretrained(other, tmp_path / "ckpt")
+    assert not any("ln_tuning" in n for n, _ in other.named_modules())  # refused before PEFT wrapped it
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    assert TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt").batch_index == 1  # the right one loads
+
+
 def test_another_model_is_refused_naming_both_before_it_is_touched(tmp_path):
     _adapted(1).save_pretrained(tmp_path / "ckpt")
     siglip = make_model("siglip")
