@@ -150,6 +150,8 @@ def test_resume_skips_complete_configs_and_refuses_other_settings(built, monkeyp
     assert set(fresh.build(CONFIGS)) == set(CONFIGS)
     with pytest.raises(ValueError, match="other settings"):
         make_builder(root, seed=5).build(["image-contrast-2"])
+    with pytest.raises(ValueError, match="other settings"):  # generate settings change the sentence-level configs
+        make_builder(root, seed=0, generate_kwargs={"num_beams": 4}).build(["image-contrast-2"])
 
 
 def test_missing_and_corrupt_sources_are_reported(tmp_path):

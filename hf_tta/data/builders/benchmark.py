@@ -211,7 +211,7 @@ class BenchmarkBuilder:
     # ---------------------------------------------------------------------------------------- sources
     def _params(self) -> dict:
         """What determines the content; a resumed build must use the same."""
-        return {
+        params = {
             "benchmark": self.spec.name,
             "split": self.split,
             "seed": self.seed,
@@ -225,6 +225,12 @@ class BenchmarkBuilder:
             "similarity_filter": self.text_kwargs["similarity_fn"] is not None,
             "min_similarity": self.text_kwargs["min_similarity"] if self.text_kwargs["similarity_fn"] else None,
         }
+        # Written only when set, so that builds made before these keys were recorded still resume.
+        if self.text_kwargs["generate_kwargs"]:
+            params["generate_kwargs"] = json.loads(json.dumps(self.text_kwargs["generate_kwargs"], sort_keys=True, default=str))
+        if self.text_kwargs["similarity_fn"] is not None:
+            params["max_tries"] = self.text_kwargs["max_tries"]
+        return params
 
     def prepare(self) -> SourceReport:
         """Read the split file and check the images on disk (once per builder)."""
