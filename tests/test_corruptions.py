@@ -221,6 +221,32 @@ def test_the_first_wordnet_draw_of_a_process_equals_the_later_ones():
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-500:]
 
 
+def test_seeded_restores_the_accelerator_rng_too(monkeypatch):
+    """``torch.manual_seed`` inside ``seeded(torch_too=True)`` also re-seeds every CUDA device; the block must hand the
+    user's CUDA RNG stream back where it was. Simulated: a one-GPU CUDA accelerator whose RNG state is a dict entry."""
+    import torch
+
+    from hf_tta.data.corruptions.base import seeded
+
+    cuda_state = {0: torch.tensor([7, 7, 7], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=0: cuda_state[int(device)].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=0: cuda_state.__setitem__(int(device), state))
+
+    def manual_seed_all(seed):
+        cuda_state[0] = torch.tensor([seed % 256] * 3, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", manual_seed_all)
+    cpu_before = torch.get_rng_state()
+    with seeded(5, torch_too=True):
+        assert cuda_state[0].tolist() == [5, 5, 5]  # the block itself is seeded
+        torch.rand(3)
+    assert cuda_state[0].tolist() == [7, 7, 7]
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+
+
 def test_missing_wordnet_names_what_to_install(monkeypatch, tmp_path):
     import nltk.data
 

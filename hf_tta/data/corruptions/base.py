@@ -20,7 +20,10 @@ def derive_seed(*parts: object) -> int:
 
 @contextlib.contextmanager
 def seeded(seed: int | None, torch_too: bool = False) -> Iterator[None]:
-    """Seed Python's ``random`` and NumPy's global RNG (and torch's CPU RNG) inside the block, then restore them.
+    """Seed Python's ``random`` and NumPy's global RNG (and torch's) inside the block, then restore them.
+
+    With ``torch_too``, ``torch.manual_seed`` seeds the CPU generator and every accelerator's; all of them are
+    restored on exit, so a corruption drawn on a GPU machine leaves the user's CUDA RNG stream where it was.
 
     With ``seed=None`` nothing is touched: the result then depends on the global RNG state, as upstream.
     The corruption packages (``imagecorruptions``, ``nlpaug``) draw from these global generators.
@@ -36,7 +39,8 @@ def seeded(seed: int | None, torch_too: bool = False) -> Iterator[None]:
     if torch_too:
         import torch
 
-        with torch.random.fork_rng(devices=[]):
+        # torch.manual_seed also seeds every accelerator device; fork them all (an empty range without one)
+        with torch.random.fork_rng(devices=range(torch.accelerator.device_count())):
             torch.manual_seed(seed)
             try:
                 yield
