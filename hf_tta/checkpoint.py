@@ -135,7 +135,8 @@ def config_mismatch(saved: Mapping[str, Any], wrapper: TTAWrapper) -> str | None
         return None
     return (
         f"The checkpoint was saved with another config ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): "
-        "load it with TTAWrapper.from_pretrained(model, path), which rebuilds the wrapper from the checkpoint's config."
+        f"load it with {type(wrapper).__name__}.from_pretrained(model, path), which rebuilds the wrapper from the "
+        "checkpoint's config."
     )
 
 

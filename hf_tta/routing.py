@@ -503,7 +503,7 @@ class RoutedTTAWrapper(TTAWrapper):
             raise ValueError("The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?")
         mismatch = checkpoint.config_mismatch(ckpt.config, self)
         if mismatch:
-            raise ValueError(mismatch.replace("TTAWrapper.from_pretrained", "RoutedTTAWrapper.from_pretrained"))
+            raise ValueError(mismatch)
         saved = RoutingConfig.from_dict(routed["routing"])
         if saved != self.routing:
             raise ValueError(f"The checkpoint was routed with {saved}, this wrapper with {self.routing}: build it with the checkpoint's routing.")

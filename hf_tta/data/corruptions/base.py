@@ -36,23 +36,18 @@ def seeded(seed: int | None, torch_too: bool = False) -> Iterator[None]:
     np_state = np.random.get_state()
     random.seed(seed)
     np.random.seed(seed)
-    if torch_too:
-        import torch
+    with contextlib.ExitStack() as stack:
+        if torch_too:
+            import torch
 
-        # torch.manual_seed also seeds every accelerator device; fork them all (an empty range without one)
-        with torch.random.fork_rng(devices=range(torch.accelerator.device_count())):
+            # torch.manual_seed also seeds every accelerator device; fork them all (an empty range without one)
+            stack.enter_context(torch.random.fork_rng(devices=range(torch.accelerator.device_count())))
             torch.manual_seed(seed)
-            try:
-                yield
-            finally:
-                random.setstate(py_state)
-                np.random.set_state(np_state)
-        return
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def check_severity(name: str, severity: int, allowed: tuple[int, ...]) -> int:
