@@ -3,6 +3,7 @@
 from .config import TTAConfig
 from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
+from .gallery.cache import GalleryCache
 from .metrics import retrieval_metrics, topk_retrieval_metrics
 from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
 from .models.clap import ClapAdapter
@@ -16,11 +17,12 @@ from .objectives import (
     available_objectives,
     register_objective,
 )
+from .outputs import TTAOutput
 from .router import DomainRouter, RoutingConfig
 from .routing import RoutedTTAWrapper
 from .safety import SafetyConfig
 from .version import __version__
-from .wrapper import GalleryCache, TTAOutput, TTAWrapper
+from .wrapper import TTAWrapper
 
 __all__ = [
     "CLIPVideoAdapter",

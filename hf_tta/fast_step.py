@@ -11,7 +11,8 @@ import torch
 from .outputs import TTAOutput, float_logs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .wrapper import GalleryCache, TTAWrapper
+    from .gallery.cache import GalleryCache
+    from .wrapper import TTAWrapper
 
 logger = logging.getLogger(__name__)
 

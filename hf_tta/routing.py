@@ -35,11 +35,13 @@ from torch import nn
 from . import checkpoint
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
+from .gallery.cache import GalleryCache
 from .models.base import ModelAdapter
+from .outputs import TTAOutput
 from .router import DomainRouter, RoutingConfig, style_statistics  # also imported from here (README, tests)
 from .safety import SAFETY_ACTIONS, SafetyMonitor
 from .version import __version__
-from .wrapper import GalleryCache, TTAOutput, TTAWrapper
+from .wrapper import TTAWrapper
 
 ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
 _PEFT_SUFFIX = re.compile(r"\.(base_layer|ln_tuning_layers\.[^.]+)$")  # LN-tuning's inner copies of a norm layer

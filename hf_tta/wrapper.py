@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -21,6 +20,7 @@ from . import checkpoint
 from .config import TTAConfig
 from .fast_step import adapt_deferred
 from .gallery.base import GalleryBackend, TopKScores
+from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_items, candidate_topk, check_gallery_access
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .metrics.recall import relevance_to_index
@@ -34,43 +34,6 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = checkpoint.STATE_FILE
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class GalleryCache:
-    """Gallery embeddings computed once by the source model (no grad) and never adapted.
-
-    Args:
-        embeddings (`torch.Tensor`): ``(N, D)``, or ``(N, Q, D)`` for a multi-vector modality; L2-normalised.
-        modality (`str`): the gallery modality.
-    """
-
-    embeddings: torch.Tensor
-    modality: str
-    single: torch.Tensor = field(init=False, repr=False)
-
-    def __post_init__(self):
-        if not isinstance(self.embeddings, torch.Tensor):
-            raise TypeError(f"Gallery embeddings must be a tensor, got {type(self.embeddings).__name__}: use encode_gallery().")
-        if self.embeddings.dim() not in (2, 3) or not self.embeddings.is_floating_point():
-            raise ValueError(
-                f"Gallery embeddings must be a floating-point (N, D) or (N, Q, D) tensor, got {self.embeddings.dtype} "
-                f"of shape {tuple(self.embeddings.shape)}: use encode_gallery()."
-            )
-        self.embeddings = self.embeddings.detach()
-        if not torch.isfinite(self.embeddings).all():  # checked once here, not at every step
-            raise ValueError("The gallery embeddings contain NaN or inf values.")
-        self.single = ModelAdapter.single_vector(self.embeddings)
-
-    def __len__(self) -> int:
-        return self.embeddings.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.embeddings.shape[-1]
-
-    def to(self, device) -> "GalleryCache":
-        return GalleryCache(self.embeddings.to(device), self.modality)
 
 
 class TTAWrapper:

@@ -194,7 +194,7 @@ class GridRunner:
     def gallery(self, cond: Condition):
         """The gallery of a condition as a :class:`~hf_tta.GalleryCache`, encoded once by the source model (cached
         in ``settings.cache_dir`` as safetensors when set)."""
-        from ..wrapper import GalleryCache
+        from ..gallery.cache import GalleryCache
 
         key = self.task.gallery_key(cond)
         if key not in self._galleries:

@@ -2,6 +2,7 @@
 backends (exact chunked, FAISS, sharded across processes) for galleries too large for a dense score matrix."""
 
 from .base import GalleryBackend, TopKScores, merge_topk
+from .cache import GalleryCache
 from .chunked import ChunkedGallery
 from .faiss_index import PRESETS as FAISS_PRESETS
 from .faiss_index import FaissGallery, default_nlist
@@ -13,6 +14,7 @@ __all__ = [
     "ChunkedGallery",
     "FaissGallery",
     "GalleryBackend",
+    "GalleryCache",
     "GalleryKMeans",
     "GalleryStatistics",
     "ShardedGallery",
