@@ -1,6 +1,6 @@
 """hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
 
-from .config import TTAConfig
+from .config import SafetyConfig, TTAConfig
 from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
 from .gallery.cache import GalleryCache
@@ -20,7 +20,6 @@ from .objectives import (
 from .outputs import TTAOutput
 from .router import DomainRouter, RoutingConfig
 from .routing import RoutedTTAWrapper
-from .safety import SafetyConfig
 from .version import __version__
 from .wrapper import TTAWrapper
 

@@ -20,9 +20,10 @@ there is no ``D`` but a complete ``.D.old``, which :func:`read_checkpoint` loads
 ``D`` is the new checkpoint and the stale backup is removed by the next save. ``D`` may hold only checkpoint files
 (a folder with other files is refused rather than moved). One writer per folder at a time.
 
-**What the state file holds** (:func:`state_tensors` writes it, :func:`restore_state` reads it back into a wrapper):
-tensors ``param.*``, ``optim.*``, ``objective.*``, ``score_transform.*``, ``wrapper.*`` and ``safety.*``; metadata
-``"optimizer"`` (param groups and non-tensor state) and ``"safety"``.
+**What the state file holds** (:meth:`hf_tta.state.AdapterState.to_tensors` and the safety monitor's
+``state_tensors`` write it): tensors ``param.*``, ``optim.*``, ``objective.*``, ``score_transform.*``, ``wrapper.*`` and
+``safety.*`` (a routed wrapper: each domain's under ``domain.<i>.``, and ``router.*``); metadata ``"optimizer"`` (param
+groups and non-tensor state), ``"safety"``, ``"param_names"``, ``"fingerprint"`` (and ``"routed"``).
 """
 
 from __future__ import annotations
@@ -37,16 +38,12 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .safety import SafetyMonitor
-    from .wrapper import TTAWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -112,32 +109,6 @@ def unwrapped_source(model: nn.Module, adapted: Mapping[str, Any]) -> dict[str, 
 
 def describe_fingerprint(fp: Mapping[str, Any]) -> str:
     return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}, {len(fp['adapted'])} adapted tensors)"
-
-
-#: Config fields that say how to run, not what the adapted state means: a checkpoint loads across them (a checkpoint
-#: saved without the safety layer loads into a wrapper with it, whose monitors then start fresh).
-RUN_ONLY_FIELDS = ("fast_step", "gallery_batch_size", "safety")
-
-
-def config_mismatch(saved: Mapping[str, Any], wrapper: TTAWrapper) -> str | None:
-    """A one-line error when the checkpoint's config differs from ``wrapper``'s (both resolved, so a default written
-    out on one side equals the same value on the other) in anything but :data:`RUN_ONLY_FIELDS`; ``None`` if equal."""
-    from .config import TTAConfig
-
-    def plain(config: TTAConfig) -> dict[str, Any]:
-        data = json.loads(json.dumps(config.resolved().to_dict(), sort_keys=True))  # JSON's view: str keys, lists
-        return {k: v for k, v in data.items() if k not in RUN_ONLY_FIELDS}
-
-    ours = plain(wrapper.resolved_config())
-    theirs = plain(TTAConfig.from_dict({k: v for k, v in saved.items() if k in ours or k in RUN_ONLY_FIELDS}))
-    diff = [f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in sorted(ours) if theirs.get(k) != ours[k]]
-    if not diff:
-        return None
-    return (
-        f"The checkpoint was saved with another config ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): "
-        f"load it with {type(wrapper).__name__}.from_pretrained(model, path), which rebuilds the wrapper from the "
-        "checkpoint's config."
-    )
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], check_params: bool = True) -> str | None:
@@ -271,87 +242,3 @@ def _parse(folder: Path, data: bytes) -> Checkpoint:
             config = json.load(fh)
     config.pop("hf_tta_version", None)
     return Checkpoint(folder, config, load_safetensors(data), meta)
-
-
-# ---------------------------------------------------------------------------------------------------- state layout
-def state_tensors(
-    params: Mapping[str, torch.Tensor],
-    optimizer: dict[str, Any] | None,
-    state: Mapping[str, torch.Tensor],
-    transform_state: Mapping[str, torch.Tensor],
-    batch_index: int,
-    generator: torch.Generator,
-    safety: SafetyMonitor | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One adapter's state as a checkpoint's tensors (``param.*``, ``optim.*``, ``objective.*``,
-    ``score_transform.*``, ``wrapper.*``, ``safety.*``) and metadata (``"optimizer"`` when ``optimizer``, an
-    optimiser ``state_dict``, is given; ``"safety"``), as :func:`restore_state` reads them. Shared by
-    ``TTAWrapper.save_pretrained`` and :class:`~hf_tta.routing.RoutedTTAWrapper`, which saves each domain's stored
-    state in this layout under a ``domain.<id>.`` prefix."""
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach() for n, p in params.items()}
-    meta: dict[str, Any] = {}
-    if optimizer is not None:
-        plain_state: dict[str, dict[str, Any]] = {}
-        for pid, st in optimizer["state"].items():
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optim.{pid}.{key}"] = value
-                else:
-                    plain_state.setdefault(str(pid), {})[key] = value
-        meta["optimizer"] = {"param_groups": optimizer["param_groups"], "plain_state": plain_state}
-    for key, value in state.items():
-        tensors[f"objective.{key}"] = value
-    for key, value in transform_state.items():
-        tensors[f"score_transform.{key}"] = value
-    tensors["wrapper.batch_index"] = torch.tensor(batch_index)
-    tensors["wrapper.rng_state"] = generator.get_state()
-    if safety is not None:
-        safety.save_into(tensors, meta)
-    return tensors, meta
-
-
-def restore_state(wrapper: TTAWrapper, ckpt: Checkpoint) -> None:
-    """Load what :func:`state_tensors` laid out into ``wrapper`` (same source model and config): parameters, a fresh
-    optimiser with the saved state, objective and score-transform state, batch counter, RNG and safety monitor. A
-    checkpoint adapted from another model, or saved with another config (objective, hyper-parameters, learning
-    rate, ...), is refused with a message naming the difference, before anything changes."""
-    meta = ckpt.metadata
-    if "routed" in meta:
-        raise ValueError("This checkpoint holds one adapter per domain (saved by RoutedTTAWrapper): load it with RoutedTTAWrapper.")
-    if ckpt.fingerprint is not None:
-        mismatch = fingerprint_mismatch(ckpt.fingerprint, wrapper.fingerprint())
-        if mismatch:
-            raise ValueError(mismatch)
-    mismatch = config_mismatch(ckpt.config, wrapper)
-    if mismatch:
-        raise ValueError(mismatch)
-    if meta["param_names"] != list(wrapper.params):
-        raise ValueError(
-            "The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?"
-        )
-    tensors = {k: v.to(wrapper.device) for k, v in ckpt.tensors.items()}
-    optimizer = None
-    if wrapper.optimizer is not None:  # built and loaded before any parameter changes: a refusal here changes nothing
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optim."):
-                _, pid, sub = key.split(".", 2)
-                state.setdefault(int(pid), {})[sub] = value.cpu() if sub == "step" else value
-        for pid, plain in meta["optimizer"]["plain_state"].items():
-            state.setdefault(int(pid), {}).update(plain)
-        optimizer = wrapper._make_optimizer()
-        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
-    with torch.no_grad():
-        for name, p in wrapper.params.items():
-            p.copy_(tensors[f"param.{name}"])
-    if optimizer is not None:
-        wrapper.optimizer = optimizer
-    wrapper.state = {k[len("objective.") :]: v for k, v in tensors.items() if k.startswith("objective.")}
-    if wrapper.score_transform is not None:
-        prefix = "score_transform."
-        loaded = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        wrapper.transform_state = loaded or wrapper.score_transform.init_state(wrapper.device)
-    wrapper.batch_index = int(tensors["wrapper.batch_index"])
-    wrapper.generator.set_state(tensors["wrapper.rng_state"].cpu())
-    if wrapper.safety is not None:
-        wrapper.safety.load_from(wrapper, tensors, meta.get("safety"))

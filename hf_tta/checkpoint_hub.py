@@ -1,5 +1,7 @@
-"""TTA checkpoints on the Hugging Face Hub, both ways: push a checkpoint with its model card, resolve a repo id or a
-local folder to a checkpoint folder (through ``huggingface_hub``)."""
+"""Saving and loading a wrapper, locally and on the Hugging Face Hub: :class:`CheckpointMixin` gives
+``save_pretrained`` / ``load_state`` / ``from_pretrained`` / ``push_to_hub`` over two hooks of the wrapper
+(``_checkpoint_payload`` and ``_load_checkpoint``); the folder format is :mod:`hf_tta.checkpoint`'s. Pushing writes a
+model card; loading resolves a repo id or a local folder (through ``huggingface_hub``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
+from . import checkpoint
 from .checkpoint import CONFIG_FILE, STATE_FILE, describe_fingerprint
+from .config import TTAConfig
+from .models.base import ModelAdapter
+from .version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from .wrapper import TTAWrapper
@@ -129,3 +138,69 @@ def resolve_checkpoint_folder(
     state = api.hf_hub_download(repo_id, STATE_FILE, revision=revision)
     api.hf_hub_download(repo_id, CONFIG_FILE, revision=revision)  # the readable copy, beside it in the snapshot
     return Path(state).parent
+
+
+class CheckpointMixin:
+    """``save_pretrained`` / ``load_state`` / ``from_pretrained`` / ``push_to_hub`` for a wrapper that implements
+    ``_checkpoint_payload() -> (config, tensors, metadata)`` and ``_load_checkpoint(ckpt)`` (which checks everything
+    before it changes anything), ``fingerprint()`` and, for :meth:`from_pretrained`, ``_init_kwargs(config)``."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write the checkpoint folder, atomically (written beside it, then renamed into place; see
+        :mod:`hf_tta.checkpoint`): ``tta_config.json`` (the full resolved config) and ``tta_state.safetensors``
+        (adapted parameters, optimiser and objective state, batch counter, RNG state, the config again and the model
+        fingerprint), so that a resumed stream continues exactly where it stopped."""
+        config, tensors, meta = self._checkpoint_payload()
+        meta = {**meta, "fingerprint": self.fingerprint(), "hf_tta_version": __version__}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        checkpoint.write_checkpoint(save_directory, {**config, "hf_tta_version": __version__}, tensors, meta)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint
+        adapted from another model, or saved with another config, is refused with a message naming the difference;
+        nothing changes on a refusal."""
+        self._load_checkpoint(checkpoint.read_checkpoint(directory))
+
+    @classmethod
+    def _init_kwargs(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The constructor's keyword arguments from a checkpoint's config."""
+        return {"config": TTAConfig.from_dict(config)}
+
+    @classmethod
+    def from_pretrained(
+        cls, model: nn.Module | ModelAdapter, repo_id_or_path: str | os.PathLike, *, revision: str | None = None,
+        token: str | None = None, api=None,
+    ):
+        """Rebuild a wrapper around the *source* ``model`` and load the adapted state saved by :meth:`save_pretrained`
+        in a local folder, or pushed by :meth:`push_to_hub` to a Hub repository (``revision`` pins a commit).
+
+        The checkpoint's fingerprint is checked before the model is touched: a checkpoint adapted from another model
+        is refused with a message naming both.
+        """
+        folder = resolve_checkpoint_folder(repo_id_or_path, revision=revision, token=token, api=api)
+        ckpt = checkpoint.read_checkpoint(folder)
+        if ckpt.fingerprint is not None:  # weights too, before PEFT wraps the model
+            base = model.model if isinstance(model, ModelAdapter) else model
+            fp = ckpt.fingerprint
+            source = checkpoint.unwrapped_source(base, fp["adapted"]) if fp.get("source_sha256") else None
+            mismatch = checkpoint.fingerprint_mismatch(fp, checkpoint.model_fingerprint(base, {}, source), check_params=False)
+            if mismatch:
+                raise ValueError(mismatch)
+        wrapper = cls(model, **cls._init_kwargs(dict(ckpt.config)))
+        wrapper.load_state(folder)  # through the (overridable) public path, e.g. DistributedTTAWrapper's barrier
+        return wrapper
+
+    def push_to_hub(
+        self, repo_id: str, *, private: bool | None = None, token: str | None = None, revision: str | None = None,
+        commit_message: str | None = None, api=None,
+    ) -> str:
+        """Push the checkpoint (as :meth:`save_pretrained` writes it) and a model card recording the source model,
+        the objective, the stream length and the config to the Hub repository ``repo_id``, in one commit.
+        ``api`` is an ``HfApi``-like object (default ``HfApi(token=token)``). Returns ``repo_id``."""
+        return push_checkpoint(self, repo_id, private=private, token=token, revision=revision, commit_message=commit_message, api=api)
+
+    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:  # pragma: no cover
+        raise NotImplementedError

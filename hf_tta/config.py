@@ -3,16 +3,101 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive
+from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive, check_positive_int
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
-from .safety import SafetyConfig, build_safety_config
+from .preset import RECOMMENDED
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
 RESET_POLICIES = ("never", "episodic")
+SCORING = ("after_update", "before_update")
+#: Config fields that say how to run, not what the adapted state means: a checkpoint loads across them (a checkpoint
+#: saved without the safety layer loads into a wrapper with it, whose monitors then start fresh).
+RUN_ONLY_FIELDS = ("fast_step", "gallery_batch_size", "safety", "scoring")
+
+
+@dataclass
+class SafetyConfig(ConfigMixin):
+    """Thresholds of the safety layer (see :mod:`hf_tta.safety` for the rule). Defaults are set a priori, before
+    any tuning; every threshold can be switched off (the value given in its help).
+
+    Example:
+        >>> cfg = SafetyConfig(min_agreement=0.3)
+        >>> SafetyConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    min_queries: int = field(
+        default=8, metadata={"help": "Batches with fewer queries are adapted on without judgement (noisy signals)."}
+    )
+    min_source_diversity: float = field(
+        default=0.1,
+        metadata={
+            "help": "A batch whose source top-1 diversity ((distinct - 1) / (B - 1)) is below this is degenerate and "
+            "not adapted on (any value > 0 flags a batch whose queries all retrieve one item). 0 disables."
+        },
+    )
+    collapse_ratio: float = field(
+        default=0.5,
+        metadata={"help": "Adapted diversity < collapse_ratio x source diversity = collapse: reset. 0 disables."},
+    )
+    min_agreement: float = field(
+        default=0.2, metadata={"help": "Adapted-vs-source top-1 agreement below this floor: rollback. 0 disables."}
+    )
+    max_agreement_drop: float = field(
+        default=0.5,
+        metadata={"help": "Agreement < (1 - max_agreement_drop) x its EMA over kept batches: rollback. 1 disables."},
+    )
+    agreement_ema_decay: float = field(
+        default=0.9, metadata={"help": "Decay of the agreement's EMA (the first kept batch initialises it)."}
+    )
+    max_rollbacks: int = field(
+        default=3, metadata={"help": "This many rollbacks in a row reset to the source model instead."}
+    )
+    snapshot_every: int = field(
+        default=1, metadata={"help": "Refresh the last-good snapshot after this many kept batches in a row."}
+    )
+    entropy_temperature: float = field(
+        default=0.01, metadata={"help": "Temperature of the logged refined-prediction entropy (a log, not a trigger)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        for name in ("min_queries", "max_rollbacks", "snapshot_every"):
+            check_positive_int(name, getattr(self, name), owner="SafetyConfig")
+        ranges = {
+            "min_source_diversity": (0.0, 1.0, "[0, 1]", True),
+            "collapse_ratio": (0.0, 1.0, "[0, 1]", True),
+            "min_agreement": (0.0, 1.0, "[0, 1]", True),
+            "max_agreement_drop": (0.0, 1.0, "(0, 1]", True),
+            "agreement_ema_decay": (0.0, 1.0, "[0, 1)", False),
+        }
+        for name, (lo, hi, text, hi_ok) in ranges.items():
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+            ok = ok and (hi_ok or value < hi) and not (name == "max_agreement_drop" and value == 0)
+            if not ok:
+                raise ValueError(f"SafetyConfig `{name}` must be in {text}, got {value!r}.")
+        if not isinstance(self.entropy_temperature, (int, float)) or not self.entropy_temperature > 0:
+            raise ValueError(f"SafetyConfig `entropy_temperature` must be > 0, got {self.entropy_temperature!r}.")
+
+
+def build_safety_config(value: SafetyConfig | Mapping[str, Any] | None) -> SafetyConfig | None:
+    """``TTAConfig.safety`` (``None``, a dict of overrides or a :class:`SafetyConfig`) as a :class:`SafetyConfig`."""
+    if value is None or isinstance(value, SafetyConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`safety` must be None, a dict of SafetyConfig overrides or a SafetyConfig, got {value!r}.")
+    known = {f.name for f in dataclasses.fields(SafetyConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"`safety` has keys {unknown} that SafetyConfig does not define; valid keys: {sorted(known)}.")
+    return SafetyConfig(**value)
+
 
 
 @dataclass
@@ -107,6 +192,16 @@ class TTAConfig(ConfigMixin):
     score_transform_config: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Overrides of the score transform's hyper-parameters."}
     )
+    scoring: str = field(
+        default="after_update",
+        metadata={
+            "help": "Which model answers a batch: 'after_update' (the papers' protocol: the forward of the last step) "
+            "or 'before_update' (one no-grad forward of the current model answers, then the batch is adapted on: "
+            "the answer never waits for a backward pass; the parameter trajectory is the same). With a supervised "
+            "objective ('oracle') 'before_update' is the prequential protocol: each batch is scored before its labels "
+            "train the model."
+        },
+    )
     safety: dict[str, Any] | None = field(
         default=None,
         metadata={
@@ -141,6 +236,7 @@ class TTAConfig(ConfigMixin):
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("gallery_batch_size", self.gallery_batch_size)
         check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
+        check_choice("scoring", self.scoring, SCORING)
         check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
         if self.fast_step is not None and not isinstance(self.fast_step, bool):
@@ -179,9 +275,26 @@ class TTAConfig(ConfigMixin):
             >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
             True
         """
-        from .preset import recommended_config
+        return cls(**{**RECOMMENDED, "query_modality": query_modality, **overrides})
 
-        return recommended_config(query_modality, **overrides)
+    def mismatch(self, saved: Mapping[str, Any], owner: str = "TTAWrapper") -> str | None:
+        """A one-line error when a checkpoint's ``saved`` config differs from this one (both resolved, so a default
+        written out on one side equals the same value on the other) in anything but :data:`RUN_ONLY_FIELDS`; ``None``
+        if they agree. ``owner`` names the class whose ``from_pretrained`` the message recommends."""
+
+        def plain(config: TTAConfig) -> dict[str, Any]:
+            data = json.loads(json.dumps(config.resolved().to_dict(), sort_keys=True))  # JSON's view: str keys, lists
+            return {k: v for k, v in data.items() if k not in RUN_ONLY_FIELDS}
+
+        ours = plain(self)
+        theirs = plain(TTAConfig.from_dict({k: v for k, v in saved.items() if k in ours or k in RUN_ONLY_FIELDS}))
+        diff = [f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in sorted(ours) if theirs.get(k) != ours[k]]
+        if not diff:
+            return None
+        return (
+            f"The checkpoint was saved with another config ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): "
+            f"load it with {owner}.from_pretrained(model, path), which rebuilds the wrapper from the checkpoint's config."
+        )
 
     def build_objective_config(self) -> ObjectiveConfig:
         return _build(self.objective, self.objective_config, "objective_config")

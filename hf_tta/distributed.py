@@ -21,7 +21,6 @@ from torch import nn
 
 from .config import TTAConfig
 from .models.base import ModelAdapter
-from .objectives.base import LossOutput, ObjectiveInputs
 from .wrapper import TTAWrapper
 
 
@@ -99,15 +98,16 @@ class DistributedTTAWrapper(TTAWrapper):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         super().__init__(model, config)
-        self.fast_step = False  # every update goes through _backward (the gradient all-reduce)
+        self.fast_step = self.loop.fast = False  # every update goes through the loop's gradient all-reduce
+        self.loop.reduce_gradients = self._all_reduce_gradients
         # and the optimiser is the one a reset (TTAWrapper.reset, the safety layer's reset, SAR's recovery) rebuilds:
         # not the fused AdamW that fast_step made above, so the update rule does not change mid-stream
-        self.optimizer = self._make_optimizer()
+        self.rebuild_optimizer()
         with torch.no_grad():  # identical starting point everywhere
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 dist.broadcast(t.data, src=src, group=group)
-        self._source = {n: p.detach().clone() for n, p in self.params.items()}
+        self._capture_source()
 
     @property
     def is_main_process(self) -> bool:
@@ -125,16 +125,14 @@ class DistributedTTAWrapper(TTAWrapper):
         q = super()._embed_queries(local)
         return all_gather_with_grad(q, [e - s for s, e in bounds], self.group)
 
-    def _backward(self, res: LossOutput, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        logs = super()._backward(res, inputs)
-        params = list(self.params.values())
+    def _all_reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """The loop's gradient-reduce hook: the mean over processes of each adapted tensor's gradient, in one collective."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)  # one collective for all adapted tensors
         flat /= self.world_size  # each process's shard gradient carries P copies of the loss (see the module docstring)
         for p, g in zip(params, flat.split([q.numel() for q in params])):
             p.grad = g.view_as(p)
-        return logs
 
     def save_pretrained(self, save_directory) -> None:
         """Write the state from the main process only (every process holds the same state); all processes wait."""

@@ -28,10 +28,7 @@ measured under protocol v2 (the card says so).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .config import TTAConfig
+from typing import Any
 
 #: The recommended combination: TCR on the query tower's LayerNorms, Distribution Normalization (its code's defaults,
 #: lambda = 0.25, means of 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps
@@ -40,11 +37,3 @@ RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "saf
 
 #: The same preset as a benchmark row (:func:`hf_tta.benchmarks.grid.row_spec` syntax); the row ``recommended`` runs it.
 RECOMMENDED_ROW = "tcr+dn+safe"
-
-
-def recommended_config(query_modality: str = "image", **overrides: Any) -> "TTAConfig":
-    """The :data:`RECOMMENDED` :class:`~hf_tta.TTAConfig` for ``query_modality``; ``overrides`` replace any field
-    (e.g. ``gallery_modality``, ``lr``, ``seed``; ``safety={"min_agreement": 0.3}`` replaces the safety thresholds)."""
-    from .config import TTAConfig
-
-    return TTAConfig(**{**RECOMMENDED, "query_modality": query_modality, **overrides})

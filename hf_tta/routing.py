@@ -22,9 +22,9 @@ runner can construct rows with per-domain adapters.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -33,14 +33,16 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .batch import Batch
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
+from .gallery.candidates import candidate_topk
 from .models.base import ModelAdapter
 from .outputs import TTAOutput
 from .router import DomainRouter, RoutingConfig, style_statistics  # also imported from here (README, tests)
 from .safety import SAFETY_ACTIONS, SafetyMonitor
-from .version import __version__
+from .state import ALL, AdapterState
 from .wrapper import TTAWrapper
 
 ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
@@ -85,16 +87,12 @@ class RoutedTTAOutput(TTAOutput):
 
 @dataclass
 class _Domain:
-    """One domain's adapted state while it is not in the model (``params``/``optimizer`` ``None`` = fresh)."""
+    """One domain: its adapted state while it is not in the model (``None`` = the source state, never adapted) and its
+    own safety monitor."""
 
     key: DomainKey
-    params: list[torch.Tensor] | None
-    optimizer: dict[str, Any] | None
-    state: dict[str, torch.Tensor]
-    transform_state: dict[str, torch.Tensor]
-    generator: torch.Generator
-    batch_index: int = 0
-    safety: SafetyMonitor | None = None  # the domain's own safety monitor (TTAConfig.safety)
+    state: AdapterState | None = None
+    safety: SafetyMonitor | None = None
 
 
 class RoutedTTAWrapper(TTAWrapper):
@@ -146,57 +144,46 @@ class RoutedTTAWrapper(TTAWrapper):
         return len(self._domains)
 
     def _new_domain(self, key: DomainKey) -> int:
-        self._domains.append(
-            _Domain(
-                key=key, params=None, optimizer=None, state=self.objective.init_state(self.device),
-                transform_state=self.score_transform.init_state(self.device) if self.score_transform else {},
-                generator=torch.Generator().manual_seed(self.config.seed),
-                safety=SafetyMonitor(self.safety.config) if self.safety is not None else None,
-            )
-        )
+        self._domains.append(_Domain(key, safety=SafetyMonitor(self.safety.config) if self.safety is not None else None))
         self._slots[key] = len(self._domains) - 1
         return len(self._domains) - 1
 
-    @torch.no_grad()
     def _activate(self, slot: int) -> None:
         """Put domain ``slot``'s state into the model (exact copies; no-op when it is already there)."""
         d = self._domains[slot]
         if self._live is d:
             return
         self._sync()
-        if self.params:
-            live = list(self.params.values())
-            torch._foreach_copy_(live, d.params if d.params is not None else [self._source[n] for n in self.params])
-        if self.optimizer is not None:
-            if d.optimizer is None:
-                self.optimizer = self._make_optimizer()
-            else:  # the stored tensors become the optimiser's state (moments and steps are exact)
-                self.optimizer.load_state_dict(d.optimizer)
-        self.state, self.transform_state, self.generator, self.safety = d.state, d.transform_state, d.generator, d.safety
-        self.batch_index = d.batch_index
+        (d.state or self._source_state).apply(self)
+        self.safety = d.safety
         self._live = d
 
-    @torch.no_grad()
     def _sync(self) -> None:
         """Store the live domain's state from the model (before another domain's state replaces it)."""
-        d = self._live
-        if d is None:
-            return
-        if self.params:
-            d.params = [p.detach().clone() for p in self.params.values()]
-        if self.optimizer is not None:
-            d.optimizer = self.optimizer.state_dict()  # references; the next load_state_dict replaces, never writes them
-        d.state, d.transform_state, d.generator, d.batch_index = self.state, self.transform_state, self.generator, self.batch_index
-        d.safety = self.safety
+        if self._live is not None:
+            self._live.state = AdapterState.capture(self, ALL, into=self._live.state)
 
     def domain_parameters(self, key: DomainKey) -> dict[str, torch.Tensor]:
         """Copies of domain ``key``'s adapted parameter values, by name."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         self._sync()
-        d = self._domains[self._slots[key]]
-        values = d.params if d.params is not None else [self._source[n] for n in self.params]
-        return {n: v.detach().clone() for n, v in zip(self.params, values)}
+        state = self._domains[self._slots[key]].state or self._source_state
+        return {n: state.params[n].clone() for n in self.params}
+
+    def domain_state(self, key: DomainKey) -> AdapterState:
+        """An exact copy of domain ``key``'s :data:`~hf_tta.state.ALL` state (reading it changes nothing)."""
+        if key not in self._slots:
+            raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
+        self._sync()
+        state = self._domains[self._slots[key]].state or self._source_state
+        return copy.deepcopy(state)
+
+    def domain_monitor(self, key: DomainKey) -> SafetyMonitor | None:
+        """Domain ``key``'s safety monitor (``None`` when the safety layer is off)."""
+        if key not in self._slots:
+            raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
+        return self._domains[self._slots[key]].safety
 
     @property
     def safety_counts(self) -> dict[str, int]:
@@ -332,18 +319,8 @@ class RoutedTTAWrapper(TTAWrapper):
         ``None`` to let the router decide per query. Each domain's sub-batch runs :meth:`TTAWrapper.adapt_step` with
         that domain's state in the model; a new domain starts from the source model.
         """
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "adapt_step was called under torch.inference_mode(), which no enable_grad() can undo: "
-                "call it outside inference_mode (torch.no_grad() is fine)."
-            )
-        gallery = self._check_gallery(gallery)
-        queries = self._check_inputs(queries, self.query_modality)
-        n = _rows(queries)
-        if labels is not None:
-            if isinstance(gallery, GalleryBackend):
-                raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
-        mask = self._label_mask(labels, n, gallery) if (labels is not None or self.objective.requires_labels) else None
+        batch = self._prepare(queries, gallery, labels)
+        queries, gallery, mask, n = batch.queries, batch.gallery, batch.labels, batch.size
         slots, new_keys = self._route(queries, domain, update=True)
         outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]] = []
         for slot in torch.unique(slots).tolist():  # one pass per domain present, in domain order
@@ -367,13 +344,15 @@ class RoutedTTAWrapper(TTAWrapper):
         """A sub-batch below ``min_domain_batch``: the domain's current model scores it, nothing is updated (the score
         transform, if any, still sees it)."""
         with torch.no_grad():
-            inputs = self._inputs(queries, gallery, step=0)
+            inputs = self._inputs(Batch(queries, gallery, None, _rows(queries)), step=0)
             scores = self._transform_scores(inputs, inputs.scores.detach())
         out = TTAOutput(
             scores=scores, loss=None, num_updates=0, n_selected=0,
             skipped=[f"{_rows(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
         )
-        return self._topk_output(out, gallery) if isinstance(gallery, GalleryBackend) else out
+        if isinstance(gallery, GalleryBackend):
+            out = dataclasses.replace(out, scores=None, topk=candidate_topk(scores, inputs.candidate_ids, gallery.k))
+        return out
 
     def _assemble(
         self, outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]], slots: torch.Tensor, n: int, new_keys: list[DomainKey]
@@ -449,37 +428,29 @@ class RoutedTTAWrapper(TTAWrapper):
             TTAWrapper.reset(self)
             return
         self._live = None
-        self.generator = torch.Generator()  # the dropped domains' generators and safety monitors stay theirs
-        self.safety = SafetyMonitor(self.safety.config) if self.safety is not None else None
+        self.safety = SafetyMonitor(self.safety.config) if self.safety is not None else None  # the dropped keep theirs
         TTAWrapper.reset(self)
         self._domains, self._slots, self._router_slots = [], {}, []
         self.router.reset()
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write every domain's state (tensors prefixed ``domain.<id>.``, laid out by :func:`hf_tta.checkpoint.state_tensors`
-        as one wrapper's, its safety monitor included) and the router's statistics (``router.*``) as one atomic
-        checkpoint folder; the routing config goes in ``tta_config.json`` under ``"routing"``."""
+    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+        """Every domain's :data:`~hf_tta.state.ALL` state and safety monitor under ``domain.<id>.`` (one wrapper's
+        layout each) and the router's statistics (``router.*``); the routing config goes in ``tta_config.json`` under
+        ``"routing"``."""
         self._sync()
         tensors: dict[str, torch.Tensor] = {}
         optimizers, safety = [], []
         for i, d in enumerate(self._domains):
-            values = d.params if d.params is not None else [self._source[n] for n in self.params]
-            optim = None
-            if self.optimizer is not None:
-                optim = d.optimizer or {"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]}
-            part, part_meta = checkpoint.state_tensors(
-                dict(zip(self.params, values)), optim, d.state, d.transform_state, d.batch_index, d.generator, d.safety
-            )
-            tensors.update({f"domain.{i}.{k}": v for k, v in part.items()})
+            part, part_meta = (d.state or self._source_state).to_tensors(f"domain.{i}.")
+            tensors.update(part)
             optimizers.append(part_meta.get("optimizer"))
             if d.safety is not None:
-                safety.append(part_meta["safety"])
+                safety_tensors, safety_meta = d.safety.state_tensors(f"domain.{i}.safety.")
+                tensors.update(safety_tensors)
+                safety.append(safety_meta)
         tensors.update({f"router.{k}": v for k, v in self.router.state_tensors().items()})
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta: dict[str, Any] = {
             "param_names": None,  # a plain TTAWrapper refuses this checkpoint ("adapts other parameters")
-            "fingerprint": self.fingerprint(),
-            "hf_tta_version": __version__,
             "routed": {
                 "param_names": list(self.params),
                 "keys": self.domain_keys,
@@ -489,71 +460,43 @@ class RoutedTTAWrapper(TTAWrapper):
                 "routing": self.routing.to_dict(),
             },
         }
-        config = {**self.resolved_config().to_dict(), "routing": self.routing.to_dict(), "hf_tta_version": __version__}
-        checkpoint.write_checkpoint(save_directory, config, tensors, meta)
+        return {**self.resolved_config().to_dict(), "routing": self.routing.to_dict()}, tensors, meta
 
     def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
-        meta = ckpt.metadata
-        routed = meta.get("routed")
+        routed = ckpt.metadata.get("routed")
         if routed is None:
             raise ValueError("This checkpoint holds one adapter (saved by TTAWrapper): load it with TTAWrapper, not RoutedTTAWrapper.")
-        if ckpt.fingerprint is not None:
-            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, self.fingerprint())
-            if mismatch:
-                raise ValueError(mismatch)
-        if routed["param_names"] != list(self.params):
-            raise ValueError("The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?")
-        mismatch = checkpoint.config_mismatch(ckpt.config, self)
-        if mismatch:
-            raise ValueError(mismatch)
+        self._check_checkpoint(ckpt, routed["param_names"])
         saved = RoutingConfig.from_dict(routed["routing"])
         if saved != self.routing:
             raise ValueError(f"The checkpoint was routed with {saved}, this wrapper with {self.routing}: build it with the checkpoint's routing.")
         keys = routed["keys"]
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in keys]
-        for name, value in ckpt.tensors.items():
-            if name.startswith("domain."):
-                i, rest = name[len("domain.") :].split(".", 1)
-                parts[int(i)][rest] = value
-        missing = [keys[i] for i, part in enumerate(parts) if "wrapper.rng_state" not in part]
+        missing = [key for i, key in enumerate(keys) if f"domain.{i}.wrapper.rng_state" not in ckpt.tensors]
         if missing:
             raise ValueError(f"The checkpoint lacks the state of domain(s) {missing[:3]}: it is incomplete.")
+        tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
+        names, on_cpu = [n for n, _ in self.named_optimized_parameters()], self._step_on_cpu()
+        states = [
+            AdapterState.from_tensors(tensors, {"optimizer": routed["optimizers"][i]}, ALL, names, f"domain.{i}.", step_on_cpu=on_cpu)
+            for i in range(len(keys))
+        ]
         # validated: now replace everything
         self._in_domain_step = False
         self.reset()
-        for i, key in enumerate(keys):
-            slot = self._new_domain(key)
-            self._domains[slot].generator = self.generator = torch.Generator()
-            self.safety = self._domains[slot].safety  # load_from fills this domain's monitor
-            sub_meta = {"param_names": list(self.params), "optimizer": routed["optimizers"][i]}
-            if routed.get("safety"):  # a checkpoint saved without the safety layer starts fresh monitors
-                sub_meta["safety"] = routed["safety"][i]
-            checkpoint.restore_state(self, dataclasses.replace(ckpt, tensors=parts[i], metadata=sub_meta))
-            self._live = self._domains[slot]
-            self._sync()
+        for i, (key, state) in enumerate(zip(keys, states)):
+            d = self._domains[self._new_domain(key)]
+            d.state = state
+            if d.safety is not None and routed.get("safety"):  # saved without the safety layer: fresh monitors
+                d.safety.load_state_tensors(tensors, routed["safety"][i], names, on_cpu, prefix=f"domain.{i}.safety.")
         self._router_slots = list(routed["router_slots"])
         self.router.load_state_tensors({k[len("router.") :]: v for k, v in ckpt.tensors.items() if k.startswith("router.")})
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model: nn.Module | ModelAdapter,
-        repo_id_or_path: str | os.PathLike,
-        *,
-        revision: str | None = None,
-        token: str | None = None,
-        api=None,
-    ) -> "RoutedTTAWrapper":
-        """Rebuild a routed wrapper around the *source* ``model`` from a checkpoint of :meth:`save_pretrained` (a local
-        folder or a Hub repository), with the checkpoint's TTA and routing configs and every domain."""
-        _, ckpt = cls._read_checkpoint_for(model, repo_id_or_path, revision=revision, token=token, api=api)
-        config = dict(ckpt.config)
+    def _init_kwargs(cls, config: dict[str, Any]) -> dict[str, Any]:
         routing = config.pop("routing", None)
         if routing is None:
             raise ValueError("This checkpoint holds one adapter (saved by TTAWrapper): load it with TTAWrapper.from_pretrained.")
-        wrapper = cls(model, TTAConfig.from_dict(config), routing=RoutingConfig.from_dict(routing))
-        wrapper._load_checkpoint(ckpt)
-        return wrapper
+        return {"config": TTAConfig.from_dict(config), "routing": RoutingConfig.from_dict(routing)}
 
     def merge_and_unload(self, domain: DomainKey | None = None) -> nn.Module:
         """The model with domain ``domain``'s adapted parameters merged in (``domain`` may be left out with one domain)."""

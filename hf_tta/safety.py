@@ -49,278 +49,100 @@ restores that domain only, and each monitor is saved under ``domain.<id>.safety.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .configuration_utils import ConfigMixin, check_field_types, check_positive_int
+from .config import SafetyConfig
+from .state import ROLLBACK, Adaptable, AdapterState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objectives.base import ObjectiveInputs
-    from .wrapper import TTAOutput, TTAWrapper
+
+logger = logging.getLogger(__name__)
 
 SAFETY_ACTIONS = ("skip_degenerate", "rollback", "reset")
 
 
-@dataclass
-class SafetyConfig(ConfigMixin):
-    """Thresholds of the safety layer (see :mod:`hf_tta.safety` for the rule). Defaults are set a priori, before
-    any tuning; every threshold can be switched off (the value given in its help).
+@dataclass(frozen=True)
+class SafetyDecision:
+    """What the monitor decided for a batch; the wrapper applies it.
 
-    Example:
-        >>> cfg = SafetyConfig(min_agreement=0.3)
-        >>> SafetyConfig.from_dict(cfg.to_dict()) == cfg
-        True
+    ``action``: ``None`` (keep), ``"skip_degenerate"`` (do not adapt on the batch), ``"rollback"`` (restore
+    :attr:`SafetyMonitor.last_good`) or ``"reset"`` (return to the source model). ``refresh``: a kept batch after which
+    the last-good snapshot is to be taken again. ``reason``: one line for the log and ``TTAOutput.skipped``.
     """
 
-    min_queries: int = field(
-        default=8, metadata={"help": "Batches with fewer queries are adapted on without judgement (noisy signals)."}
-    )
-    min_source_diversity: float = field(
-        default=0.1,
-        metadata={
-            "help": "A batch whose source top-1 diversity ((distinct - 1) / (B - 1)) is below this is degenerate and "
-            "not adapted on (any value > 0 flags a batch whose queries all retrieve one item). 0 disables."
-        },
-    )
-    collapse_ratio: float = field(
-        default=0.5,
-        metadata={"help": "Adapted diversity < collapse_ratio x source diversity = collapse: reset. 0 disables."},
-    )
-    min_agreement: float = field(
-        default=0.2, metadata={"help": "Adapted-vs-source top-1 agreement below this floor: rollback. 0 disables."}
-    )
-    max_agreement_drop: float = field(
-        default=0.5,
-        metadata={"help": "Agreement < (1 - max_agreement_drop) x its EMA over kept batches: rollback. 1 disables."},
-    )
-    agreement_ema_decay: float = field(
-        default=0.9, metadata={"help": "Decay of the agreement's EMA (the first kept batch initialises it)."}
-    )
-    max_rollbacks: int = field(
-        default=3, metadata={"help": "This many rollbacks in a row reset to the source model instead."}
-    )
-    snapshot_every: int = field(
-        default=1, metadata={"help": "Refresh the last-good snapshot after this many kept batches in a row."}
-    )
-    entropy_temperature: float = field(
-        default=0.01, metadata={"help": "Temperature of the logged refined-prediction entropy (a log, not a trigger)."}
-    )
-
-    def __post_init__(self):
-        check_field_types(self)
-        for name in ("min_queries", "max_rollbacks", "snapshot_every"):
-            check_positive_int(name, getattr(self, name), owner="SafetyConfig")
-        ranges = {
-            "min_source_diversity": (0.0, 1.0, "[0, 1]", True),
-            "collapse_ratio": (0.0, 1.0, "[0, 1]", True),
-            "min_agreement": (0.0, 1.0, "[0, 1]", True),
-            "max_agreement_drop": (0.0, 1.0, "(0, 1]", True),
-            "agreement_ema_decay": (0.0, 1.0, "[0, 1)", False),
-        }
-        for name, (lo, hi, text, hi_ok) in ranges.items():
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
-            ok = ok and (hi_ok or value < hi) and not (name == "max_agreement_drop" and value == 0)
-            if not ok:
-                raise ValueError(f"SafetyConfig `{name}` must be in {text}, got {value!r}.")
-        if not isinstance(self.entropy_temperature, (int, float)) or not self.entropy_temperature > 0:
-            raise ValueError(f"SafetyConfig `entropy_temperature` must be > 0, got {self.entropy_temperature!r}.")
+    action: str | None = None
+    refresh: bool = False
+    reason: str = ""
 
 
-def build_safety_config(value: SafetyConfig | Mapping[str, Any] | None) -> SafetyConfig | None:
-    """``TTAConfig.safety`` (``None``, a dict of overrides or a :class:`SafetyConfig`) as a :class:`SafetyConfig`."""
-    if value is None or isinstance(value, SafetyConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise TypeError(f"`safety` must be None, a dict of SafetyConfig overrides or a SafetyConfig, got {value!r}.")
-    known = {f.name for f in dataclasses.fields(SafetyConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"`safety` has keys {unknown} that SafetyConfig does not define; valid keys: {sorted(known)}.")
-    return SafetyConfig(**value)
+KEEP = SafetyDecision()
 
 
-# ---------------------------------------------------------------------------------------------------- snapshot
-class StateSnapshot:
-    """Copies of the adapted parameters, the optimiser state and the objective state, keyed by parameter name (so a
-    snapshot survives the optimiser being rebuilt, e.g. by SAR's recovery). Refreshing copies into the same buffers
-    on the device (one foreach copy) when the layout is unchanged."""
-
-    def __init__(self):
-        self.keys: list[tuple[str, ...]] = []  # ("param", name) | ("optim", name, key)
-        self.buffers: list[torch.Tensor] = []
-        self.optim_plain: dict[str, dict[str, Any]] = {}  # non-tensor optimiser state, by parameter name
-        self.objective: dict[str, torch.Tensor] = {}
-
-    @staticmethod
-    def _live(tta: "TTAWrapper") -> tuple[list[tuple[str, ...]], list[torch.Tensor], dict[str, dict[str, Any]]]:
-        named = tta.named_optimized_parameters()  # the adapted parameters and e.g. ClipTTA's open-set alpha
-        keys: list[tuple[str, ...]] = [("param", n) for n, _ in named]
-        tensors: list[torch.Tensor] = [p.detach() for _, p in named]
-        plain: dict[str, dict[str, Any]] = {}
-        opt_state = tta.optimizer.state if tta.optimizer is not None else {}
-        for name, p in named:
-            for key, value in opt_state.get(p, {}).items():
-                if torch.is_tensor(value):
-                    keys.append(("optim", name, key))
-                    tensors.append(value)
-                else:
-                    plain.setdefault(name, {})[key] = copy.deepcopy(value)
-        return keys, tensors, plain
-
-    @torch.no_grad()
-    def take(self, tta: "TTAWrapper") -> "StateSnapshot":
-        keys, tensors, plain = self._live(tta)
-        same = keys == self.keys and all(
-            b.shape == t.shape and b.dtype == t.dtype and b.device == t.device for b, t in zip(self.buffers, tensors)
-        )
-        if same and tensors:
-            torch._foreach_copy_(self.buffers, tensors)
-        else:
-            self.keys, self.buffers = keys, [t.clone() for t in tensors]
-        self.optim_plain = plain
-        self.objective = {k: v.clone() for k, v in tta.state.items()}
-        return self
-
-    @torch.no_grad()
-    def restore(self, tta: "TTAWrapper") -> None:
-        """Put the snapshot back, bit-exactly: parameters copied in place, the optimiser's per-parameter state replaced
-        by copies (state created after the snapshot is dropped), the objective state replaced by copies."""
-        live = dict(tta.named_optimized_parameters())
-        params = [live[k[1]] for k in self.keys if k[0] == "param"]
-        values = [b for k, b in zip(self.keys, self.buffers) if k[0] == "param"]
-        if params:
-            torch._foreach_copy_(params, values)
-        if tta.optimizer is not None:
-            for p in live.values():
-                tta.optimizer.state.pop(p, None)
-            for key, buf in zip(self.keys, self.buffers):
-                if key[0] == "optim":
-                    tta.optimizer.state[live[key[1]]][key[2]] = buf.clone()
-            for name, plain in self.optim_plain.items():
-                tta.optimizer.state[live[name]].update(copy.deepcopy(plain))
-        tta.state.clear()
-        tta.state.update({k: v.clone() for k, v in self.objective.items()})
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = {f"{prefix}{'.'.join(k)}": b for k, b in zip(self.keys, self.buffers)}
-        out.update({f"{prefix}objective.{k}": v for k, v in self.objective.items()})
-        return out
-
-    @classmethod
-    def from_tensors(
-        cls, tta: "TTAWrapper", tensors: Mapping[str, torch.Tensor], prefix: str, plain: Mapping[str, Any]
-    ) -> "StateSnapshot":
-        snap = cls()
-        entries = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        for name in tta.params:  # parameters first, in the wrapper's order, then the optimiser's entries
-            snap.keys.append(("param", name))
-            snap.buffers.append(entries[f"param.{name}"].clone())
-        for sub, value in entries.items():
-            if sub.startswith("optim."):
-                name, key = sub[len("optim.") :].rsplit(".", 1)
-                snap.keys.append(("optim", name, key))
-                snap.buffers.append(value.cpu().clone() if key == "step" and _step_on_cpu(tta) else value.clone())
-            elif sub.startswith("objective."):
-                snap.objective[sub[len("objective.") :]] = value.clone()
-        snap.optim_plain = {k: dict(v) for k, v in plain.items()}
-        return snap
-
-
-def _step_on_cpu(tta: "TTAWrapper") -> bool:
-    """AdamW keeps ``step`` on the CPU unless fused or capturable (then on the parameters' device)."""
-    opt = tta.optimizer
-    return opt is not None and not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
-
-
-# ---------------------------------------------------------------------------------------------------- monitor
 class SafetyMonitor:
-    """The per-stream state of the safety layer and its decisions (see :mod:`hf_tta.safety`). The wrapper calls
-    :meth:`begin` before adapting on a batch, :meth:`judge` on the scores the batch would return, and :meth:`finish`
-    on its output."""
+    """The per-stream state of the safety layer and its decisions (see :mod:`hf_tta.safety`).
+
+    Per batch the wrapper calls :meth:`before` with the source model's view of the batch, and (if it adapted)
+    :meth:`after` with the view it would return; each returns a :class:`SafetyDecision`. The monitor keeps the
+    last-good :data:`~hf_tta.state.ROLLBACK` state (:attr:`last_good`, taken by :meth:`remember`), saves and loads its
+    own tensors (:meth:`state_tensors`, :meth:`load_state_tensors`) and never touches the wrapper otherwise.
+    """
 
     def __init__(self, config: SafetyConfig):
         self.config = config
         self.clear()
 
     def clear(self) -> None:
-        """Forget the stream: counts, EMA, streaks and the snapshot (taken again from the state at the next batch)."""
+        """Forget the stream: counts, EMA, streaks and the last-good state (taken again at the next batch)."""
         self.counts: dict[str, int] = {a: 0 for a in SAFETY_ACTIONS}
         self.agreement_ema: float | None = None
         self.rollbacks_in_row = 0
         self.kept_in_row = 0
-        self.snapshot: StateSnapshot | None = None
-        self._end_batch()
+        self.last_good: AdapterState | None = None
+        self._begin_batch(None)
 
-    def _end_batch(self) -> None:
-        self._source: ObjectiveInputs | None = None
-        self._source_ids: torch.Tensor | None = None
-        self._source_top1: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._action: str | None = None
-        self._logs: dict[str, float] = {}
+    def remember(self, target: Adaptable) -> None:
+        """Take the last-good state from ``target`` (into the same buffers when the layout is unchanged)."""
+        self.last_good = AdapterState.capture(target, ROLLBACK, into=self.last_good)
+
+    def _begin_batch(self, source: ObjectiveInputs | None) -> None:
+        self.source = source
+        self.action: str | None = None
+        self.logs: dict[str, float] = {}
         self._judged = False
 
-    # ---------------------------------------------------------------------------------------- per batch
-    def source_cache(self) -> list[torch.Tensor]:
-        """The batch's source scores for the objective's ``source_scores()`` (dense gallery), so no second forward."""
-        if self._source is None or self._source_ids is not None:
-            return []
-        return [self._source.scores]
-
-    def source_inputs(self) -> "ObjectiveInputs | None":
-        """The batch's source-model inputs (embeddings and scores) on a dense gallery, else ``None``: a training-free
-        objective scores on them instead of running the same forward again."""
-        return self._source if self._source is not None and self._source_ids is None else None
-
-    def begin(self, tta: "TTAWrapper", queries: dict, gallery) -> "TTAOutput | None":
-        """Score the batch with the source model; return the output of a degenerate batch (not to be adapted on),
-        else ``None``."""
-        self._end_batch()
-        if self.snapshot is None:
-            self.snapshot = StateSnapshot().take(tta)
-        with torch.no_grad(), tta.disabled():
-            src = tta._inputs(queries, gallery, tta.config.steps - 1, record=True)
-        self._source = dataclasses.replace(src, query_emb=src.query_emb.detach(), scores=src.scores.detach())
-        self._source_ids = tta._candidate_ids if _is_backend(gallery) else None  # the source's candidate columns
-        self._source_top1 = _top1(self._source.scores, self._source_ids)
-        b = self._source.scores.shape[0]
+    # ---------------------------------------------------------------------------------------- decisions
+    def before(self, source: ObjectiveInputs) -> SafetyDecision:
+        """Judge the batch from the source model's view (embeddings, scores and, with a top-k backend, the source's
+        candidate ids): a degenerate batch is not to be adapted on (rule 1)."""
+        self._begin_batch(source)
+        self._source_top1 = _top1(source.scores, source.candidate_ids)
+        b = source.scores.shape[0]
         if b < self.config.min_queries:
-            return None
+            return KEEP
         self._judged = True
         d_src = float(_diversity(self._source_top1[1]))  # the one host sync before adapting
-        self._logs["source_diversity"] = d_src
+        self.logs["source_diversity"] = d_src
         if d_src >= self.config.min_source_diversity:
-            return None
-        self._act("skip_degenerate")
-        from .wrapper import TTAOutput
-
-        return TTAOutput(
-            scores=self.source_scores(tta, update_transform=False), loss=None, num_updates=0, n_selected=0,
-            skipped=[f"degenerate batch (source top-1 diversity {d_src:.3g} < {self.config.min_source_diversity}): not adapted"],
+            return KEEP
+        return self._act(
+            "skip_degenerate",
+            f"degenerate batch (source top-1 diversity {d_src:.3g} < {self.config.min_source_diversity}): not adapted",
         )
 
-    def source_scores(self, tta: "TTAWrapper", update_transform: bool = True) -> torch.Tensor:
-        """The source model's scores of the batch through the score transform (a top-k backend reports the source
-        candidates' top-k); ``update_transform=False`` leaves the transform's state as it was (a degenerate batch)."""
-        if self._source_ids is not None:
-            tta._candidate_ids = self._source_ids
-        return tta._transform_scores(self._source, self._source.scores, update_state=update_transform)
-
     @torch.no_grad()
-    def judge(self, tta: "TTAWrapper", inputs: "ObjectiveInputs", scores: torch.Tensor) -> tuple["ObjectiveInputs", torch.Tensor]:
-        """Decide keep / rollback / reset from the scores the batch would return; on a rollback or reset the state is
-        restored and the source model's inputs and scores are returned instead."""
+    def after(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> SafetyDecision:
+        """Judge the adapted view of the batch (the inputs and scores it would return) against the source's: keep,
+        roll back (rule 3) or reset (rule 2)."""
         if not self._judged:
-            return inputs, scores
-        cfg = self.config
-        ids = getattr(tta, "_candidate_ids", None) if self._source_ids is not None else None
-        a_col, a_top1 = _top1(scores, ids)
+            return KEEP
+        cfg, src = self.config, self.source
+        a_col, a_top1 = _top1(scores, inputs.candidate_ids)
         s_col, s_top1 = self._source_top1
-        src = self._source
         signals = {
             "finite": torch.isfinite(scores).all().to(torch.float64),
             "adapted_diversity": _diversity(a_top1),
@@ -335,89 +157,74 @@ class SafetyMonitor:
         values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in signals.values()]).tolist()  # one sync
         logs = dict(zip(signals, values))
         finite = logs.pop("finite") == 1.0
-        self._logs.update(logs)
+        self.logs.update(logs)
         agreement = logs["agreement"]
-        if not finite or logs["adapted_diversity"] < cfg.collapse_ratio * self._logs["source_diversity"]:
-            action = "reset"
-        elif agreement < cfg.min_agreement or (
-            self.agreement_ema is not None and agreement < (1.0 - cfg.max_agreement_drop) * self.agreement_ema
-        ):
-            self.rollbacks_in_row += 1
-            action = "rollback" if self.rollbacks_in_row < cfg.max_rollbacks else "reset"
-        else:
-            action = None
-        if action is None:
-            self.rollbacks_in_row = 0
-            d = cfg.agreement_ema_decay
-            self.agreement_ema = agreement if self.agreement_ema is None else d * self.agreement_ema + (1 - d) * agreement
-            self.kept_in_row += 1
-            if self.kept_in_row >= cfg.snapshot_every:
-                self.snapshot.take(tta)
-                self.kept_in_row = 0
-        elif action == "rollback":
-            self.snapshot.restore(tta)
-            self.kept_in_row = 0
-        else:  # reset to the source model; batch counter, RNG and score transform state go on
-            tta._restore_parameters()
-            tta.state = tta.objective.init_state(tta.device)
+        if not finite or logs["adapted_diversity"] < cfg.collapse_ratio * self.logs["source_diversity"]:
             self.agreement_ema, self.rollbacks_in_row, self.kept_in_row = None, 0, 0
-            self.snapshot.take(tta)
-        if self.agreement_ema is not None:
-            self._logs["agreement_ema"] = self.agreement_ema
-        if action is None:
-            return inputs, scores
-        self._act(action)
-        if self._source_ids is not None:
-            tta._candidate_ids = self._source_ids
-        return self._source, self._source.scores
+            why = "non-finite scores" if not finite else f"collapse (adapted top-1 diversity {logs['adapted_diversity']:.3g})"
+            return self._act("reset", f"{why}: reset to the source model")
+        drop = self.agreement_ema is not None and agreement < (1.0 - cfg.max_agreement_drop) * self.agreement_ema
+        if agreement < cfg.min_agreement or drop:
+            self.rollbacks_in_row += 1
+            self.kept_in_row = 0
+            if self.rollbacks_in_row >= cfg.max_rollbacks:
+                self.agreement_ema, self.rollbacks_in_row = None, 0
+                return self._act("reset", f"{cfg.max_rollbacks} rollbacks in a row: reset to the source model")
+            if self.agreement_ema is not None:
+                self.logs["agreement_ema"] = self.agreement_ema
+            return self._act("rollback", f"top-1 agreement with the source {agreement:.3g}: rolled back to the last-good state")
+        self.rollbacks_in_row = 0
+        d = cfg.agreement_ema_decay
+        self.agreement_ema = agreement if self.agreement_ema is None else d * self.agreement_ema + (1 - d) * agreement
+        self.logs["agreement_ema"] = self.agreement_ema
+        self.kept_in_row += 1
+        refresh = self.kept_in_row >= cfg.snapshot_every
+        if refresh:
+            self.kept_in_row = 0
+        return SafetyDecision(refresh=refresh)
 
-    def _act(self, action: str) -> None:
-        self._action = action
+    def _act(self, action: str, reason: str) -> SafetyDecision:
+        self.action = action
         self.counts[action] += 1
-
-    def finish(self, out: "TTAOutput") -> "TTAOutput":
-        """Attach this batch's action and signals to the output."""
-        out = dataclasses.replace(out, safety_action=self._action, safety_logs=dict(self._logs))
-        self._end_batch()
-        return out
+        logger.log(logging.INFO if action == "skip_degenerate" else logging.WARNING, "safety: %s", reason)
+        return SafetyDecision(action=action, reason=reason)
 
     # ---------------------------------------------------------------------------------------- checkpoint
-    def save_into(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Add the monitor's state to a checkpoint's tensors (``safety.*``) and metadata (``"safety"``)."""
-        for action, n in self.counts.items():
-            tensors[f"safety.counts.{action}"] = torch.tensor(n, dtype=torch.int64)
-        tensors["safety.rollbacks_in_row"] = torch.tensor(self.rollbacks_in_row, dtype=torch.int64)
-        tensors["safety.kept_in_row"] = torch.tensor(self.kept_in_row, dtype=torch.int64)
+    def state_tensors(self, prefix: str = "safety.") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The monitor's tensors (``safety.counts.*``, streaks, EMA, ``safety.snapshot.*``) and metadata."""
+        tensors = {f"{prefix}counts.{a}": torch.tensor(n, dtype=torch.int64) for a, n in self.counts.items()}
+        tensors[f"{prefix}rollbacks_in_row"] = torch.tensor(self.rollbacks_in_row, dtype=torch.int64)
+        tensors[f"{prefix}kept_in_row"] = torch.tensor(self.kept_in_row, dtype=torch.int64)
         if self.agreement_ema is not None:
-            tensors["safety.agreement_ema"] = torch.tensor(self.agreement_ema, dtype=torch.float64)
-        if self.snapshot is not None:
-            tensors.update(self.snapshot.tensors("safety.snapshot."))
-        meta["safety"] = {
-            "snapshot": self.snapshot is not None,
-            "optim_plain": self.snapshot.optim_plain if self.snapshot is not None else {},
-        }
+            tensors[f"{prefix}agreement_ema"] = torch.tensor(self.agreement_ema, dtype=torch.float64)
+        meta: dict[str, Any] = {"snapshot": self.last_good is not None, "optim_plain": {}}
+        if self.last_good is not None:
+            snap, snap_meta = self.last_good.to_tensors(f"{prefix}snapshot.", optimizer_keys="name")
+            tensors.update(snap)
+            meta["optim_plain"] = snap_meta.get("optim_plain", {})
+        return tensors, meta
 
-    def load_from(self, tta: "TTAWrapper", tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None) -> None:
-        """Restore what :meth:`save_into` wrote; a checkpoint saved without the safety layer starts a fresh monitor."""
+    def load_state_tensors(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None, names: list[str],
+        step_on_cpu: bool, prefix: str = "safety.",
+    ) -> None:
+        """Restore what :meth:`state_tensors` wrote (``names``: the wrapper's optimised tensors, in order); a checkpoint
+        saved without the safety layer starts a fresh monitor."""
         self.clear()
-        if not meta or "safety.rollbacks_in_row" not in tensors:
+        if not meta or f"{prefix}rollbacks_in_row" not in tensors:
             return
-        self.counts = {a: int(tensors[f"safety.counts.{a}"]) for a in SAFETY_ACTIONS}
-        self.rollbacks_in_row = int(tensors["safety.rollbacks_in_row"])
-        self.kept_in_row = int(tensors["safety.kept_in_row"])
-        if "safety.agreement_ema" in tensors:
-            self.agreement_ema = float(tensors["safety.agreement_ema"])
+        self.counts = {a: int(tensors[f"{prefix}counts.{a}"]) for a in SAFETY_ACTIONS}
+        self.rollbacks_in_row = int(tensors[f"{prefix}rollbacks_in_row"])
+        self.kept_in_row = int(tensors[f"{prefix}kept_in_row"])
+        if f"{prefix}agreement_ema" in tensors:
+            self.agreement_ema = float(tensors[f"{prefix}agreement_ema"])
         if meta.get("snapshot"):
-            self.snapshot = StateSnapshot.from_tensors(tta, tensors, "safety.snapshot.", meta.get("optim_plain", {}))
+            self.last_good = AdapterState.from_tensors(
+                tensors, meta, ROLLBACK, names, prefix=f"{prefix}snapshot.", optimizer_keys="name", step_on_cpu=step_on_cpu
+            )
 
 
 # ---------------------------------------------------------------------------------------------------- signals
-def _is_backend(gallery) -> bool:
-    from .gallery.base import GalleryBackend
-
-    return isinstance(gallery, GalleryBackend)
-
-
 def _top1(scores: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's best column and its gallery index (the first on ties). With a top-k backend the columns after the
     candidates (an objective's extra rows) are not gallery items."""

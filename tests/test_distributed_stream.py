@@ -148,7 +148,7 @@ def _safety_worker(rank: int, out_dir: str) -> None:
     fused = [any(g.get("fused") for g in tta.optimizer.param_groups)]
     tta.reset()
     fused.append(any(g.get("fused") for g in tta.optimizer.param_groups))
-    save("fast_step", {"fused": torch.tensor(fused), "deferred": torch.tensor(tta._deferred_checks_apply())})
+    save("fast_step", {"fused": torch.tensor(fused), "deferred": torch.tensor(tta.fast_path_active)})
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_two_processes_equal_one(distributed_outputs, objective):
         torch.testing.assert_close(ranks[0][key], ref, rtol=0, atol=1e-5, msg=key)
         assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs between the processes"
     # the adaptation did something (the comparison is not between two source models)
-    assert any(not torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert any(not torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
 
 
 def test_resume_from_the_main_process_checkpoint(distributed_outputs):

@@ -153,5 +153,5 @@ def test_deyo_port_leaves_text_queries_at_the_source():
         source = tta.adapter.score(tta.adapter.embed("text", q), g.embeddings)
     out = tta.adapt_step(q, g)
     assert out.num_updates == 0 and out.skipped  # every step skipped: nothing passes the PLPD filter
-    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
     assert torch.allclose(out.scores, source, atol=1e-6)

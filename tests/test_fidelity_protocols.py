@@ -55,7 +55,7 @@ def _first_step_delta(monkeypatch, wd_value: float | None, weight_on: str = "ste
     if wd_value is not None:
         assert out.logs["gd_weight"] == pytest.approx(wd_value) and out.logs["gd_projected"] == 0.0
     assert all(group["lr"] == 1e-3 for group in tta.optimizer.param_groups)  # restored after the step
-    return {n: (p.detach() - tta._source[n]) for n, p in tta.params.items()}
+    return {n: (p.detach() - tta.source_parameters()[n]) for n, p in tta.params.items()}
 
 
 def test_gradient_decoupling_weight_scales_the_step(monkeypatch):

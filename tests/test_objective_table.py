@@ -110,7 +110,7 @@ def test_reset_is_exact(case):
         tta.adapt_step(batch("image", BATCH, seed=20 + i), g)
     tta.reset()
     for name, p in tta.params.items():
-        assert torch.equal(p, tta._source[name])
+        assert torch.equal(p, tta.source_parameters()[name])
     assert tta.batch_index == 0
     assert set(tta.state) == set(state0) and all(torch.equal(tta.state[k], state0[k]) for k in state0)
     # the stream replays bit-exactly after reset

@@ -470,12 +470,12 @@ def test_sar_two_passes_and_recovery(monkeypatch):
     out = tta.adapt_step(batch("image", 6, seed=2), g)
     assert [c[:2] for c in calls] == [(0, False), (0, True), (1, False), (1, True)]
     assert all(c[2] > 0 for c in calls) and out.num_updates == 2 and tta.state["ema"].numel() == 1
-    assert not all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert not all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
     # recovery: any EMA is below an infinite constant, so the source parameters come back and the EMA restarts
     tta.objective.config.reset_constant = float("inf")
     out = tta.adapt_step(batch("image", 6, seed=3), g)
     assert out.logs.get("recovered") == 1.0 and tta.state["ema"].numel() == 0
-    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
 
 
 def test_sar_second_pass_reuses_first_filter():

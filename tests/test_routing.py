@@ -85,7 +85,7 @@ def test_user_keys_give_each_domain_the_state_of_a_wrapper_that_saw_only_its_que
     for key, ref in refs.items():
         params = tta.domain_parameters(key)
         assert all(torch.equal(params[n], p) for n, p in ref.params.items())
-        assert any(not torch.equal(params[n], tta._source[n]) for n in params)  # it did adapt
+        assert any(not torch.equal(params[n], tta.source_parameters()[n]) for n in params)  # it did adapt
     a, b = tta.domain_parameters("a"), tta.domain_parameters("b")
     assert any(not torch.equal(a[n], b[n]) for n in a)  # and the two domains differ
 
@@ -110,7 +110,7 @@ def test_small_sub_batches_are_scored_by_their_domain_without_an_update():
     x = _style(0, 6, seed=0)
     out = tta.adapt_step({"pixel_values": x}, gallery, domain=["a"] * 4 + ["b"] * 2)
     assert out.num_updates == 3 and any("min_domain_batch" in s for s in out.skipped)
-    assert all(torch.equal(v, tta._source[n]) for n, v in tta.domain_parameters("b").items())
+    assert all(torch.equal(v, tta.source_parameters()[n]) for n, v in tta.domain_parameters("b").items())
     with source.disabled():
         _, src_scores = source.embed_and_score({"pixel_values": x[4:]}, gallery)
     assert torch.equal(out.scores[4:], src_scores)
@@ -257,7 +257,7 @@ def test_reset_returns_to_the_source_and_drops_every_domain():
     assert not torch.equal(adapted, source_scores)
     tta.reset()
     assert tta.num_domains == 0 and tta.router.num_domains == 0 and tta.batch_index == 0
-    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
     _, after = tta.embed_and_score({"pixel_values": x}, gallery)
     assert torch.equal(after, source_scores)
     fresh = _routed()

@@ -34,8 +34,7 @@ def _routed(cfg: TTAConfig, **routing) -> RoutedTTAWrapper:
 
 
 def _domain_state(tta: RoutedTTAWrapper, key) -> dict[str, torch.Tensor]:
-    tta._activate(tta._slots[key])  # exact copies: reading a domain's state does not change it
-    return _state(tta)
+    return _state(tta.domain_state(key))  # an exact copy: reading a domain's state does not change it
 
 
 def _keyed(parts: dict, seed: int) -> tuple[dict[str, torch.Tensor], list]:
@@ -85,7 +84,7 @@ def test_a_harmful_update_in_one_domain_restores_that_domain_only(push, mode, lr
     else:  # the source values with a fresh optimiser and objective state
         _assert_bit_equal(_domain_state(tta, "a"), _state(TTAWrapper(make_model("clip"), cfg)))
     _assert_bit_equal(_domain_state(tta, "b"), _state(refs["b"]))
-    assert any(not torch.equal(v, tta._source[n]) for n, v in tta.domain_parameters("b").items())  # "b" did adapt
+    assert any(not torch.equal(v, tta.source_parameters()[n]) for n, v in tta.domain_parameters("b").items())  # "b" did adapt
     assert tta.domain_safety_counts == {"a": {**ZERO, action: 1}, "b": ZERO}
     assert tta.safety_counts == {**ZERO, action: 1}  # summed over the domains
     # the next batch: "a" adapts on from its restored state, "b" is harmed on its 4th batch and restored in turn
@@ -168,10 +167,9 @@ def test_resume_with_safety_in_every_domain_equals_the_uninterrupted_stream(push
     first.save_pretrained(tmp_path / "ckpt")
     resumed = RoutedTTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
     assert resumed.domain_safety_counts == first.domain_safety_counts
-    for a, b in zip(first._domains, resumed._domains):
-        assert (a.safety.agreement_ema, a.safety.kept_in_row, a.safety.rollbacks_in_row) == (
-            b.safety.agreement_ema, b.safety.kept_in_row, b.safety.rollbacks_in_row
-        )
+    for key in first.domain_keys:
+        a, b = first.domain_monitor(key), resumed.domain_monitor(key)
+        assert (a.agreement_ema, a.kept_in_row, a.rollbacks_in_row) == (b.agreement_ema, b.kept_in_row, b.rollbacks_in_row)
     rest = [step(resumed, gallery, *s) for s in stream[cut:]]
     for a, b in zip(full[cut:], rest):
         assert torch.equal(a.scores, b.scores) and torch.equal(a.domains, b.domains)
@@ -183,8 +181,8 @@ def test_resume_with_safety_in_every_domain_equals_the_uninterrupted_stream(push
     # reset() returns every domain to the source, clears every monitor, and the stream replays as on a new wrapper
     resumed.reset()
     assert resumed.num_domains == 0 and resumed.safety_counts == ZERO and resumed.domain_safety_counts == {}
-    assert resumed.safety.snapshot is None and resumed.safety.agreement_ema is None
-    assert all(torch.equal(p, resumed._source[n]) for n, p in resumed.params.items())
+    assert resumed.safety.last_good is None and resumed.safety.agreement_ema is None
+    assert all(torch.equal(p, resumed.source_parameters()[n]) for n, p in resumed.params.items())
     again = [step(resumed, gallery, *s) for s in stream[:2]]
     for a, b in zip(full, again):
         assert torch.equal(a.scores, b.scores) and a.safety_actions == b.safety_actions
@@ -199,7 +197,7 @@ def test_a_checkpoint_saved_without_safety_loads_with_fresh_monitors(tmp_path):
     safe = RoutedTTAWrapper(make_model("clip"), _config("tcr", {}))
     safe.load_state(tmp_path / "ckpt")
     assert safe.domain_keys == plain.domain_keys and safe.domain_safety_counts == {0: ZERO, 1: ZERO}
-    assert all(d.safety is not None and d.safety.snapshot is None for d in safe._domains)
+    assert all(safe.domain_monitor(k).last_good is None for k in safe.domain_keys)
 
 
 # ------------------------------------------------------------------------------------- the benchmark row

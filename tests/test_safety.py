@@ -20,6 +20,7 @@ from hf_tta.objectives.base import (
     get_objective_class,
     register_objective,
 )
+from hf_tta.state import ROLLBACK, AdapterState
 from tiny_models import batch, make_model
 
 B = 16
@@ -44,13 +45,14 @@ def _source_scores(tta: TTAWrapper, queries, gallery) -> torch.Tensor:
         return tta.embed_and_score(queries, gallery)[1]
 
 
-def _state(tta: TTAWrapper) -> dict[str, torch.Tensor]:
-    """Every adapted tensor: parameters, optimiser state (by parameter name) and objective state, copied."""
-    out = {f"param.{n}": p.detach().clone() for n, p in tta.params.items()}
-    for n, p in tta.params.items():
-        for k, v in tta.optimizer.state.get(p, {}).items():
-            out[f"optim.{n}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
-    out.update({f"objective.{k}": v.clone() for k, v in tta.state.items()})
+def _state(tta: TTAWrapper | AdapterState) -> dict[str, torch.Tensor]:
+    """Every adapted tensor (a wrapper's now, or a captured state): parameters and other optimised tensors, optimiser
+    state (by parameter name) and objective state, copied."""
+    state = tta if isinstance(tta, AdapterState) else AdapterState.capture(tta, ROLLBACK)
+    tensors, meta = state.only(ROLLBACK).to_tensors(optimizer_keys="name")
+    out = {k: v.clone() for k, v in tensors.items()}
+    for name, plain in meta.get("optim_plain", {}).items():
+        out.update({f"optim.{name}.{k}": torch.tensor(v) for k, v in plain.items()})
     return out
 
 
@@ -165,7 +167,7 @@ def test_the_agreement_ema_flags_a_relative_drop_and_repeated_rollbacks_reset(pu
     assert actions == [None, None, "rollback", "rollback", "reset", None]
     assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 2, "reset": 1}
     with pytest.raises(AssertionError):  # the 5 benign updates after the reset moved the state off the source
-        _assert_bit_equal({k: v for k, v in _state(tta).items() if k.startswith("param.")}, {f"param.{n}": v for n, v in tta._source.items()})
+        _assert_bit_equal({k: v for k, v in _state(tta).items() if k.startswith("param.")}, {f"param.{n}": v for n, v in tta.source_parameters().items()})
 
 
 # ------------------------------------------------------------------------------------- collapse
@@ -179,7 +181,7 @@ def test_collapse_resets_to_the_source_model(push):
     assert out.safety_action == "reset"
     assert out.safety_logs["adapted_diversity"] < 0.5 * out.safety_logs["source_diversity"]  # all to one or two items
     for name, p in tta.params.items():
-        assert torch.equal(p, tta._source[name]), name
+        assert torch.equal(p, tta.source_parameters()[name]), name
     assert not tta.optimizer.state and torch.equal(tta.state["calls"], torch.zeros((), dtype=torch.int64))
     assert torch.equal(out.scores, _source_scores(tta, xs[2], gallery))
     assert tta.safety_counts["reset"] == 1 and tta.batch_index == 3
@@ -228,7 +230,7 @@ def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
             tta.adapt_step(x, gallery)
         if with_prefix and safety is not None:
             for name, p in tta.params.items():  # the prefix changed nothing at all
-                assert torch.equal(p, tta._source[name]), name
+                assert torch.equal(p, tta.source_parameters()[name]), name
             assert not tta.optimizer.state and tta.safety_counts["skip_degenerate"] == 30
         return tta, torch.cat([tta.adapt_step(x, gallery).scores for x in clean])
 
@@ -277,7 +279,7 @@ def test_safety_on_the_fused_one_sync_path_equals_the_checked_loop(push):
     for fast in (False, True):
         cfg = TTAConfig(objective="tcr", fast_step=fast, lr=1e-2, safety={"min_agreement": 0.9, "collapse_ratio": 0.0})
         tta = TTAWrapper(make_model("clip"), cfg)
-        assert tta._deferred_checks_apply() == fast
+        assert tta.fast_path_active == fast
         gallery = _gallery()
         outs[fast] = [tta.adapt_step(x, gallery) for x in _stream(6)]
         states[fast] = _state(tta)
@@ -346,7 +348,7 @@ def test_reset_clears_the_monitor():
     assert tta.safety_counts["skip_degenerate"] == 1 and tta.safety.agreement_ema is not None
     tta.reset()
     assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 0, "reset": 0}
-    assert tta.safety.agreement_ema is None and tta.safety.snapshot is None
+    assert tta.safety.agreement_ema is None and tta.safety.last_good is None
 
 
 # ------------------------------------------------------------------------------------- every gradient objective
@@ -432,8 +434,6 @@ def test_safety_around_dn_alone_keeps_degenerate_batches_out_of_its_query_mean()
 def test_a_rollback_restores_every_optimised_tensor_also_cliptta_open_set_alpha():
     """ClipTTA's open-set threshold alpha has its own AdamW group outside the adapted LayerNorms: a snapshot and a
     rollback must cover its value and moments too (before: they kept the rolled-back steps' moments)."""
-    from hf_tta.safety import StateSnapshot
-
     cfg = TTAConfig(objective="cliptta", query_modality="image", objective_config={"open_set": True}, lr=0.05)
     tta = TTAWrapper(make_model("clip"), cfg)
     g = tta.encode_gallery(batch("text", 12, seed=1))
@@ -443,9 +443,9 @@ def test_a_rollback_restores_every_optimised_tensor_also_cliptta_open_set_alpha(
     alpha = dict(tta.named_optimized_parameters())["optimizer.extra.0"]
     before = {k: v.clone() for k, v in tta.optimizer.state[alpha].items()}
     value = alpha.detach().clone()
-    snap = StateSnapshot().take(tta)
+    snap = AdapterState.capture(tta, ROLLBACK)
     tta.adapt_step(batch("image", 8, seed=3), g)
     assert not torch.equal(tta.optimizer.state[alpha]["exp_avg"], before["exp_avg"])  # the step moved them
-    snap.restore(tta)
+    snap.apply(tta)
     assert all(torch.equal(tta.optimizer.state[alpha][k], v) for k, v in before.items())
     assert torch.equal(alpha.detach(), value)

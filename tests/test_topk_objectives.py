@@ -279,7 +279,7 @@ def test_resumed_stream_on_backend_is_bit_identical(objective, tmp_path):
     fresh = _wrapper(objective)
     assert tta.state.keys() == fresh.state.keys()
     assert all(torch.equal(tta.state[k], fresh.state[k]) for k in fresh.state)
-    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
 
 
 # ------------------------------------------------------------------------------------------------ sharded (2 processes)

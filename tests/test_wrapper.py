@@ -143,7 +143,7 @@ def test_episodic_resets_after_each_batch():
     g = tta.encode_gallery(batch("text", 10, seed=1))
     out = tta.adapt_step(batch("image", 6, seed=2), g)
     assert out.num_updates > 0
-    assert all(torch.equal(p, tta._source[n]) for n, p in tta.params.items())
+    assert all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
     assert tta.batch_index == 0
 
 

@@ -295,4 +295,27 @@ def match_module_names(model: nn.Module, patterns: str | Iterable[str]) -> list[
     return [n for n in names if any(n == w or n.endswith("." + w) for w in wanted)]
 
 
+def resolve_target_modules(
+    adapter: ModelAdapter, query_modality: str, target: str | list[str] | None, exclude: str | list[str] | None
+) -> list[str]:
+    """The modules a wrapper adapts: ``target`` (PEFT semantics, see :func:`match_module_names`) or, by default, the
+    query tower's normalisation layers, less ``exclude``; refused when empty or outside the query tower."""
+    model = adapter.model
+    names = adapter.norm_layer_names(query_modality) if target is None else match_module_names(model, target)
+    if exclude:
+        roots = match_module_names(model, exclude)
+        names = [n for n in names if not any(n == r or n.startswith(r + ".") for r in roots)]
+    if not names:
+        raise ValueError(
+            f"No module to adapt for query modality {query_modality!r} (target_modules={target!r}, exclude_modules={exclude!r})."
+        )
+    gallery_only = [n for n in names if query_modality not in adapter.tower_of(n)]
+    if gallery_only:
+        raise ValueError(
+            f"target_modules selects modules outside the {query_modality} (query) tower: {gallery_only[:3]}"
+            f"{'...' if len(gallery_only) > 3 else ''}. The gallery tower is never adapted."
+        )
+    return names
+
+
 EncodeFn = Callable[[nn.Module, dict], torch.Tensor]

@@ -1,0 +1,113 @@
+"""One batch checked at the boundary, before anything runs: the queries, the gallery and the labels of an
+:meth:`~hf_tta.TTAWrapper.adapt_step`. A mistake is one line naming the fix; nothing has changed when it is raised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .gallery.base import GalleryBackend
+from .gallery.cache import GalleryCache
+from .gallery.candidates import check_gallery_access
+from .metrics.recall import relevance_to_index
+from .models.base import ModelAdapter
+from .objectives.base import Objective
+
+
+@dataclass
+class Batch:
+    """One checked batch: the queries (selected and cast by the adapter's input specs), the gallery (dense or top-k
+    backend), the relevance mask (supervised objectives only) and the batch size."""
+
+    queries: dict[str, torch.Tensor]
+    gallery: GalleryCache | GalleryBackend
+    labels: torch.Tensor | None
+    size: int
+
+
+def batch_size(inputs: Mapping[str, Any]) -> int:
+    """The number of rows of a batch of inputs (its first tensor's)."""
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor):
+            return value.shape[0] if value.dim() else 0
+    raise ValueError("Inputs hold no tensor.")
+
+
+def chunks(inputs: Mapping[str, torch.Tensor], size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive slices of ``size`` rows of a batch of inputs (e.g. a tokenised gallery, encoded in chunks)."""
+    n = batch_size(inputs)
+    for start in range(0, n, size):
+        yield {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def check_inputs(adapter: ModelAdapter, modality: str, inputs: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Keys, dtypes, layouts, sizes and vocabulary by the adapter's input specs (floating-point features cast once to
+    the model's dtype), then batch size, device and finiteness. Returns a new dict (the caller's is never modified),
+    selected once for every embed of the batch."""
+    selected = adapter.check_inputs(modality, inputs)
+    n = batch_size(selected)
+    if n == 0:
+        raise ValueError(f"Empty {modality} batch: give at least one item (a query batch, or a gallery chunk).")
+    for key, value in selected.items():
+        if value.dim() == 0 or value.shape[0] != n:
+            raise ValueError(f"{modality} inputs disagree on the batch size: {key!r} has shape {tuple(value.shape)}, expected {n} rows.")
+        if value.device != device:
+            raise ValueError(
+                f"{modality} input {key!r} is on {value.device} but the model is on {device}: move it with .to({str(device)!r})."
+            )
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"{modality} input {key!r} contains NaN or inf values.")
+    return selected
+
+
+def check_gallery(
+    gallery: Any, modality: str, query_modality: str, device: torch.device, objectives: Mapping[str, Objective | None]
+) -> GalleryCache | GalleryBackend:
+    """A dense :class:`~hf_tta.GalleryCache` on the model's device, or a top-k backend whose objectives need only the
+    batch's candidates (see :mod:`hf_tta.gallery.base`), holding ``modality`` items."""
+    if not isinstance(gallery, (GalleryCache, GalleryBackend)):
+        raise TypeError(
+            f"gallery must be a GalleryCache (from encode_gallery), a top-k GalleryBackend (hf_tta.gallery) or a tensor, "
+            f"got {type(gallery).__name__}."
+        )
+    if gallery.modality != modality:
+        raise ValueError(
+            f"The gallery holds {gallery.modality} embeddings but this wrapper retrieves {modality} "
+            f"items for {query_modality} queries."
+        )
+    if isinstance(gallery, GalleryBackend):
+        check_gallery_access(gallery, objectives)
+        return gallery
+    if len(gallery) == 0:
+        raise ValueError("The gallery is empty.")
+    if gallery.embeddings.device != device:
+        raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {device}: use gallery.to(...).")
+    return gallery
+
+
+def label_mask(labels: Any, objective: Objective, n: int, gallery: GalleryCache | GalleryBackend, device: torch.device) -> torch.Tensor | None:
+    """Each query's relevant gallery items as a ``(B, N)`` bool mask, for supervised objectives only."""
+    name = objective.name
+    if labels is not None and isinstance(gallery, GalleryBackend):
+        raise ValueError("labels need the dense GalleryCache: a top-k backend shows objectives only candidate items.")
+    if labels is None:
+        if objective.requires_labels:
+            raise ValueError(
+                f"Objective {name!r} is supervised: pass adapt_step(queries, gallery, labels=...) "
+                "(a (B, N) bool mask or each query's list of relevant gallery indices)."
+            )
+        return None
+    if not objective.requires_labels:
+        raise ValueError(f"Objective {name!r} adapts without labels: drop labels=... from adapt_step.")
+    if isinstance(labels, torch.Tensor) and labels.dtype == torch.bool and labels.dim() == 2:
+        if labels.shape != (n, len(gallery)):
+            raise ValueError(f"labels must have shape (queries, gallery) = {(n, len(gallery))}; got {tuple(labels.shape)}.")
+        return labels.to(device=device, dtype=torch.bool)
+    idx = relevance_to_index(labels, n, device=device)
+    if (idx >= len(gallery)).any():
+        raise ValueError(f"A label is >= the gallery size {len(gallery)}.")
+    mask = torch.zeros(n, len(gallery) + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(idx >= 0, idx, len(gallery)), True)  # padding (-1) goes to a dropped column
+    return mask[:, :-1]

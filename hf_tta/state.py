@@ -1,0 +1,279 @@
+"""``AdapterState``: one exact copy of what adaptation changes, captured and applied by named parts.
+
+What a :class:`~hf_tta.TTAWrapper` changes while it adapts is six parts:
+
+========== ==============================================================================================
+part       what it holds
+========== ==============================================================================================
+params     the adapted parameters' values, and any other tensor the optimiser steps (ClipTTA's open-set
+           threshold alpha, named ``optimizer.extra.<i>``)
+optimizer  the optimiser's per-parameter state (AdamW's moments and step counts), keyed by parameter name,
+           and its ``param_groups``; ``fresh`` = an optimiser that has never stepped (rebuilt on apply)
+objective  the objective's state (TCR's queue, SAR's EMA, ...)
+transform  the score transform's state (DN's query mean)
+rng        the wrapper's random generator
+counter    the batch counter
+========== ==============================================================================================
+
+Every place that copies state takes one of three named subsets (the only rules there are):
+:data:`STEP_UNDO` (a step's undo: SAM's diverged second pass, the fast path's replay), :data:`ROLLBACK` (the safety
+layer's last-good snapshot: the batch counter, RNG and score transform go on) and :data:`ALL` (a routed domain, a
+checkpoint, the source state that :meth:`~hf_tta.TTAWrapper.reset` applies). The safety monitor's own tensors are the
+monitor's (:meth:`hf_tta.safety.SafetyMonitor.state_tensors`).
+
+Copies are exact (``clone``; a refresh copies into the same buffers with one foreach call), so a rollback, a reset, a
+domain swap and a resumed checkpoint are bit-identical to the state captured. :meth:`AdapterState.to_tensors` writes
+the checkpoint's keys (``param.*``, ``optim.<pid>.*`` or ``optim.<name>.*``, ``objective.*``, ``score_transform.*``,
+``wrapper.batch_index``, ``wrapper.rng_state``) and :meth:`AdapterState.from_tensors` reads them back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+import torch
+
+PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER = "params", "optimizer", "objective", "transform", "rng", "counter"
+ALL = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER})
+STEP_UNDO = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, RNG})
+ROLLBACK = frozenset({PARAMS, OPTIMIZER, OBJECTIVE})
+EXTRA_PREFIX = "optimizer.extra."
+
+
+class Adaptable(Protocol):
+    """What an :class:`AdapterState` reads and writes (a :class:`~hf_tta.TTAWrapper`)."""
+
+    optimizer: torch.optim.Optimizer | None
+    state: dict[str, torch.Tensor]
+    transform_state: dict[str, torch.Tensor]
+    generator: torch.Generator
+    batch_index: int
+
+    def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def rebuild_optimizer(self) -> None: ...
+
+
+@dataclass
+class OptimizerState:
+    """An optimiser's per-parameter state by parameter name (``names`` in the optimiser's order, which gives the
+    checkpoint's ``pid``), and its ``param_groups`` as ``state_dict()`` writes them."""
+
+    names: list[str]
+    state: dict[str, dict[str, Any]]
+    param_groups: list[dict[str, Any]]
+    fresh: bool = False
+
+
+@dataclass
+class AdapterState:
+    """An exact copy of the ``parts`` of an :class:`Adaptable`'s state (see :mod:`hf_tta.state`)."""
+
+    parts: frozenset[str]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: OptimizerState | None = None
+    objective: dict[str, torch.Tensor] = field(default_factory=dict)
+    transform: dict[str, torch.Tensor] = field(default_factory=dict)
+    rng: torch.Tensor | None = None
+    batch_index: int = 0
+
+    # ------------------------------------------------------------------------------------------ capture / apply
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, target: Adaptable, parts: Iterable[str], into: AdapterState | None = None) -> AdapterState:
+        """Copy ``parts`` of ``target``'s state. With ``into`` (an earlier capture of the same parts and layout) the
+        tensors are copied into its buffers with one foreach call, and ``into`` is returned."""
+        parts = frozenset(parts)
+        named = target.named_optimized_parameters() if parts & {PARAMS, OPTIMIZER} else []
+        opt = target.optimizer if OPTIMIZER in parts else None
+        live: list[tuple[tuple[str, ...], torch.Tensor]] = []
+        plain: dict[str, dict[str, Any]] = {}
+        if PARAMS in parts:
+            live += [(("param", n), p.detach()) for n, p in named]
+        if opt is not None:
+            for name, p in named:
+                for key, value in opt.state.get(p, {}).items():
+                    if torch.is_tensor(value):
+                        live.append((("optim", name, key), value))
+                    else:
+                        plain.setdefault(name, {})[key] = copy.deepcopy(value)
+        if into is not None and into.parts == parts and into._layout() == [(k, t.shape, t.dtype, t.device) for k, t in live]:
+            if live:
+                torch._foreach_copy_(into._buffers(), [t for _, t in live])
+            out = into
+        else:
+            out = cls(parts)
+            copies = torch._foreach_mul([t for _, t in live], 1.0) if live else []  # x * 1 is exact (-0.0, NaN too)
+            for (key, _), value in zip(live, copies):
+                if key[0] == "param":
+                    out.params[key[1]] = value
+                else:
+                    out._optim_state(key[1])[key[2]] = value
+        if opt is not None:
+            by_id = {id(p): n for n, p in named}
+            names = [by_id[id(p)] for g in opt.param_groups for p in g["params"]]  # the optimiser's order (pid)
+            state = out.optimizer.state if out.optimizer is not None else {}
+            state = {n: {k: v for k, v in state.get(n, {}).items() if torch.is_tensor(v)} for n in names}
+            for name, values in plain.items():
+                state[name].update(values)
+            out.optimizer = OptimizerState(names, {n: s for n, s in state.items() if s}, opt.state_dict()["param_groups"])
+        if OBJECTIVE in parts:
+            out.objective = {k: v.clone() for k, v in target.state.items()}
+        if TRANSFORM in parts:
+            out.transform = {k: v.clone() for k, v in target.transform_state.items()}
+        if RNG in parts:
+            out.rng = target.generator.get_state()
+        if COUNTER in parts:
+            out.batch_index = int(target.batch_index)
+        return out
+
+    def only(self, parts: Iterable[str]) -> AdapterState:
+        """A view of this state restricted to ``parts`` (shares the tensors: apply copies them)."""
+        return dataclasses.replace(self, parts=self.parts & frozenset(parts))
+
+    def _optim_state(self, name: str) -> dict[str, Any]:
+        if self.optimizer is None:
+            self.optimizer = OptimizerState([], {}, [])
+        return self.optimizer.state.setdefault(name, {})
+
+    def _tensor_items(self) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+        items: list[tuple[tuple[str, ...], torch.Tensor]] = [(("param", n), t) for n, t in self.params.items()]
+        if self.optimizer is not None:
+            for name, st in self.optimizer.state.items():
+                items += [(("optim", name, k), v) for k, v in st.items() if torch.is_tensor(v)]
+        return items
+
+    def _layout(self) -> list[tuple]:
+        return [(k, t.shape, t.dtype, t.device) for k, t in self._tensor_items()]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [t for _, t in self._tensor_items()]
+
+    @torch.no_grad()
+    def apply(self, target: Adaptable) -> None:
+        """Put the captured parts back into ``target``, bit-exactly. Parameters are copied in place; the optimiser's
+        state is replaced by copies (state created after the capture is dropped; a ``fresh`` optimiser is rebuilt);
+        objective and transform state are replaced by copies. ``target`` keeps what was not captured."""
+        if PARAMS in self.parts and self.params:
+            live = dict(target.named_optimized_parameters())
+            missing = sorted(set(self.params) - set(live))
+            if missing:
+                raise ValueError(f"The captured state adapts {missing[:2]}, which this wrapper does not: another model or config?")
+            names = list(self.params)
+            torch._foreach_copy_([live[n] for n in names], [self.params[n] for n in names])
+        if OPTIMIZER in self.parts:
+            if self.optimizer is None or self.optimizer.fresh or target.optimizer is None:
+                target.rebuild_optimizer()
+            else:
+                live = dict(target.named_optimized_parameters())
+                opt = target.optimizer
+                for p in live.values():
+                    opt.state.pop(p, None)
+                for name, st in self.optimizer.state.items():
+                    opt.state[live[name]] = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
+        if OBJECTIVE in self.parts:
+            target.state = {k: v.clone() for k, v in self.objective.items()}
+        if TRANSFORM in self.parts:
+            target.transform_state = {k: v.clone() for k, v in self.transform.items()}
+        if RNG in self.parts and self.rng is not None:
+            target.generator.set_state(self.rng)
+        if COUNTER in self.parts:
+            target.batch_index = self.batch_index
+
+    # ------------------------------------------------------------------------------------------ checkpoint layout
+    def to_tensors(self, prefix: str = "", optimizer_keys: str = "pid") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The checkpoint's tensors and metadata of this state. ``optimizer_keys="pid"`` (a wrapper's own state) writes
+        ``param.<name>`` for the adapted parameters (not the per-batch optimiser extras), ``optim.<pid>.<key>`` and the
+        metadata ``{"optimizer": {"param_groups", "plain_state"}}``; ``"name"`` (the safety snapshot) writes every
+        optimised tensor under ``param.<name>``, ``optim.<name>.<key>`` and ``{"optim_plain": {name: {...}}}``."""
+        by_pid = optimizer_keys == "pid"
+        tensors: dict[str, torch.Tensor] = {
+            f"{prefix}param.{n}": t for n, t in self.params.items() if not (by_pid and n.startswith(EXTRA_PREFIX))
+        }
+        meta: dict[str, Any] = {}
+        if self.optimizer is not None:
+            plain: dict[str, dict[str, Any]] = {}
+            pids = {n: i for i, n in enumerate(self.optimizer.names)}
+            for name, st in self.optimizer.state.items():
+                key = str(pids[name]) if by_pid else name
+                for sub, value in st.items():
+                    if torch.is_tensor(value):
+                        tensors[f"{prefix}optim.{key}.{sub}"] = value
+                    else:
+                        plain.setdefault(key, {})[sub] = value
+            meta = {"optimizer": {"param_groups": self.optimizer.param_groups, "plain_state": plain}} if by_pid else {"optim_plain": plain}
+        tensors.update({f"{prefix}objective.{k}": v for k, v in self.objective.items()})
+        if TRANSFORM in self.parts:
+            tensors.update({f"{prefix}score_transform.{k}": v for k, v in self.transform.items()})
+        if COUNTER in self.parts:
+            tensors[f"{prefix}wrapper.batch_index"] = torch.tensor(self.batch_index)
+        if RNG in self.parts and self.rng is not None:
+            tensors[f"{prefix}wrapper.rng_state"] = self.rng
+        return tensors, meta
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        parts: Iterable[str],
+        names: list[str],
+        prefix: str = "",
+        optimizer_keys: str = "pid",
+        step_on_cpu: bool = True,
+    ) -> AdapterState:
+        """Read what :meth:`to_tensors` wrote. ``names`` are the optimised tensors' names in the optimiser's order
+        (the wrapper's :meth:`~hf_tta.TTAWrapper.named_optimized_parameters`); ``step_on_cpu``: AdamW keeps ``step``
+        on the CPU unless fused or capturable."""
+        parts = frozenset(parts)
+        entries = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        out = cls(parts)
+        by_pid = optimizer_keys == "pid"
+        out.params = {n: entries[f"param.{n}"].clone() for n in names if f"param.{n}" in entries}
+        wanted = [n for n in names if not (by_pid and n.startswith(EXTRA_PREFIX))]
+        absent = [n for n in wanted if n not in out.params]
+        if absent:
+            raise ValueError(f"The checkpoint lacks adapted tensor(s) {absent[:2]}: it is incomplete or of another config.")
+        if OPTIMIZER in parts:
+            source = meta.get("optimizer", {}) if by_pid else {"plain_state": meta.get("optim_plain", {})}
+            state: dict[str, dict[str, Any]] = {}
+            for sub, value in entries.items():
+                if sub.startswith("optim."):
+                    key, name = sub[len("optim.") :].rsplit(".", 1)
+                    owner = names[int(key)] if by_pid else key
+                    state.setdefault(owner, {})[name] = value.cpu().clone() if name == "step" and step_on_cpu else value.clone()
+            for key, plain in source.get("plain_state", {}).items():
+                state.setdefault(names[int(key)] if by_pid else key, {}).update(copy.deepcopy(plain))
+            out.optimizer = OptimizerState(list(names), state, source.get("param_groups", []))
+        out.objective = {k[len("objective.") :]: v.clone() for k, v in entries.items() if k.startswith("objective.")}
+        out.transform = {k[len("score_transform.") :]: v.clone() for k, v in entries.items() if k.startswith("score_transform.")}
+        if "wrapper.batch_index" in entries:
+            out.batch_index = int(entries["wrapper.batch_index"])
+        if "wrapper.rng_state" in entries:
+            out.rng = entries["wrapper.rng_state"].cpu().clone()
+        return out
+
+    def equals(self, other: AdapterState) -> bool:
+        """Bit-exact equality of two captures (same parts, tensors equal including NaN positions and dtypes)."""
+
+        def same(a: Any, b: Any) -> bool:
+            if torch.is_tensor(a) or torch.is_tensor(b):
+                return (
+                    torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+                    and bool(torch.equal(a.cpu().view(-1).view(torch.uint8) if a.numel() else a.cpu(),
+                                         b.cpu().view(-1).view(torch.uint8) if b.numel() else b.cpu()))
+                )
+            if isinstance(a, dict) and isinstance(b, dict):
+                return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            return a == b
+
+        opt_a = None if self.optimizer is None else (self.optimizer.names, self.optimizer.state, self.optimizer.fresh)
+        opt_b = None if other.optimizer is None else (other.optimizer.names, other.optimizer.state, other.optimizer.fresh)
+        return (
+            self.parts == other.parts and same(self.params, other.params) and same(self.objective, other.objective)
+            and same(self.transform, other.transform) and same(self.rng, other.rng) and self.batch_index == other.batch_index
+            and (opt_a is None) == (opt_b is None) and (opt_a is None or (opt_a[0] == opt_b[0] and same(opt_a[1], opt_b[1]) and opt_a[2] == opt_b[2]))
+        )
