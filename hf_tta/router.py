@@ -25,15 +25,22 @@ and snow) share a domain and contrast gets its own (see the README).
 
 from __future__ import annotations
 
+import numbers
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive, check_positive_int
+from .models.base import ModelAdapter
 
 FEATURES = ("style", "embedding")
+ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
+_PEFT_SUFFIX = re.compile(r"\.(base_layer|ln_tuning_layers\.[^.]+)$")  # LN-tuning's inner copies of a norm layer
+DomainKey = str | int
 _TINY = 1e-12
 _LOCAL_SET = 8  # the seed and its nearest pending queries, for the prior spread of a new domain
 _PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior variance in a new domain's variance
@@ -297,3 +304,95 @@ def _channels_first(x: torch.Tensor, norm: nn.Module) -> bool:
         return True
     shape = getattr(norm, "normalized_shape", None)
     return bool(shape) and x.shape[-1] != shape[-1] and x.shape[1] == shape[0]
+
+
+# ---------------------------------------------------------------------------------------------------- which domain
+def parse_domain_keys(domain: Any, n: int) -> tuple[list[DomainKey], torch.Tensor]:
+    """The distinct user keys of a batch of ``n`` queries (first-occurrence order) and each query's index into them:
+    ``domain`` is one str/int key for the batch, a sequence of one key per query, or a 0-/1-D integer tensor."""
+    if isinstance(domain, torch.Tensor):
+        if domain.is_floating_point() or domain.is_complex() or domain.dtype == torch.bool or domain.dim() > 1:
+            raise ValueError("A tensor `domain` must hold integer keys, one for the batch or one per query (1-D).")
+        domain = domain.item() if domain.dim() == 0 else domain.tolist()
+    if _is_key_type(type(domain)):
+        keys, inverse = [_plain_key(domain)], torch.zeros(n, dtype=torch.long)
+    elif isinstance(domain, Sequence) and not isinstance(domain, (str, bytes)):
+        if len(domain) != n:
+            raise ValueError(f"`domain` has {len(domain)} keys for {n} queries: pass one key per query, or one key for the batch.")
+        bad = [t for t in set(map(type, domain)) if not _is_key_type(t)]
+        if bad:
+            raise ValueError(f"Domain keys must be str or int (hashable, JSON-serialisable), got {bad[0].__name__}.")
+        first = dict.fromkeys(domain)  # unique keys in first-occurrence order (C-level, no Python loop)
+        position = {k: i for i, k in enumerate(first)}
+        keys = [_plain_key(k) for k in first]
+        inverse = torch.tensor(list(map(position.__getitem__, domain)), dtype=torch.long)
+    else:
+        raise ValueError(
+            f"`domain` must be a str or int key for the batch or a sequence of one key per query, got {type(domain).__name__}."
+        )
+    for key in keys:
+        if isinstance(key, str) and key.startswith(ROUTER_PREFIX):
+            raise ValueError(f"Domain key {key!r}: keys starting with {ROUTER_PREFIX!r} name the router's domains; pick another key.")
+    return keys, inverse
+
+
+def _is_key_type(t: type) -> bool:
+    return t is not bool and (issubclass(t, str) or issubclass(t, numbers.Integral))
+
+
+def _plain_key(value: Any) -> DomainKey:
+    return str(value) if isinstance(value, str) else int(value)
+
+
+class _FeaturesCaptured(Exception):
+    """Raised by the pre-hook to end the source forward once the features are captured."""
+
+
+class QueryFeatures:
+    """The router's ``(B, F)`` features of a batch of checked query inputs (float64, CPU): the style statistics of the
+    input of the query tower's first normalisation layer that runs (the forward stops there), or the embedding.
+    Call it with the adapters disabled: the features are the source model's."""
+
+    def __init__(self, adapter: ModelAdapter, modality: str, features: str):
+        self.adapter, self.modality, self.features = adapter, modality, features
+        self._modules: list[tuple[nn.Module, nn.Module]] | None = None
+
+    def _hooked(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module to hook, the normalisation layer it runs) for every normalisation layer of the query tower."""
+        if self._modules is None:
+            names = dict.fromkeys(_PEFT_SUFFIX.sub("", n) for n in self.adapter.norm_layer_names(self.modality))
+            if not names:
+                raise ValueError(
+                    f"features='style' needs a normalisation layer in the {self.modality} tower: use "
+                    "RoutingConfig(features='embedding')."
+                )
+            modules = [self.adapter.model.get_submodule(n) for n in names]
+            self._modules = [(m, getattr(m, "base_layer", m)) for m in modules]
+        return self._modules
+
+    @torch.no_grad()
+    def __call__(self, queries: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        n = next(v for v in queries.values() if isinstance(v, torch.Tensor)).shape[0]
+        if self.features == "embedding":
+            emb = self.adapter.single_vector(self.adapter.encode(self.modality, dict(queries)))
+            return emb.detach().to("cpu", torch.float64)
+        captured: list[tuple[torch.Tensor, nn.Module]] = []
+        base_of = dict(self._hooked())
+
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            captured.append((x.detach(), base_of[module]))
+            raise _FeaturesCaptured  # the rest of the forward is not needed
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base_of]
+        try:
+            self.adapter.encode(self.modality, dict(queries))
+        except _FeaturesCaptured:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        if not captured:
+            raise RuntimeError("No normalisation layer of the query tower ran: use RoutingConfig(features='embedding').")
+        x, base = captured[0]
+        return style_statistics(x, base, n, queries.get("attention_mask"))

@@ -24,30 +24,32 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import numbers
-import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from . import checkpoint
-from .batch import Batch
+from .batch import Batch, batch_size
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_topk
 from .models.base import ModelAdapter
 from .outputs import TTAOutput
-from .router import DomainRouter, RoutingConfig, style_statistics  # also imported from here (README, tests)
+from .router import (  # noqa: F401
+    ROUTER_PREFIX,
+    DomainKey,
+    DomainRouter,
+    QueryFeatures,
+    RoutingConfig,
+    parse_domain_keys,
+    style_statistics,
+)
 from .safety import SAFETY_ACTIONS, SafetyMonitor
 from .state import ALL, AdapterState
 from .wrapper import TTAWrapper
-
-ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
-_PEFT_SUFFIX = re.compile(r"\.(base_layer|ln_tuning_layers\.[^.]+)$")  # LN-tuning's inner copies of a norm layer
-DomainKey = str | int
 
 
 def _as_routing_config(routing: RoutingConfig | Mapping[str, Any] | None) -> RoutingConfig:
@@ -131,7 +133,7 @@ class RoutedTTAWrapper(TTAWrapper):
         self._router_slots: list[int] = []  # router domain k -> slot
         self._live: _Domain | None = None  # the domain whose state is in the model (and whose stored copy may be stale)
         self._in_domain_step = False
-        self._feature_modules: list[tuple[nn.Module, nn.Module]] | None = None
+        self._features = QueryFeatures(self.adapter, self.query_modality, self.routing.features)
 
     # ------------------------------------------------------------------------------------------ domains
     @property
@@ -201,31 +203,8 @@ class RoutedTTAWrapper(TTAWrapper):
     # ------------------------------------------------------------------------------------------ routing
     def _user_slots(self, domain: Any, n: int, create: bool) -> torch.Tensor:
         """Per-query domain ids ``(n,)`` for user keys (one for the batch, or one per query); ``-1`` = unknown key
-        when ``create`` is false."""
-        if isinstance(domain, torch.Tensor):
-            if domain.is_floating_point() or domain.is_complex() or domain.dtype == torch.bool or domain.dim() > 1:
-                raise ValueError("A tensor `domain` must hold integer keys, one for the batch or one per query (1-D).")
-            domain = domain.item() if domain.dim() == 0 else domain.tolist()
-        if _is_key(domain):
-            keys, inverse = [_plain_key(domain)], torch.zeros(n, dtype=torch.long)
-        elif isinstance(domain, Sequence) and not isinstance(domain, (str, bytes)):
-            if len(domain) != n:
-                raise ValueError(f"`domain` has {len(domain)} keys for {n} queries: pass one key per query, or one key for the batch.")
-            bad = [t for t in set(map(type, domain)) if not _is_key_type(t)]
-            if bad:
-                raise ValueError(f"Domain keys must be str or int (hashable, JSON-serialisable), got {bad[0].__name__}.")
-            first = dict.fromkeys(domain)  # unique keys in first-occurrence order (C-level, no Python loop)
-            position = {k: i for i, k in enumerate(first)}
-            keys = [_plain_key(k) for k in first]
-            inverse = torch.tensor(list(map(position.__getitem__, domain)), dtype=torch.long)
-        else:
-            raise ValueError(
-                f"`domain` must be a str or int key for the batch or a sequence of one key per query, got {type(domain).__name__}."
-            )
-        # Check every distinct key before creating any domain, so that a refused call changes nothing.
-        for key in keys:
-            if isinstance(key, str) and key.startswith(ROUTER_PREFIX):
-                raise ValueError(f"Domain key {key!r}: keys starting with {ROUTER_PREFIX!r} name the router's domains; pick another key.")
+        when ``create`` is false. Every key is checked before any domain is created: a refused call changes nothing."""
+        keys, inverse = parse_domain_keys(domain, n)
         new = [key for key in keys if key not in self._slots]
         if create and self.num_domains + len(new) > self.routing.max_domains:
             raise ValueError(
@@ -235,51 +214,15 @@ class RoutedTTAWrapper(TTAWrapper):
         slots = [self._slots[key] if key in self._slots else self._new_domain(key) if create else -1 for key in keys]
         return torch.tensor(slots, dtype=torch.long)[inverse]
 
-    def _feature_hooks(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module to hook, the normalisation layer it runs) for every normalisation layer of the query tower."""
-        if self._feature_modules is None:
-            names = dict.fromkeys(_PEFT_SUFFIX.sub("", n) for n in self.adapter.norm_layer_names(self.query_modality))
-            if not names:
-                raise ValueError(
-                    f"features='style' needs a normalisation layer in the {self.query_modality} tower: use "
-                    "RoutingConfig(features='embedding')."
-                )
-            modules = [self.model.get_submodule(n) for n in names]
-            self._feature_modules = [(m, getattr(m, "base_layer", m)) for m in modules]
-        return self._feature_modules
-
     @torch.no_grad()
     def router_features(self, queries: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The router's ``(B, F)`` features of checked query inputs, computed by the source model (float64, CPU)."""
-        n = _rows(queries)
         with self.disabled():
-            if self.routing.features == "embedding":
-                emb = self.adapter.single_vector(self.adapter.encode(self.query_modality, dict(queries)))
-                return emb.detach().to("cpu", torch.float64)
-            captured: list[tuple[torch.Tensor, nn.Module]] = []
-
-            def hook(module, args, kwargs):
-                x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                captured.append((x.detach(), base_of[module]))
-                raise _FeaturesCaptured  # the rest of the forward is not needed
-
-            base_of = dict(self._feature_hooks())
-            handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base_of]
-            try:
-                self.adapter.encode(self.query_modality, dict(queries))
-            except _FeaturesCaptured:
-                pass
-            finally:
-                for h in handles:
-                    h.remove()
-        if not captured:
-            raise RuntimeError("No normalisation layer of the query tower ran: use RoutingConfig(features='embedding').")
-        x, base = captured[0]
-        return style_statistics(x, base, n, queries.get("attention_mask"))
+            return self._features(queries)
 
     def _route(self, queries: dict, domain: Any, update: bool) -> tuple[torch.Tensor, list[DomainKey]]:
         """Per-query domain ids (``-1``: no domain, only when not ``update``) and the keys of the domains opened."""
-        n = _rows(queries)
+        n = batch_size(queries)
         if domain is not None:
             before = self.num_domains
             slots = self._user_slots(domain, n, create=update)
@@ -344,11 +287,11 @@ class RoutedTTAWrapper(TTAWrapper):
         """A sub-batch below ``min_domain_batch``: the domain's current model scores it, nothing is updated (the score
         transform, if any, still sees it)."""
         with torch.no_grad():
-            inputs = self._inputs(Batch(queries, gallery, None, _rows(queries)), step=0)
+            inputs = self._inputs(Batch(queries, gallery, None, batch_size(queries)), step=0)
             scores = self._transform_scores(inputs, inputs.scores.detach())
         out = TTAOutput(
             scores=scores, loss=None, num_updates=0, n_selected=0,
-            skipped=[f"{_rows(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
+            skipped=[f"{batch_size(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
         )
         if isinstance(gallery, GalleryBackend):
             out = dataclasses.replace(out, scores=None, topk=candidate_topk(scores, inputs.candidate_ids, gallery.k))
@@ -402,7 +345,7 @@ class RoutedTTAWrapper(TTAWrapper):
         if isinstance(gallery, GalleryBackend):
             raise TypeError(f"embed_and_score needs the dense GalleryCache; {type(gallery).__name__} answers gallery.search(...).")
         queries = self._check_inputs(queries, self.query_modality)
-        n = _rows(queries)
+        n = batch_size(queries)
         slots = self._route(queries, domain, update=False)[0]
         emb = scores = None
         for slot in torch.unique(slots).tolist():
@@ -516,27 +459,6 @@ class RoutedTTAWrapper(TTAWrapper):
             f"RoutedTTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, "
             f"{self.query_modality}->{self.gallery_modality}, domains={self.domain_keys}, features={self.routing.features!r})"
         )
-
-
-class _FeaturesCaptured(Exception):
-    """Raised by the router's pre-hook to end the source forward once the features are captured."""
-
-
-def _rows(inputs: Mapping[str, Any]) -> int:
-    """The batch size of checked inputs (every value a tensor with one row per query)."""
-    return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0]
-
-
-def _is_key_type(t: type) -> bool:
-    return t is not bool and (issubclass(t, str) or issubclass(t, numbers.Integral))
-
-
-def _is_key(value: Any) -> bool:
-    return _is_key_type(type(value))
-
-
-def _plain_key(value: Any) -> DomainKey:
-    return str(value) if isinstance(value, str) else int(value)
 
 
 def make_wrapper(

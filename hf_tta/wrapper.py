@@ -1,9 +1,8 @@
 """``TTAWrapper``: a Hugging Face dual encoder adapted online on a stream of queries.
 
-The wrapper sets up what adapts (PEFT LN-tuning of the query tower), embeds and scores batches against a cached gallery,
-and orders the calls of :meth:`TTAWrapper.adapt_step`: prepare the batch, the source model's view, the safety layer's
-decision, the steps (:mod:`hf_tta.loop`), its decision, the report. What adaptation changes is one
-:class:`~hf_tta.state.AdapterState`; checkpoints are :class:`~hf_tta.checkpoint_hub.CheckpointMixin`'s.
+Sets up what adapts (PEFT LN-tuning of the query tower), embeds and scores against a cached gallery, and orders
+:meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps (:mod:`hf_tta.loop`), decision, report.
+What adaptation changes is one :class:`~hf_tta.state.AdapterState`; checkpoints are :mod:`hf_tta.checkpoint_hub`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = checkpoint.STATE_FILE
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -380,8 +378,7 @@ class TTAWrapper(CheckpointMixin):
         return result.inputs, result.scores
 
     def _recover(self) -> None:
-        """An objective's model recovery (SAR): the source parameters and a fresh optimiser."""
-        self._source_state.only({PARAMS, OPTIMIZER}).apply(self)
+        self._source_state.only({PARAMS, OPTIMIZER}).apply(self)  # an objective's model recovery (SAR)
 
     def _apply(self, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
@@ -425,11 +422,9 @@ class TTAWrapper(CheckpointMixin):
     ) -> torch.Tensor | TopKScores:
         """Adapt on every batch of a stream; return the concatenated ``(num_queries, N)`` score matrix (the concatenated
         :class:`~hf_tta.gallery.TopKScores` with a top-k gallery backend)."""
-        rows = []
         total = len(batches) if hasattr(batches, "__len__") else None
-        for batch in tqdm(batches, total=total, desc=f"TTA ({self.config.objective})", disable=not show_progress):
-            out = self.adapt_step(batch, gallery)
-            rows.append(out.topk if out.scores is None else out.scores)
+        outs = (self.adapt_step(b, gallery) for b in tqdm(batches, total=total, desc=f"TTA ({self.config.objective})", disable=not show_progress))
+        rows = [out.topk if out.scores is None else out.scores for out in outs]
         return TopKScores.cat(rows) if isinstance(rows[0], TopKScores) else torch.cat(rows)
 
     # ------------------------------------------------------------------------------------------ state
@@ -500,8 +495,6 @@ class TTAWrapper(CheckpointMixin):
         return self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
 
     def __repr__(self) -> str:
-        return (
-            f"TTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, "
-            f"{self.query_modality}->{self.gallery_modality}, adapted_tensors={len(self.params)}, batches={self.batch_index})"
-        )
+        return (f"TTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, {self.query_modality}->"
+                f"{self.gallery_modality}, adapted_tensors={len(self.params)}, batches={self.batch_index})")
 
