@@ -18,7 +18,7 @@ new domain (starting from the source model) when at least ``min_domain_batch`` o
 ``max_domains``; otherwise they go to the nearest domain. The router has no randomness: the same stream in the same
 order gives the same domains. How well it separates shifts depends on the model and the shifts: on the emoji
 benchmark's source model, shifts that look alike after its 2.5x downsampling (Gaussian noise and clean, defocus blur
-and snow) share a domain and contrast gets its own (see the README).
+and snow) share a domain and contrast gets its own (see ``model_cards/architecture.md``, "Per-domain adapters").
 
 :class:`RoutingConfig` configures both the router and the per-domain adapters of :mod:`hf_tta.routing`.
 """

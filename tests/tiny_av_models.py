@@ -96,7 +96,7 @@ def tiny_cav_mae(seed: int = 0) -> TinyCAVMAE:
 
 
 def cav_mae_adapter(model):
-    """Exactly the README's recipe for a CAV-MAE checkpoint (the toy model has CAV-MAE's attribute names)."""
+    """Exactly the recipe for a CAV-MAE checkpoint in model_cards/architecture.md (the toy model has CAV-MAE's attribute names)."""
     from hf_tta import DualEncoderAdapter
 
     def encode_audio(m, x):  # (B, time, mel) log-mel fbank
