@@ -10,7 +10,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,9 +20,6 @@ from .checkpoint import CONFIG_FILE, STATE_FILE, describe_fingerprint
 from .config import TTAConfig
 from .models.base import ModelAdapter
 from .version import __version__
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .wrapper import TTAWrapper
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 CARD_FILE = "README.md"
@@ -34,7 +31,7 @@ def source_model_name(model) -> str:
     return name or type(model).__name__
 
 
-def model_card(wrapper: "TTAWrapper", repo_id: str) -> str:
+def model_card(wrapper: "CheckpointMixin", repo_id: str) -> str:
     """A model card recording the source model, the objective, the stream length and the full config."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -92,7 +89,7 @@ def _batches(n: int) -> str:
 
 
 def push_checkpoint(
-    wrapper: "TTAWrapper",
+    wrapper: "CheckpointMixin",
     repo_id: str,
     *,
     private: bool | None = None,

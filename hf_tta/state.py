@@ -270,10 +270,18 @@ class AdapterState:
                 return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
             return a == b
 
+        if self.parts != other.parts:
+            return False
+        p = self.parts
         opt_a = None if self.optimizer is None else (self.optimizer.names, self.optimizer.state, self.optimizer.fresh)
         opt_b = None if other.optimizer is None else (other.optimizer.names, other.optimizer.state, other.optimizer.fresh)
-        return (
-            self.parts == other.parts and same(self.params, other.params) and same(self.objective, other.objective)
-            and same(self.transform, other.transform) and same(self.rng, other.rng) and self.batch_index == other.batch_index
-            and (opt_a is None) == (opt_b is None) and (opt_a is None or (opt_a[0] == opt_b[0] and same(opt_a[1], opt_b[1]) and opt_a[2] == opt_b[2]))
-        )
+        checks = [
+            PARAMS not in p or same(self.params, other.params),
+            OBJECTIVE not in p or same(self.objective, other.objective),
+            TRANSFORM not in p or same(self.transform, other.transform),
+            RNG not in p or same(self.rng, other.rng),
+            COUNTER not in p or self.batch_index == other.batch_index,
+            OPTIMIZER not in p or (opt_a is None) == (opt_b is None),
+            OPTIMIZER not in p or opt_a is None or (opt_a[0] == opt_b[0] and same(opt_a[1], opt_b[1]) and opt_a[2] == opt_b[2]),
+        ]
+        return all(checks)

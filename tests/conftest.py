@@ -1,4 +1,4 @@
-"""Test settings: offline, one thread (2-core CI), tiny models on sys.path."""
+"""Test settings (offline, one thread for 2-core CI, tiny models and tests/support.py on sys.path) and shared fixtures."""
 
 import os
 import sys
@@ -12,3 +12,26 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+import pytest  # noqa: E402
+
+from hf_tta.objectives.base import OBJECTIVES, register_objective  # noqa: E402
+
+
+@pytest.fixture
+def push():
+    """The harmful test objective of ``support.Push``, registered for one test; yields its name."""
+    from support import Push, PushConfig
+
+    register_objective("safety_push_test", PushConfig)(Push)
+    yield "safety_push_test"
+    OBJECTIVES.pop("safety_push_test")
+
+
+@pytest.fixture
+def gallery():
+    """A dense 40-item text gallery of 16-d unit vectors (the tiny CLIP's embedding size)."""
+    from support import dense_gallery
+
+    return dense_gallery()

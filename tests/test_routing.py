@@ -15,6 +15,7 @@ from hf_tta.routing import (
     make_wrapper,
     style_statistics,
 )
+from support import mixed_styles, style_images, style_stream
 from tiny_models import make_model, text_batch
 
 
@@ -24,26 +25,6 @@ def _routed(routing=None, **cfg) -> RoutedTTAWrapper:
 
 def _gallery(tta):
     return tta.encode_gallery(text_batch(20, seed=1), show_progress=False)
-
-
-def _style(style: int, n: int, seed: int) -> torch.Tensor:
-    """Synthetic image "styles": N(0, 1), N(3, 0.1), N(-2, 0.5) pixels (content = the random draw)."""
-    g = torch.Generator().manual_seed(seed)
-    loc, scale = [(0.0, 1.0), (3.0, 0.1), (-2.0, 0.5)][style]
-    return loc + scale * torch.randn(n, 3, 32, 32, generator=g)
-
-
-def _mixed(batch: int, styles=(0, 1), n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of interleaved styles and each query's style."""
-    x = torch.cat([_style(s, n, seed=100 * batch + s) for s in styles])
-    label = torch.tensor(styles).repeat_interleave(n)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(batch))
-    return x[perm], label[perm]
-
-
-def _stream(num_batches: int = 5):
-    """Two styles, then a third from batch 2 on."""
-    return [_mixed(b, (0, 1) if b < 2 else (0, 1, 2)) for b in range(num_batches)]
 
 
 # ------------------------------------------------------------------------------------- config
@@ -73,7 +54,7 @@ def test_user_keys_give_each_domain_the_state_of_a_wrapper_that_saw_only_its_que
     gallery = _gallery(tta)
     refs = {key: TTAWrapper(make_model("clip"), TTAConfig(query_modality="image")) for key in ("a", "b")}
     for b in range(3):
-        x, style = _mixed(b)
+        x, style = mixed_styles(b)
         keys = ["a" if s == 0 else "b" for s in style.tolist()]
         out = tta.adapt_step({"pixel_values": x}, gallery, domain=keys)
         assert isinstance(out, RoutedTTAOutput) and out.num_updates == 6
@@ -95,10 +76,10 @@ def test_one_key_for_the_whole_batch_and_integer_keys():
     gallery = _gallery(tta)
     ref = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image"))
     for b in range(2):
-        x = _style(0, 8, seed=b)
+        x = style_images(0, 8, seed=b)
         out = tta.adapt_step({"pixel_values": x}, gallery, domain=7)
         assert torch.equal(out.scores, ref.adapt_step({"pixel_values": x}, gallery).scores)
-    out = tta.adapt_step({"pixel_values": _style(1, 8, seed=5)}, gallery, domain=torch.tensor([7, 3] * 4))
+    out = tta.adapt_step({"pixel_values": style_images(1, 8, seed=5)}, gallery, domain=torch.tensor([7, 3] * 4))
     assert tta.domain_keys == [7, 3] and out.new_domains == [3]
     assert tta.router.num_domains == 0  # user keys never touch the router
 
@@ -107,7 +88,7 @@ def test_small_sub_batches_are_scored_by_their_domain_without_an_update():
     tta = _routed(RoutingConfig(min_domain_batch=4))
     gallery = _gallery(tta)
     source = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image"))
-    x = _style(0, 6, seed=0)
+    x = style_images(0, 6, seed=0)
     out = tta.adapt_step({"pixel_values": x}, gallery, domain=["a"] * 4 + ["b"] * 2)
     assert out.num_updates == 3 and any("min_domain_batch" in s for s in out.skipped)
     assert all(torch.equal(v, tta.source_parameters()[n]) for n, v in tta.domain_parameters("b").items())
@@ -119,7 +100,7 @@ def test_small_sub_batches_are_scored_by_their_domain_without_an_update():
 def test_bad_domain_keys_are_one_line_value_errors():
     tta = _routed(RoutingConfig(max_domains=2))
     gallery = _gallery(tta)
-    x = {"pixel_values": _style(0, 4, seed=0)}
+    x = {"pixel_values": style_images(0, 4, seed=0)}
     cases = [
         (["a", "b"], "2 keys for 4 queries"),  # wrong length
         ([["a"], ["b"], ["a"], ["b"]], "str or int"),  # unhashable keys
@@ -148,7 +129,7 @@ def test_router_separates_styles_and_opens_a_domain_for_a_new_one():
     tta = _routed()
     gallery = _gallery(tta)
     seen: dict[int, int] = {}  # style -> domain, the same in every batch
-    for b, (x, style) in enumerate(_stream(4)):
+    for b, (x, style) in enumerate(style_stream(4)):
         out = tta.adapt_step({"pixel_values": x}, gallery)
         pairs = set(zip(style.tolist(), out.domains.tolist()))
         assert len(pairs) == len(set(style.tolist())) == len({d for _, d in pairs})  # one domain per style
@@ -158,20 +139,20 @@ def test_router_separates_styles_and_opens_a_domain_for_a_new_one():
     assert tta.domain_keys == ["auto:0", "auto:1", "auto:2"]
     assert tta.router.counts.tolist() == [32.0, 32.0, 16.0]
     assert seen[2] == 2  # the third style opened the third domain
-    ids = tta.assign_domains({"pixel_values": _style(2, 3, seed=999)})  # unseen draws of a known style
+    ids = tta.assign_domains({"pixel_values": style_images(2, 3, seed=999)})  # unseen draws of a known style
     assert ids.tolist() == [2, 2, 2] and tta.num_domains == 3
 
 
 def test_a_group_smaller_than_min_domain_batch_opens_no_domain():
     tta = _routed(RoutingConfig(min_domain_batch=4))
     gallery = _gallery(tta)
-    tta.adapt_step({"pixel_values": _mixed(0)[0]}, gallery)
+    tta.adapt_step({"pixel_values": mixed_styles(0)[0]}, gallery)
     assert tta.num_domains == 2
-    few = torch.cat([_style(0, 8, seed=1), _style(2, 3, seed=2)])  # 3 queries of a new style: routed, no new domain
+    few = torch.cat([style_images(0, 8, seed=1), style_images(2, 3, seed=2)])  # 3 queries of a new style: routed, no new domain
     out = tta.adapt_step({"pixel_values": few}, gallery)
     assert tta.num_domains == 2 and out.new_domains == [] and out.domains.max() <= 1
     assert tta.router.counts.sum() == 16 + 8  # the misfits did not move the domain they were sent to
-    enough = torch.cat([_style(0, 8, seed=3), _style(2, 4, seed=4)])
+    enough = torch.cat([style_images(0, 8, seed=3), style_images(2, 4, seed=4)])
     out = tta.adapt_step({"pixel_values": enough}, gallery)
     assert out.new_domains == ["auto:2"] and out.domains[8:].tolist() == [2] * 4
 
@@ -192,7 +173,7 @@ def test_style_statistics_find_the_channels_of_every_norm_layout():
 def test_router_respects_the_cap():
     tta = _routed(RoutingConfig(max_domains=2))
     gallery = _gallery(tta)
-    for x, style in _stream(4):
+    for x, style in style_stream(4):
         out = tta.adapt_step({"pixel_values": x}, gallery)
         assert out.domains.max() <= 1
     assert tta.num_domains == 2 and tta.router.num_domains == 2
@@ -202,14 +183,14 @@ def test_router_respects_the_cap():
 def test_router_is_deterministic_and_its_state_is_tensors():
     a, b = _routed(), _routed()
     ga, gb = _gallery(a), _gallery(b)
-    for x, _ in _stream(4):
+    for x, _ in style_stream(4):
         oa, ob = a.adapt_step({"pixel_values": x}, ga), b.adapt_step({"pixel_values": x}, gb)
         assert torch.equal(oa.domains, ob.domains) and torch.equal(oa.scores, ob.scores)
     state = a.router.state_tensors()
     assert set(state) == {"means", "vars", "counts"} and state["means"].dtype == torch.float64
     copy = DomainRouter(a.routing)
     copy.load_state_tensors(state)
-    x, _ = _mixed(9, (0, 1, 2))
+    x, _ = mixed_styles(9, (0, 1, 2))
     feats = a.router_features({"pixel_values": x})
     assert torch.equal(copy.route(feats)[0], a.router.route(feats)[0])
 
@@ -217,7 +198,7 @@ def test_router_is_deterministic_and_its_state_is_tensors():
 def test_router_on_embedding_features_and_text_padding_is_masked():
     tta = _routed(RoutingConfig(features="embedding"))
     gallery = _gallery(tta)
-    for x, style in _stream(3):
+    for x, style in style_stream(3):
         out = tta.adapt_step({"pixel_values": x}, gallery)
         assert len(set(zip(style.tolist(), out.domains.tolist()))) == len(set(style.tolist()))
     text = RoutedTTAWrapper(make_model("clip"), TTAConfig(query_modality="text"))
@@ -236,7 +217,7 @@ def test_training_free_objective_keeps_one_state_per_domain():
     gallery = _gallery(tta)
     refs = {k: TTAWrapper(make_model("clip"), TTAConfig(query_modality="image", objective="tcr_training_free")) for k in "ab"}
     for b in range(3):
-        x, style = _mixed(b)
+        x, style = mixed_styles(b)
         keys = ["a" if s == 0 else "b" for s in style.tolist()]
         out = tta.adapt_step({"pixel_values": x}, gallery, domain=keys)
         for key, ref in refs.items():
@@ -248,10 +229,10 @@ def test_training_free_objective_keeps_one_state_per_domain():
 def test_reset_returns_to_the_source_and_drops_every_domain():
     tta = _routed()
     gallery = _gallery(tta)
-    x, _ = _mixed(0, (0, 1, 2))
+    x, _ = mixed_styles(0, (0, 1, 2))
     with tta.disabled():
         _, source_scores = tta.embed_and_score({"pixel_values": x}, gallery)
-    for xb, _ in _stream(3):
+    for xb, _ in style_stream(3):
         tta.adapt_step({"pixel_values": xb}, gallery)
     _, adapted = tta.embed_and_score({"pixel_values": x}, gallery)  # each query with its domain's model
     assert not torch.equal(adapted, source_scores)
@@ -261,49 +242,34 @@ def test_reset_returns_to_the_source_and_drops_every_domain():
     _, after = tta.embed_and_score({"pixel_values": x}, gallery)
     assert torch.equal(after, source_scores)
     fresh = _routed()
-    for xb, _ in _stream(2):  # and it adapts again exactly like a new wrapper
+    for xb, _ in style_stream(2):  # and it adapts again exactly like a new wrapper
         assert torch.equal(tta.adapt_step({"pixel_values": xb}, gallery).scores, fresh.adapt_step({"pixel_values": xb}, gallery).scores)
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["router", "user-keys"])
-def test_resumed_stream_equals_the_uninterrupted_one_with_three_domains(tmp_path, keyed):
-    stream = _stream(5)
+def test_load_state_replaces_every_domain_of_a_wrapper_that_adapted_elsewhere(tmp_path):
+    stream = style_stream(5)
 
     def step(tta, gallery, x, style):
-        domain = [["x", "y", 5][s] for s in style.tolist()] if keyed else None
-        return tta.adapt_step({"pixel_values": x}, gallery, domain=domain)
+        return tta.adapt_step({"pixel_values": x}, gallery)
 
     whole = _routed()
     gallery = _gallery(whole)
     full = [step(whole, gallery, x, s) for x, s in stream]
-    assert whole.num_domains == 3
-
     first = _routed()
     for x, s in stream[:3]:
         step(first, gallery, x, s)
     first.save_pretrained(tmp_path / "ckpt")
-    resumed = RoutedTTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
-    assert resumed.domain_keys == first.domain_keys and resumed.routing == first.routing
-    rest = [step(resumed, gallery, x, s) for x, s in stream[3:]]
-    for a, b in zip(full[3:], rest):
-        assert torch.equal(a.scores, b.scores) and torch.equal(a.domains, b.domains)
-    for key in whole.domain_keys:
-        mine, theirs = whole.domain_parameters(key), resumed.domain_parameters(key)
-        assert all(torch.equal(mine[n], theirs[n]) for n in mine)
-    if not keyed:
-        for name, value in whole.router.state_tensors().items():
-            assert torch.equal(value, resumed.router.state_tensors()[name])
-    # load_state into a wrapper that has adapted on something else replaces all of it
     other = _routed()
-    step(other, gallery, *_mixed(42, (2,)))
+    step(other, gallery, *mixed_styles(42, (2,)))
     other.load_state(tmp_path / "ckpt")
+    assert other.domain_keys == first.domain_keys and other.routing == first.routing
     assert torch.equal(step(other, gallery, *stream[3]).scores, full[3].scores)
 
 
 def test_routed_and_plain_checkpoints_are_not_confused(tmp_path):
     tta = _routed()
     gallery = _gallery(tta)
-    tta.adapt_step({"pixel_values": _mixed(0)[0]}, gallery)
+    tta.adapt_step({"pixel_values": mixed_styles(0)[0]}, gallery)
     tta.save_pretrained(tmp_path / "routed")
     with pytest.raises(ValueError, match="saved by RoutedTTAWrapper.*load it with RoutedTTAWrapper"):
         TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "routed")

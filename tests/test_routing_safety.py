@@ -10,8 +10,18 @@ import torch
 from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.objectives.base import OBJECTIVES, register_objective
 from hf_tta.routing import RoutedTTAWrapper, RoutingConfig
-from test_routing import _stream as _style_stream
-from test_safety import QUIET, _assert_bit_equal, _constant, _gallery, _Push, _PushConfig, _source_scores, _state
+from support import (
+    QUIET,
+    Push,
+    PushConfig,
+    assert_bit_equal,
+    constant_batch,
+    dense_gallery,
+    source_scores,
+    state_of,
+    style_images,
+    style_stream,
+)
 from tiny_models import batch, make_model
 
 B = 16
@@ -20,7 +30,7 @@ ZERO = {"skip_degenerate": 0, "rollback": 0, "reset": 0}
 
 @pytest.fixture
 def push():
-    register_objective("routed_safety_push_test", _PushConfig)(type("_RoutedPush", (_Push,), {}))
+    register_objective("routed_safety_push_test", PushConfig)(type("_RoutedPush", (Push,), {}))
     yield "routed_safety_push_test"
     OBJECTIVES.pop("routed_safety_push_test")
 
@@ -34,7 +44,7 @@ def _routed(cfg: TTAConfig, **routing) -> RoutedTTAWrapper:
 
 
 def _domain_state(tta: RoutedTTAWrapper, key) -> dict[str, torch.Tensor]:
-    return _state(tta.domain_state(key))  # an exact copy: reading a domain's state does not change it
+    return state_of(tta.domain_state(key))  # an exact copy: reading a domain's state does not change it
 
 
 def _keyed(parts: dict, seed: int) -> tuple[dict[str, torch.Tensor], list]:
@@ -64,7 +74,7 @@ def test_a_harmful_update_in_one_domain_restores_that_domain_only(push, mode, lr
     back to its last-good snapshot (or reset to the source on collapse) and its rows get the source model's scores,
     while "b" adapts on exactly as a wrapper that never saw "a"'s queries."""
     cfg = _config(push, safety, objective_config={"mode": mode, "harm_batches": [3]}, lr=lr)
-    tta, gallery = _routed(cfg), _gallery()
+    tta, gallery = _routed(cfg), dense_gallery()
     refs = {k: TTAWrapper(make_model("clip"), cfg) for k in "ab"}
     plan = [("a", "b"), ("a", "b"), ("a",), ("a", "b")]
     for i, present in enumerate(plan):
@@ -78,12 +88,12 @@ def test_a_harmful_update_in_one_domain_restores_that_domain_only(push, mode, lr
             assert torch.equal(out.scores[_rows(keys, k)], ref_out.scores), (i, k)
             assert out.safety_actions[k] == ref_out.safety_action
     assert out.safety_actions == {"a": action, "b": None} and out.safety_action == action
-    assert torch.equal(out.scores[_rows(keys, "a")], _source_scores(tta, _part(queries, keys, "a"), gallery))
+    assert torch.equal(out.scores[_rows(keys, "a")], source_scores(tta, _part(queries, keys, "a"), gallery))
     if action == "rollback":
-        _assert_bit_equal(_domain_state(tta, "a"), before_a)  # parameters, moments, steps, objective state
+        assert_bit_equal(_domain_state(tta, "a"), before_a)  # parameters, moments, steps, objective state
     else:  # the source values with a fresh optimiser and objective state
-        _assert_bit_equal(_domain_state(tta, "a"), _state(TTAWrapper(make_model("clip"), cfg)))
-    _assert_bit_equal(_domain_state(tta, "b"), _state(refs["b"]))
+        assert_bit_equal(_domain_state(tta, "a"), state_of(TTAWrapper(make_model("clip"), cfg)))
+    assert_bit_equal(_domain_state(tta, "b"), state_of(refs["b"]))
     assert any(not torch.equal(v, tta.source_parameters()[n]) for n, v in tta.domain_parameters("b").items())  # "b" did adapt
     assert tta.domain_safety_counts == {"a": {**ZERO, action: 1}, "b": ZERO}
     assert tta.safety_counts == {**ZERO, action: 1}  # summed over the domains
@@ -93,20 +103,20 @@ def test_a_harmful_update_in_one_domain_restores_that_domain_only(push, mode, lr
 
 def test_a_degenerate_sub_batch_is_skipped_in_its_domain_only():
     cfg = _config("tcr", {})
-    tta, gallery = _routed(cfg), _gallery()
+    tta, gallery = _routed(cfg), dense_gallery()
     ref_b = TTAWrapper(make_model("clip"), cfg)
     queries, keys = _keyed({"a": batch("image", B, seed=0)["pixel_values"], "b": batch("image", B, seed=1)["pixel_values"]}, 0)
     tta.adapt_step(queries, gallery, domain=keys)
     ref_b.adapt_step(_part(queries, keys, "b"), gallery)
     before_a = _domain_state(tta, "a")
-    queries, keys = _keyed({"a": _constant()["pixel_values"], "b": batch("image", B, seed=2)["pixel_values"]}, seed=1)
+    queries, keys = _keyed({"a": constant_batch()["pixel_values"], "b": batch("image", B, seed=2)["pixel_values"]}, seed=1)
     out = tta.adapt_step(queries, gallery, domain=keys)
     assert out.safety_actions == {"a": "skip_degenerate", "b": None} and out.safety_action == "skip_degenerate"
     assert out.safety_logs["a/source_diversity"] == 0.0 and out.num_updates == cfg.steps  # only "b" stepped
-    _assert_bit_equal(_domain_state(tta, "a"), before_a)  # the constant queries changed nothing in "a"
-    assert torch.equal(out.scores[_rows(keys, "a")], _source_scores(tta, _constant(), gallery))
+    assert_bit_equal(_domain_state(tta, "a"), before_a)  # the constant queries changed nothing in "a"
+    assert torch.equal(out.scores[_rows(keys, "a")], source_scores(tta, constant_batch(), gallery))
     assert torch.equal(out.scores[_rows(keys, "b")], ref_b.adapt_step(_part(queries, keys, "b"), gallery).scores)
-    _assert_bit_equal(_domain_state(tta, "b"), _state(ref_b))
+    assert_bit_equal(_domain_state(tta, "b"), state_of(ref_b))
     assert tta.domain_safety_counts == {"a": {**ZERO, "skip_degenerate": 1}, "b": ZERO}
 
 
@@ -118,7 +128,7 @@ def test_safety_that_never_fires_gives_the_scores_of_a_routed_wrapper_without_it
         tta = RoutedTTAWrapper(make_model("clip"), _config("tcr", safety))
         gallery = tta.encode_gallery(batch("text", 20, seed=1), show_progress=False)
         outs = []
-        for x, style in _style_stream(4):
+        for x, style in style_stream(4):
             outs.append(tta.adapt_step({"pixel_values": x}, gallery, domain=style.tolist() if keyed else None))
         runs[name] = (tta, outs)
     (off, outs_off), (quiet, outs_quiet) = runs["off"], runs["quiet"]
@@ -128,7 +138,7 @@ def test_safety_that_never_fires_gives_the_scores_of_a_routed_wrapper_without_it
         assert b.safety_action is None and set(b.safety_actions.values()) == {None} and a.safety_actions == {}
         assert any(k.endswith("/agreement") for k in b.safety_logs) and a.safety_logs == {}
     for key in off.domain_keys:
-        _assert_bit_equal(_domain_state(off, key), _domain_state(quiet, key))
+        assert_bit_equal(_domain_state(off, key), _domain_state(quiet, key))
     assert off.safety_counts == {} and off.domain_safety_counts == {} and quiet.safety_counts == ZERO
 
 
@@ -137,61 +147,17 @@ PLAN = [(0, 1), (0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (1, 2), (0, 1, 2)]  # t
 
 
 def _plan_stream() -> list[tuple[torch.Tensor, list[int]]]:
-    from test_routing import _style
-
     out = []
     for b, styles in enumerate(PLAN):
-        queries, keys = _keyed({s: _style(s, 8, seed=100 * b + s) for s in styles}, seed=b)
+        queries, keys = _keyed({s: style_images(s, 8, seed=100 * b + s) for s in styles}, seed=b)
         out.append((queries["pixel_values"], keys))
     return out
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["router", "user-keys"])
-def test_resume_with_safety_in_every_domain_equals_the_uninterrupted_stream(push, tmp_path, keyed):
-    # each domain is harmed on its 3rd and 6th batch; snapshot_every=3 keeps a snapshot older than the state at the save
-    safety = {"min_agreement": 0.5, "collapse_ratio": 0.0, "min_source_diversity": 0.0, "snapshot_every": 3}
-    cfg = _config(push, safety, objective_config={"mode": "shift", "harm_batches": [2, 5]}, lr=0.5)
-    stream, cut = _plan_stream(), 5
-
-    def step(tta, gallery, x, keys):
-        return tta.adapt_step({"pixel_values": x}, gallery, domain=[["x", "y", 5][s] for s in keys] if keyed else None)
-
-    whole = _routed(cfg)
-    gallery = _gallery()
-    full = [step(whole, gallery, *s) for s in stream]
-    assert whole.num_domains == 3
-    first = _routed(cfg)
-    for s in stream[:cut]:
-        step(first, gallery, *s)
-    assert first.safety_counts["rollback"] >= 2 and 0 < sum(full[i].safety_action == "rollback" for i in range(cut, 7))
-    first.save_pretrained(tmp_path / "ckpt")
-    resumed = RoutedTTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
-    assert resumed.domain_safety_counts == first.domain_safety_counts
-    for key in first.domain_keys:
-        a, b = first.domain_monitor(key), resumed.domain_monitor(key)
-        assert (a.agreement_ema, a.kept_in_row, a.rollbacks_in_row) == (b.agreement_ema, b.kept_in_row, b.rollbacks_in_row)
-    rest = [step(resumed, gallery, *s) for s in stream[cut:]]
-    for a, b in zip(full[cut:], rest):
-        assert torch.equal(a.scores, b.scores) and torch.equal(a.domains, b.domains)
-        assert a.safety_actions == b.safety_actions and a.safety_logs == b.safety_logs
-    for key in whole.domain_keys:
-        _assert_bit_equal(_domain_state(whole, key), _domain_state(resumed, key))
-    assert whole.domain_safety_counts == resumed.domain_safety_counts and whole.safety_counts == resumed.safety_counts
-
-    # reset() returns every domain to the source, clears every monitor, and the stream replays as on a new wrapper
-    resumed.reset()
-    assert resumed.num_domains == 0 and resumed.safety_counts == ZERO and resumed.domain_safety_counts == {}
-    assert resumed.safety.last_good is None and resumed.safety.agreement_ema is None
-    assert all(torch.equal(p, resumed.source_parameters()[n]) for n, p in resumed.params.items())
-    again = [step(resumed, gallery, *s) for s in stream[:2]]
-    for a, b in zip(full, again):
-        assert torch.equal(a.scores, b.scores) and a.safety_actions == b.safety_actions
-
-
 def test_a_checkpoint_saved_without_safety_loads_with_fresh_monitors(tmp_path):
     plain = RoutedTTAWrapper(make_model("clip"), _config("tcr", None))
-    gallery = _gallery()
-    x, style = _style_stream(1)[0]
+    gallery = dense_gallery()
+    x, style = style_stream(1)[0]
     plain.adapt_step({"pixel_values": x}, gallery, domain=style.tolist())
     plain.save_pretrained(tmp_path / "ckpt")
     safe = RoutedTTAWrapper(make_model("clip"), _config("tcr", {}))

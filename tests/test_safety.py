@@ -5,95 +5,18 @@ monitor's state resumes bit-exactly from a checkpoint, and with safety off nothi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from hf_tta import ChunkedGallery, GalleryCache, SafetyConfig, TTAConfig, TTAWrapper, retrieval_metrics
+from hf_tta import ChunkedGallery, SafetyConfig, TTAConfig, TTAWrapper, retrieval_metrics
 from hf_tta.objectives.base import (
     OBJECTIVES,
-    LossOutput,
-    Objective,
-    ObjectiveConfig,
     get_objective_class,
-    register_objective,
 )
 from hf_tta.state import ROLLBACK, AdapterState
+from support import QUIET, assert_bit_equal, constant_batch, dense_gallery, image_stream, source_scores, state_of
 from tiny_models import batch, make_model
-
-B = 16
-
-
-def _gallery(n=40, dim=16, seed=3) -> GalleryCache:
-    g = torch.Generator().manual_seed(seed)
-    return GalleryCache(F.normalize(torch.randn(n, dim, generator=g), dim=1), "text")
-
-
-def _stream(n: int, seed: int = 100) -> list[dict[str, torch.Tensor]]:
-    return [batch("image", B, seed=seed + i) for i in range(n)]
-
-
-def _constant(seed: int = 99) -> dict[str, torch.Tensor]:
-    """One image repeated B times (a frozen camera, a blank frame)."""
-    return {"pixel_values": batch("image", 1, seed=seed)["pixel_values"].expand(B, -1, -1, -1).contiguous()}
-
-
-def _source_scores(tta: TTAWrapper, queries, gallery) -> torch.Tensor:
-    with tta.disabled():
-        return tta.embed_and_score(queries, gallery)[1]
-
-
-def _state(tta: TTAWrapper | AdapterState) -> dict[str, torch.Tensor]:
-    """Every adapted tensor (a wrapper's now, or a captured state): parameters and other optimised tensors, optimiser
-    state (by parameter name) and objective state, copied."""
-    state = tta if isinstance(tta, AdapterState) else AdapterState.capture(tta, ROLLBACK)
-    tensors, meta = state.only(ROLLBACK).to_tensors(optimizer_keys="name")
-    out = {k: v.clone() for k, v in tensors.items()}
-    for name, plain in meta.get("optim_plain", {}).items():
-        out.update({f"optim.{name}.{k}": torch.tensor(v) for k, v in plain.items()})
-    return out
-
-
-def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-# ------------------------------------------------------------------------------------- a harmful test objective
-@dataclass
-class _PushConfig(ObjectiveConfig):
-    """``mode`` on the batches ``harm_batches``: "collapse" pulls every query to item 0, "shift" pulls each query to
-    the item after its own top-1 (predictions change, diversity stays); other batches make a zero-gradient update
-    (AdamW's step count and weight decay still move)."""
-
-    mode: str = "shift"
-    harm_batches: list[int] = field(default_factory=list)
-
-
-class _Push(Objective):
-    def init_state(self, device="cpu"):
-        return {"calls": torch.zeros((), dtype=torch.int64, device=device)}
-
-    def __call__(self, inputs, state):
-        state["calls"] = state["calls"] + 1  # objective state that moves at every step (replaced, never in place)
-        s = inputs.scores
-        if inputs.batch_index not in self.config.harm_batches:
-            return LossOutput(loss=(s * 0).sum(), n_selected=s.shape[0])
-        if self.config.mode == "collapse":
-            target = torch.zeros(s.shape[0], dtype=torch.long, device=s.device)
-        else:
-            target = (s.detach().argmax(dim=1) + 1) % s.shape[1]
-        return LossOutput(loss=F.cross_entropy(s / 0.01, target), n_selected=s.shape[0])
-
-
-@pytest.fixture
-def push():
-    register_objective("safety_push_test", _PushConfig)(_Push)
-    yield "safety_push_test"
-    OBJECTIVES.pop("safety_push_test")
 
 
 def _push_wrapper(push, mode, harm, lr=0.5, **safety):
@@ -134,16 +57,16 @@ def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
 # ------------------------------------------------------------------------------------- rollback
 def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push):
     tta = _push_wrapper(push, "shift", harm=[3], min_agreement=0.5, collapse_ratio=0.0)
-    gallery, xs = _gallery(), _stream(5)
+    gallery, xs = dense_gallery(), image_stream(5)
     for x in xs[:3]:
         assert tta.adapt_step(x, gallery).safety_action is None
-    before = _state(tta)  # the last-good snapshot: the state after the last kept batch (snapshot_every=1)
+    before = state_of(tta)  # the last-good snapshot: the state after the last kept batch (snapshot_every=1)
     assert int(before["objective.calls"]) == 9 and float(before[f"optim.{next(iter(tta.params))}.step"]) == 9
     out = tta.adapt_step(xs[3], gallery)
     assert out.num_updates == 3 and out.safety_action == "rollback"
     assert out.safety_logs["agreement"] < 0.5 <= out.safety_logs["agreement_ema"]
-    _assert_bit_equal(_state(tta), before)  # parameters, moments, step counts and objective state
-    assert torch.equal(out.scores, _source_scores(tta, xs[3], gallery))  # a flagged batch returns the source's scores
+    assert_bit_equal(state_of(tta), before)  # parameters, moments, step counts and objective state
+    assert torch.equal(out.scores, source_scores(tta, xs[3], gallery))  # a flagged batch returns the source's scores
     assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 1, "reset": 0}
     assert tta.batch_index == 4  # the stream's counter goes on
     assert tta.adapt_step(xs[4], gallery).safety_action is None  # and the stream adapts on from the snapshot
@@ -151,29 +74,29 @@ def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push):
 
 def test_rollback_before_any_kept_batch_drops_the_optimiser_state_it_created(push):
     tta = _push_wrapper(push, "shift", harm=[0], min_agreement=0.5, collapse_ratio=0.0)
-    source = _state(tta)
+    source = state_of(tta)
     assert not tta.optimizer.state
-    out = tta.adapt_step(_stream(1)[0], _gallery())
+    out = tta.adapt_step(image_stream(1)[0], dense_gallery())
     assert out.safety_action == "rollback"
-    _assert_bit_equal(_state(tta), source)
+    assert_bit_equal(state_of(tta), source)
     assert all(not tta.optimizer.state.get(p) for p in tta.params.values())  # moments and steps created after: gone
 
 
 def test_the_agreement_ema_flags_a_relative_drop_and_repeated_rollbacks_reset(push):
     # no floor (min_agreement=0): only the drop below half the running agreement fires
     tta = _push_wrapper(push, "shift", harm=[2, 3, 4], min_agreement=0.0, collapse_ratio=0.0, max_rollbacks=3)
-    gallery, xs = _gallery(), _stream(6)
+    gallery, xs = dense_gallery(), image_stream(6)
     actions = [tta.adapt_step(x, gallery).safety_action for x in xs]
     assert actions == [None, None, "rollback", "rollback", "reset", None]
     assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 2, "reset": 1}
     with pytest.raises(AssertionError):  # the 5 benign updates after the reset moved the state off the source
-        _assert_bit_equal({k: v for k, v in _state(tta).items() if k.startswith("param.")}, {f"param.{n}": v for n, v in tta.source_parameters().items()})
+        assert_bit_equal({k: v for k, v in state_of(tta).items() if k.startswith("param.")}, {f"param.{n}": v for n, v in tta.source_parameters().items()})
 
 
 # ------------------------------------------------------------------------------------- collapse
 def test_collapse_resets_to_the_source_model(push):
     tta = _push_wrapper(push, "collapse", harm=[2], lr=5.0)
-    gallery, xs = _gallery(), _stream(3)
+    gallery, xs = dense_gallery(), image_stream(3)
     for x in xs[:2]:
         assert tta.adapt_step(x, gallery).safety_action is None
     generator = tta.generator.get_state()
@@ -183,7 +106,7 @@ def test_collapse_resets_to_the_source_model(push):
     for name, p in tta.params.items():
         assert torch.equal(p, tta.source_parameters()[name]), name
     assert not tta.optimizer.state and torch.equal(tta.state["calls"], torch.zeros((), dtype=torch.int64))
-    assert torch.equal(out.scores, _source_scores(tta, xs[2], gallery))
+    assert torch.equal(out.scores, source_scores(tta, xs[2], gallery))
     assert tta.safety_counts["reset"] == 1 and tta.batch_index == 3
     assert torch.equal(tta.generator.get_state(), generator)  # the RNG stream goes on (not re-seeded)
 
@@ -191,9 +114,9 @@ def test_collapse_resets_to_the_source_model(push):
 def test_collapse_without_safety_stays_collapsed(push):
     # the same stream unprotected: the harm persists (so the test above can fail)
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective=push, objective_config={"mode": "collapse", "harm_batches": [2]}, lr=5.0))
-    gallery, xs = _gallery(), _stream(4)
+    gallery, xs = dense_gallery(), image_stream(4)
     outs = [tta.adapt_step(x, gallery) for x in xs]
-    assert outs[3].scores.argmax(1).unique().numel() <= 2 < _source_scores(tta, xs[3], gallery).argmax(1).unique().numel()
+    assert outs[3].scores.argmax(1).unique().numel() <= 2 < source_scores(tta, xs[3], gallery).argmax(1).unique().numel()
 
 
 # ------------------------------------------------------------------------------------- degenerate batches
@@ -205,15 +128,15 @@ def _forward_counter(tta: TTAWrapper) -> list[int]:
 
 def test_a_degenerate_batch_is_not_adapted_on():
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", safety={}))
-    gallery = _gallery()
-    tta.adapt_step(_stream(1)[0], gallery)
-    before, calls = _state(tta), _forward_counter(tta)
-    out = tta.adapt_step(_constant(), gallery)
+    gallery = dense_gallery()
+    tta.adapt_step(image_stream(1)[0], gallery)
+    before, calls = state_of(tta), _forward_counter(tta)
+    out = tta.adapt_step(constant_batch(), gallery)
     assert out.safety_action == "skip_degenerate" and out.num_updates == 0 and out.loss is None
     assert out.safety_logs["source_diversity"] == 0.0 and "not adapted" in out.skipped[0]
     assert calls[0] == 1  # one source forward, no step
-    _assert_bit_equal(_state(tta), before)  # parameters, optimiser and TCR's queue untouched
-    assert torch.equal(out.scores, _source_scores(tta, _constant(), gallery))
+    assert_bit_equal(state_of(tta), before)  # parameters, optimiser and TCR's queue untouched
+    assert torch.equal(out.scores, source_scores(tta, constant_batch(), gallery))
 
 
 @pytest.mark.parametrize("transform", [None, "dn"])
@@ -221,8 +144,8 @@ def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
     """30 batches of one constant image, then the clean stream: with safety on, the clean part is scored bit-exactly as
     by a wrapper that never saw the constant prefix (the prefix changed no parameter, moment, queue entry or DN query
     mean); without safety, at the same (high) learning rate, the prefix drags the clean part's recall down."""
-    gallery, clean = _gallery(), _stream(5, seed=200)
-    prefix = [_constant()] * 30
+    gallery, clean = dense_gallery(), image_stream(5, seed=200)
+    prefix = [constant_batch()] * 30
 
     def run(safety, with_prefix):
         tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=1e-2, safety=safety, score_transform=transform))
@@ -237,7 +160,7 @@ def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
     tta, safe = run({}, True)
     _, fresh = run({}, False)
     assert torch.equal(safe, fresh)
-    source = torch.cat([_source_scores(tta, x, gallery) for x in clean])
+    source = torch.cat([source_scores(tta, x, gallery) for x in clean])
     relevant = source.argmax(1)  # a label-free stand-in for relevance: the source's own top-1 (source R@1 = 100)
     _, unsafe = run(None, True)
     assert (unsafe - fresh).abs().max() > 0.1
@@ -246,7 +169,6 @@ def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
 
 
 # ------------------------------------------------------------------------------------- off by default, exact when quiet
-QUIET = dict(min_source_diversity=0.0, collapse_ratio=0.0, min_agreement=0.0, max_agreement_drop=1.0)
 
 
 @pytest.mark.parametrize(
@@ -254,7 +176,7 @@ QUIET = dict(min_source_diversity=0.0, collapse_ratio=0.0, min_agreement=0.0, ma
     [("tcr", {}), ("tent", {}), ("rest", {"gradient_decoupling": True}), ("eata", {}), ("tcr", {"fast_step": True})],
 )
 def test_safety_that_never_fires_changes_nothing_and_shares_the_source_forward(objective, extra):
-    gallery, xs = _gallery(), _stream(3)
+    gallery, xs = dense_gallery(), image_stream(3)
     runs = {}
     for name, safety in (("off", None), ("quiet", QUIET), ("on", {})):
         tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, safety=safety, **extra))
@@ -265,7 +187,7 @@ def test_safety_that_never_fires_changes_nothing_and_shares_the_source_forward(o
     for a, b in zip(outs_off, outs_quiet):
         assert torch.equal(a.scores, b.scores) and a.loss == b.loss and a.safety_action is None
         assert a.safety_logs == {} and b.safety_logs["agreement"] >= 0  # the signals are logged
-    _assert_bit_equal(_state(off), _state(quiet))
+    assert_bit_equal(state_of(off), state_of(quiet))
     assert off.safety_counts == {} and off.safety is None
     # one no-grad source forward per batch, none extra when gradient decoupling computes it anyway
     assert n_quiet == n_off + (0 if extra.get("gradient_decoupling") else len(xs))
@@ -280,9 +202,9 @@ def test_safety_on_the_fused_one_sync_path_equals_the_checked_loop(push):
         cfg = TTAConfig(objective="tcr", fast_step=fast, lr=1e-2, safety={"min_agreement": 0.9, "collapse_ratio": 0.0})
         tta = TTAWrapper(make_model("clip"), cfg)
         assert tta.fast_path_active == fast
-        gallery = _gallery()
-        outs[fast] = [tta.adapt_step(x, gallery) for x in _stream(6)]
-        states[fast] = _state(tta)
+        gallery = dense_gallery()
+        outs[fast] = [tta.adapt_step(x, gallery) for x in image_stream(6)]
+        states[fast] = state_of(tta)
     actions = [o.safety_action for o in outs[False]]
     assert "rollback" in actions and actions == [o.safety_action for o in outs[True]]
     for a, b in zip(outs[False], outs[True]):
@@ -292,24 +214,24 @@ def test_safety_on_the_fused_one_sync_path_equals_the_checked_loop(push):
 
 
 def test_score_transform_applies_to_the_source_scores_of_a_flagged_batch():
-    gallery = _gallery()
+    gallery = dense_gallery()
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", score_transform="dn", safety={}))
-    out = tta.adapt_step(_constant(), gallery)
+    out = tta.adapt_step(constant_batch(), gallery)
     assert out.safety_action == "skip_degenerate"
     dn = TTAWrapper(make_model("clip"), TTAConfig(objective="dn"))  # the source model with DN, nothing adapted
-    expected = dn.adapt_step(_constant(), gallery).scores
+    expected = dn.adapt_step(constant_batch(), gallery).scores
     assert torch.allclose(out.scores, expected, atol=1e-6)
-    assert not torch.allclose(out.scores, _source_scores(tta, _constant(), gallery), atol=1e-4)  # DN did change them
+    assert not torch.allclose(out.scores, source_scores(tta, constant_batch(), gallery), atol=1e-4)  # DN did change them
 
 
 def test_top_k_backend_returns_the_source_top_k_on_flagged_batches(push):
-    dense = _gallery()
+    dense = dense_gallery()
     backend = ChunkedGallery(dense.embeddings, "text", k=5)
     tta = _push_wrapper(push, "collapse", harm=[1], lr=5.0)
-    outs = [tta.adapt_step(x, backend) for x in [_stream(1)[0], _stream(1, seed=300)[0], _constant()]]
+    outs = [tta.adapt_step(x, backend) for x in [image_stream(1)[0], image_stream(1, seed=300)[0], constant_batch()]]
     assert [o.safety_action for o in outs] == [None, "reset", "skip_degenerate"]
-    for out, x in zip(outs[1:], [_stream(1, seed=300)[0], _constant()]):
-        src = _source_scores(tta, x, dense)
+    for out, x in zip(outs[1:], [image_stream(1, seed=300)[0], constant_batch()]):
+        src = source_scores(tta, x, dense)
         values, indices = src.topk(5, dim=1)
         assert out.scores is None and torch.equal(out.topk.indices, indices)
         assert torch.allclose(out.topk.values, values, atol=1e-6)
@@ -317,34 +239,11 @@ def test_top_k_backend_returns_the_source_top_k_on_flagged_batches(push):
 
 
 # ------------------------------------------------------------------------------------- checkpoint and reset
-def test_resume_with_safety_equals_an_uninterrupted_stream(push, tmp_path):
-    # snapshot_every=3: at the save the last-good snapshot is older than the state, so it must come from the checkpoint
-    def wrapper():
-        return _push_wrapper(push, "shift", harm=[2, 7], min_agreement=0.5, collapse_ratio=0.0, snapshot_every=3)
-
-    gallery, xs = _gallery(), _stream(10)
-    full = wrapper()
-    outs_full = [full.adapt_step(x, gallery) for x in xs]
-    assert [o.safety_action for o in outs_full].count("rollback") == 2
-
-    first = wrapper()
-    outs = [first.adapt_step(x, gallery) for x in xs[:5]]
-    first.save_pretrained(tmp_path / "ckpt")
-    resumed = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
-    assert resumed.safety_counts == {"skip_degenerate": 0, "rollback": 1, "reset": 0}
-    assert resumed.safety.agreement_ema == first.safety.agreement_ema and resumed.safety.kept_in_row == first.safety.kept_in_row
-    outs += [resumed.adapt_step(x, gallery) for x in xs[5:]]
-    for a, b in zip(outs_full, outs):
-        assert torch.equal(a.scores, b.scores) and a.safety_action == b.safety_action and a.safety_logs == b.safety_logs
-    _assert_bit_equal(_state(full), _state(resumed))
-    assert full.safety_counts == resumed.safety_counts
-
-
 def test_reset_clears_the_monitor():
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", safety={}))
-    gallery = _gallery()
-    tta.adapt_step(_stream(1)[0], gallery)
-    tta.adapt_step(_constant(), gallery)
+    gallery = dense_gallery()
+    tta.adapt_step(image_stream(1)[0], gallery)
+    tta.adapt_step(constant_batch(), gallery)
     assert tta.safety_counts["skip_degenerate"] == 1 and tta.safety.agreement_ema is not None
     tta.reset()
     assert tta.safety_counts == {"skip_degenerate": 0, "rollback": 0, "reset": 0}
@@ -367,7 +266,7 @@ def test_safety_composes_with_every_objective(objective):
     """For each method: quiet safety is bit-identical to none; a degenerate batch changes nothing; and a rollback
     (forced by demanding full top-1 agreement with the source) restores the parameters, the optimiser and the
     objective's own state (EATA's Fisher, TITAN's queue, SAR's EMA, ...) to the last-good snapshot, bit-exactly."""
-    gallery, xs = _gallery(), _stream(3)
+    gallery, xs = dense_gallery(), image_stream(3)
 
     # SAR's own model recovery (EMA of its loss < 0.2) resets it to the source at every batch on this tiny model, so no
     # update would survive to be rolled back: switch it off here
@@ -380,25 +279,25 @@ def test_safety_composes_with_every_objective(objective):
     for x in xs:
         a, b = off.adapt_step(x, gallery), quiet.adapt_step(x, gallery)
         assert torch.equal(a.scores, b.scores) and b.safety_action is None
-    _assert_bit_equal(_state(off), _state(quiet))
+    assert_bit_equal(state_of(off), state_of(quiet))
 
     on = wrapper({})
     for x in xs:
         on.adapt_step(x, gallery)
-    before = _state(on)
-    out = on.adapt_step(_constant(), gallery)
+    before = state_of(on)
+    out = on.adapt_step(constant_batch(), gallery)
     assert out.safety_action == "skip_degenerate" and out.num_updates == 0
-    _assert_bit_equal(_state(on), before)
+    assert_bit_equal(state_of(on), before)
 
     strict = wrapper({"min_agreement": 1.0, "collapse_ratio": 0.0, "max_rollbacks": 100, "snapshot_every": 1})
     actions = []
     for x in xs:
-        before = _state(strict)  # with snapshot_every=1 the last-good snapshot is the state before this batch
+        before = state_of(strict)  # with snapshot_every=1 the last-good snapshot is the state before this batch
         out = strict.adapt_step(x, gallery)
         actions.append(out.safety_action)
         if out.safety_action == "rollback":
-            _assert_bit_equal(_state(strict), before)
-            assert torch.equal(out.scores, _source_scores(strict, x, gallery))
+            assert_bit_equal(state_of(strict), before)
+            assert torch.equal(out.scores, source_scores(strict, x, gallery))
     assert "rollback" in actions, actions  # lr 0.1 moves some top-1 away from the source's on every method
     assert strict.safety_counts["rollback"] == actions.count("rollback")
 
@@ -408,7 +307,7 @@ def test_safety_around_dn_alone_keeps_degenerate_batches_out_of_its_query_mean()
     """objective="dn" with safety: only the degenerate rule applies. Quiet, it equals DN alone bit for bit with one
     forward per batch (the source forward is DN's forward); a constant prefix changes neither DN's state nor the
     clean part's scores, which without safety take their query mean from the prefix."""
-    gallery, clean = _gallery(), _stream(3, seed=200)
+    gallery, clean = dense_gallery(), image_stream(3, seed=200)
     runs = {}
     for name, safety in (("off", None), ("on", {})):
         tta = TTAWrapper(make_model("clip"), TTAConfig(objective="dn", safety=safety))
@@ -420,11 +319,11 @@ def test_safety_around_dn_alone_keeps_degenerate_batches_out_of_its_query_mean()
 
     def with_prefix(safety):
         tta = TTAWrapper(make_model("clip"), TTAConfig(objective="dn", safety=safety))
-        outs = [tta.adapt_step(_constant(), gallery) for _ in range(5)]
+        outs = [tta.adapt_step(constant_batch(), gallery) for _ in range(5)]
         if safety is not None:
             assert [o.safety_action for o in outs] == ["skip_degenerate"] * 5
             assert int(tta.state["query_count"]) == 0  # nothing entered the query mean
-            assert torch.equal(outs[0].scores, _source_scores(tta, _constant(), gallery))
+            assert torch.equal(outs[0].scores, source_scores(tta, constant_batch(), gallery))
         return torch.cat([tta.adapt_step(x, gallery).scores for x in clean])
 
     assert torch.equal(with_prefix({}), s_off)  # as if the prefix never happened

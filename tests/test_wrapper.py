@@ -208,33 +208,6 @@ def test_a_non_finite_second_sam_pass_updates_nothing(monkeypatch, fault):
 
 
 # ------------------------------------------------------------------------------------- save / load / resume
-RESUME_CASES = [(m, q, "tcr") for m in sorted(TINY_MODELS) for q in ("image", "text")] + [("blip2", "image", "tent")]
-
-
-@pytest.mark.parametrize("model_name,query,objective", RESUME_CASES)
-def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, model_name, query, objective):
-    gallery_inputs = batch(_other(query), 15, seed=1)
-    stream = [batch(query, 6, seed=100 + i) for i in range(5)]
-
-    full = TTAWrapper(make_model(model_name), TTAConfig(objective=objective, query_modality=query))
-    g = full.encode_gallery(gallery_inputs)
-    expected = [full.adapt_step(q, g).scores for q in stream]
-
-    first = TTAWrapper(make_model(model_name), TTAConfig(objective=objective, query_modality=query))
-    g1 = first.encode_gallery(gallery_inputs)
-    for q in stream[:2]:
-        first.adapt_step(q, g1)
-    first.save_pretrained(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"tta_config.json", "tta_state.safetensors"}
-
-    resumed = TTAWrapper.from_pretrained(make_model(model_name), tmp_path)
-    assert resumed.batch_index == 2
-    g2 = resumed.encode_gallery(gallery_inputs)
-    for q, exp in zip(stream[2:], expected[2:]):
-        assert torch.allclose(resumed.adapt_step(q, g2).scores, exp, atol=1e-6)
-    assert all(torch.allclose(resumed.params[n], full.params[n], atol=1e-6) for n in full.params)
-
-
 def test_load_into_other_config_is_refused(tmp_path):
     a = _tta("clip", "image")
     a.save_pretrained(tmp_path)

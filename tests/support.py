@@ -1,0 +1,161 @@
+"""Helpers shared by several test modules (public names; fixtures are in conftest.py): a harmful test objective,
+synthetic galleries and query streams, exact state comparison and the one "resume equals uninterrupted" check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hf_tta import GalleryCache, TTAWrapper
+from hf_tta.objectives.base import LossOutput, Objective, ObjectiveConfig
+from hf_tta.state import ALL, ROLLBACK, AdapterState
+from tiny_models import batch, make_model
+
+B = 16
+#: Safety thresholds that never fire (the layer runs, nothing is flagged).
+QUIET = dict(min_source_diversity=0.0, collapse_ratio=0.0, min_agreement=0.0, max_agreement_drop=1.0)
+
+
+# ------------------------------------------------------------------------------------- a harmful test objective
+@dataclass
+class PushConfig(ObjectiveConfig):
+    """``mode`` on the batches ``harm_batches``: "collapse" pulls every query to item 0, "shift" pulls each query to
+    the item after its own top-1 (predictions change, diversity stays); other batches make a zero-gradient update
+    (AdamW's step count and weight decay still move)."""
+
+    mode: str = "shift"
+    harm_batches: list[int] = field(default_factory=list)
+
+
+class Push(Objective):
+    def init_state(self, device="cpu"):
+        return {"calls": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def __call__(self, inputs, state):
+        state["calls"] = state["calls"] + 1  # objective state that moves at every step (replaced, never in place)
+        s = inputs.scores
+        if inputs.batch_index not in self.config.harm_batches:
+            return LossOutput(loss=(s * 0).sum(), n_selected=s.shape[0])
+        if self.config.mode == "collapse":
+            target = torch.zeros(s.shape[0], dtype=torch.long, device=s.device)
+        else:
+            target = (s.detach().argmax(dim=1) + 1) % s.shape[1]
+        return LossOutput(loss=F.cross_entropy(s / 0.01, target), n_selected=s.shape[0])
+
+
+# ------------------------------------------------------------------------------------- data
+def dense_gallery(n: int = 40, dim: int = 16, seed: int = 3) -> GalleryCache:
+    g = torch.Generator().manual_seed(seed)
+    return GalleryCache(F.normalize(torch.randn(n, dim, generator=g), dim=1), "text")
+
+
+def image_stream(n: int, seed: int = 100, size: int = B) -> list[dict[str, torch.Tensor]]:
+    return [batch("image", size, seed=seed + i) for i in range(n)]
+
+
+def constant_batch(seed: int = 99, size: int = B) -> dict[str, torch.Tensor]:
+    """One image repeated ``size`` times (a frozen camera, a blank frame)."""
+    return {"pixel_values": batch("image", 1, seed=seed)["pixel_values"].expand(size, -1, -1, -1).contiguous()}
+
+
+def style_images(style: int, n: int, seed: int) -> torch.Tensor:
+    """Synthetic image "styles": N(0, 1), N(3, 0.1), N(-2, 0.5) pixels (content = the random draw)."""
+    g = torch.Generator().manual_seed(seed)
+    loc, scale = [(0.0, 1.0), (3.0, 0.1), (-2.0, 0.5)][style]
+    return loc + scale * torch.randn(n, 3, 32, 32, generator=g)
+
+
+def mixed_styles(batch: int, styles=(0, 1), n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of interleaved styles and each query's style."""
+    x = torch.cat([style_images(s, n, seed=100 * batch + s) for s in styles])
+    label = torch.tensor(styles).repeat_interleave(n)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(batch))
+    return x[perm], label[perm]
+
+
+def style_stream(num_batches: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two styles, then a third from batch 2 on."""
+    return [mixed_styles(b, (0, 1) if b < 2 else (0, 1, 2)) for b in range(num_batches)]
+
+
+def source_scores(tta: TTAWrapper, queries, gallery) -> torch.Tensor:
+    with tta.disabled():
+        return tta.embed_and_score(queries, gallery)[1]
+
+
+# ------------------------------------------------------------------------------------- state
+def state_of(tta: TTAWrapper | AdapterState) -> dict[str, torch.Tensor]:
+    """Every adapted tensor (a wrapper's now, or a captured state): parameters and other optimised tensors, optimiser
+    state (by parameter name) and objective state, copied."""
+    state = tta if isinstance(tta, AdapterState) else AdapterState.capture(tta, ROLLBACK)
+    tensors, meta = state.only(ROLLBACK).to_tensors(optimizer_keys="name")
+    out = {k: v.clone() for k, v in tensors.items()}
+    for name, plain in meta.get("optim_plain", {}).items():
+        out.update({f"optim.{name}.{k}": torch.tensor(v) for k, v in plain.items()})
+    return out
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _same_output(a: Any, b: Any) -> None:
+    if a.scores is None:
+        assert torch.equal(a.topk.indices, b.topk.indices) and torch.equal(a.topk.values, b.topk.values)
+    else:
+        assert torch.equal(a.scores, b.scores)
+    assert (a.loss, a.num_updates, a.skipped, a.safety_action, a.safety_logs) == (
+        b.loss, b.num_updates, b.skipped, b.safety_action, b.safety_logs
+    )
+    if getattr(a, "domains", None) is not None:
+        assert torch.equal(a.domains, b.domains) and a.domain_keys == b.domain_keys
+
+
+def check_resume(
+    make: Callable[[], tuple[TTAWrapper, Any]],
+    stream: Sequence[Any],
+    cut: int,
+    folder: Path,
+    step: Callable[[TTAWrapper, Any, Any], Any] | None = None,
+    model_name: str = "clip",
+) -> None:
+    """A stream cut after ``cut`` batches, saved, reloaded with ``from_pretrained`` on a fresh source model and
+    continued equals the uninterrupted stream: every output and the final state, bit for bit."""
+    step = step or (lambda tta, gallery, x: tta.adapt_step(x, gallery))
+    whole, gallery = make()
+    full = [step(whole, gallery, x) for x in stream]
+    first, gallery1 = make()
+    for x in stream[:cut]:
+        step(first, gallery1, x)
+    first.save_pretrained(folder)
+    resumed = type(first).from_pretrained(make_model(model_name), folder)
+    assert resumed.safety_counts == first.safety_counts
+    if not hasattr(first, "domain_keys"):  # a routed wrapper's counters are its domains'
+        assert resumed.batch_index == first.batch_index
+    _, gallery2 = make()
+    for a, x in zip(full[cut:], stream[cut:]):
+        _same_output(a, step(resumed, gallery2, x))
+    assert whole.safety_counts == resumed.safety_counts
+    if whole.safety is not None:  # the stream must exercise the monitor across the cut, or the check proves little
+        assert first.safety_counts["rollback"] >= 1 and whole.safety_counts["rollback"] > first.safety_counts["rollback"]
+    if hasattr(whole, "domain_keys"):
+        assert whole.domain_keys == resumed.domain_keys
+        theirs = resumed.router.state_tensors()
+        assert all(torch.equal(v, theirs[k]) for k, v in whole.router.state_tensors().items())
+        for key in whole.domain_keys:
+            assert whole.domain_state(key).equals(resumed.domain_state(key)), key
+            a, b = whole.domain_monitor(key), resumed.domain_monitor(key)
+            if a is not None:
+                assert (a.agreement_ema, a.kept_in_row, a.rollbacks_in_row) == (b.agreement_ema, b.kept_in_row, b.rollbacks_in_row)
+    else:
+        assert AdapterState.capture(whole, ALL).equals(AdapterState.capture(resumed, ALL))
+        if whole.safety is not None:
+            a, b = whole.safety, resumed.safety
+            assert (a.agreement_ema, a.kept_in_row, a.rollbacks_in_row) == (b.agreement_ema, b.kept_in_row, b.rollbacks_in_row)
+            assert a.last_good.equals(b.last_good)

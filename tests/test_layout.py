@@ -1,0 +1,111 @@
+"""The package's layout: no import cycle among hf_tta's modules (lazy and type-checking imports included) and the
+never-rules of the README's Layout section, checked on the source with ``ast``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import hf_tta
+
+ROOT = Path(hf_tta.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(("hf_tta",) + path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every hf_tta module's hf_tta imports (module-level, lazy and under TYPE_CHECKING), resolved to modules."""
+    modules = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module or ""
+                names = [f"{target}.{a.name}" for a in node.names]
+                targets = [n for n in names if n in modules] or [target]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            deps.update(t for t in targets if t.startswith("hf_tta") and t in modules and t != module)
+        graph[module] = deps
+    return graph
+
+
+GRAPH = _graph()
+
+
+def _reach(start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in GRAPH.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_import_cycle_among_modules():
+    packages = {m for m in GRAPH if (ROOT / Path(*m.split(".")[1:]) / "__init__.py").is_file() or m == "hf_tta"}
+    cycles = sorted(m for m in GRAPH if m not in packages and m in _reach(m))
+    assert not cycles, cycles
+
+
+def test_the_graph_sees_lazy_imports():
+    """The checker must see an import inside a function (it would miss a cycle otherwise)."""
+    assert "hf_tta.benchmarks.runner" in GRAPH and "hf_tta.wrapper" in _reach("hf_tta.benchmarks.runner")
+
+
+def _imports(prefix: str) -> set[str]:
+    return {d for m, deps in GRAPH.items() if m == prefix or m.startswith(prefix + ".") for d in deps}
+
+
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        # objectives never see a model, the wrapper or the loop
+        ("hf_tta.objectives", ("hf_tta.models", "hf_tta.wrapper", "hf_tta.loop", "hf_tta.safety", "hf_tta.routing", "hf_tta.state")),
+        # adapters never know the loop
+        ("hf_tta.models", ("hf_tta.wrapper", "hf_tta.loop", "hf_tta.safety", "hf_tta.objectives", "hf_tta.state", "hf_tta.routing")),
+        # the loop and the state know neither the wrapper nor the safety layer
+        ("hf_tta.loop", ("hf_tta.wrapper", "hf_tta.safety", "hf_tta.routing", "hf_tta.distributed")),
+        ("hf_tta.state", ("hf_tta.wrapper", "hf_tta.safety", "hf_tta.loop", "hf_tta.objectives", "hf_tta.models")),
+        ("hf_tta.safety", ("hf_tta.wrapper", "hf_tta.loop", "hf_tta.routing")),
+        ("hf_tta.preset", ("hf_tta.",)),  # data only
+        # metrics are pure torch
+        ("hf_tta.metrics", ("hf_tta.models", "hf_tta.objectives", "hf_tta.wrapper", "hf_tta.data", "hf_tta.benchmarks")),
+    ],
+)
+def test_never_rules(package, forbidden):
+    broken = sorted(d for d in _imports(package) if any(d == f or d.startswith(f.rstrip(".") + ".") or (f.endswith(".") and d.startswith(f)) for f in forbidden))
+    assert not broken, f"{package} imports {broken}"
+
+
+def test_data_never_knows_tta():
+    """hf_tta.data uses, of the rest of hf_tta, only the metrics (and the shared config helpers and version)."""
+    allowed = ("hf_tta.data", "hf_tta.metrics", "hf_tta.configuration_utils", "hf_tta.version")
+    outside = sorted(d for d in _imports("hf_tta.data") if not d.startswith(allowed))
+    assert not outside, outside
+
+
+def test_the_core_never_imports_data_benchmarks_or_cli():
+    core = [m for m in GRAPH if not m.startswith(("hf_tta.data", "hf_tta.benchmarks", "hf_tta.cli")) and m != "hf_tta"]
+    bad = sorted((m, d) for m in core for d in GRAPH[m] if d.startswith(("hf_tta.data", "hf_tta.benchmarks", "hf_tta.cli")))
+    assert not bad, bad
+
+
+def test_modules_stay_small():
+    """One idea per module: the wrapper at most 500 lines, no module over 600."""
+    sizes = {_module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.rglob("*.py")}
+    assert sizes["hf_tta.wrapper"] <= 500
+    assert not {m: n for m, n in sizes.items() if n > 600}
