@@ -178,7 +178,7 @@ def test_softmax_objective_over_candidates_and_stream():
 
 
 def test_backend_of_another_modality_is_refused():
-    """(Objectives that need every item at every step are refused too: tests/test_topk_objectives.py.)"""
+    """(Objectives that need every item at every step are refused too: tests/test_objectives_base.py.)"""
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image"))
     with pytest.raises(ValueError, match="holds image embeddings"):
         tta.adapt_step({"pixel_values": torch.randn(2, 3, 32, 32)}, ChunkedGallery(unit(50, 16, 0), "image"))
@@ -187,7 +187,7 @@ def test_backend_of_another_modality_is_refused():
 @pytest.mark.parametrize("objective", ["sar", "deyo", "read", "pl", "shot", "tcr_training_free"])
 def test_softmax_objectives_run_on_candidates(objective):
     """Every softmax objective runs on a top-k backend (SAM's closure pass, DeYO's re-encoded views and the
-    training-free scores all use the step's candidate set); the other objectives: tests/test_topk_objectives.py."""
+    training-free scores all use the step's candidate set); the other objectives: tests/test_objectives_base.py."""
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image"))
     emb = tta.encode_gallery(_captions(80), show_progress=False).embeddings
     out = tta.adapt_step(

@@ -272,8 +272,8 @@ def config_field(default: Any, help: str, **kwargs) -> Any:
 
 
 #: How the entropy-filtering baselines (EATA, SAR, DeYO) select queries: ``"tcr_port"`` as TCR's baseline ports ran
-#: them (the default: per-batch selection of the lowest fraction, k-th smallest entropy with ``<=``), ``"paper"`` as the
-#: upstream papers define them (absolute margins ``fraction * ln C``).
+#: them (the default: per-batch selection of the lowest fraction by the k-th smallest entropy, with ``<=`` in EATA's and
+#: SAR's ports and ``<`` in DeYO's), ``"paper"`` as the upstream papers define them (absolute margins ``fraction * ln C``).
 SELECTIONS = ("tcr_port", "paper")
 
 

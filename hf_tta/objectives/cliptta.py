@@ -11,7 +11,10 @@ Per step, with B queries and the gallery (captions, or class prompts):
   * regulariser (Sec. 2.5): L_reg = sum_c q̄_c log q̄_c, minus the entropy of the batch-mean prediction over the whole
     gallery, lambda_reg = 1;
   * class-wise confident memory (CCM, Sec. 2.6): raw queries (tensors in the state) stored under their pseudo-label
-    with their confidence (max softmax probability over the gallery); at most ``memory_shots`` per gallery item,
+    with their confidence, the max softmax probability over the gallery of the **raw cosines** times
+    ``ood_logit_scale`` (= 1), not at tau: the code's ``get_scores(logits)`` with ``score_type="max_prob"`` on
+    ``logits = image_feature @ text_features.t()`` (ttavlm/methods/cliptta.py:96-100, abstract_model.py:475, 482-485;
+    ttavlm/memory/ccm.py:64-65 keeps the top ``num_shots`` by it); at most ``memory_shots`` per gallery item,
     ``memory_size`` in all (the most confident kept). At step 0 of each batch the batch is added; every step a random
     ``memory_sample_size`` of them (default: B) is re-embedded by the current model (``ObjectiveInputs.reencode``) and the
     same soft contrastive loss is computed on it. L = 1/2 (L_s-cont + L_s-cont^M) + lambda_reg L_reg (Eq. 4; the code adds
@@ -91,7 +94,7 @@ class ClipTTAConfig(ObjectiveConfig):
     open_set: bool = config_field(False, "Open-set mode: ID/OOD weighting with an Otsu-initialised learnable threshold + OCE.")
     lambda_oce: float = config_field(1.0, "Weight of the OCE loss (paper: 1).")
     ood_score: str = config_field("max_log_prob", "'max_log_prob' (code, unscaled cosines) or 'max_prob' (paper, at tau).")
-    ood_logit_scale: float = config_field(1.0, "Scale of the cosines inside the 'max_log_prob' OOD score (code: 1).")
+    ood_logit_scale: float = config_field(1.0, "Scale of the cosines in the 'max_log_prob' OOD score and the memory confidence (code: 1).")
     ood_gamma: float = config_field(0.005, "Temperature of the soft ID weight sigmoid((s - alpha) / gamma) (code: 0.005).")
     otsu_bins: int = config_field(256, "Histogram bins of Otsu's threshold (skimage default: 256).")
 
@@ -210,7 +213,8 @@ class ClipTTA(Objective):
         if rows.numel() == 0 or not inputs.queries:
             return
         with torch.no_grad():
-            prob = (inputs.scores.detach()[rows] / c.tau).softmax(dim=1)
+            # ranked by max softmax of the raw cosines (x ood_logit_scale = 1), as the code's CCM (see the docstring)
+            prob = (c.ood_logit_scale * inputs.scores.detach()[rows]).softmax(dim=1)
             conf, label = prob.max(dim=1)
             label = inputs.global_ids(label)
         raw = {k: v[rows.to(v.device)] for k, v in inputs.queries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}

@@ -4,15 +4,20 @@ applied to retrieval as TCR's baselines (Li et al., ICLR 2025): softmax over the
 Upstream: github.com/Jhyun17/DeYO (``deyo.py``). TCR's code instantiates ``DeYO(deyo_margin=0.50, margin_e0=0.40)``.
 How those two numbers are read depends on ``selection``.
 
-``selection="tcr_port"`` (default: DeYO as TCR's baseline port ran it, the source of TCR's table rows; the port's
-semantics as checked against it in issue 13):
-  1. entropy filter per batch: the lowest ``deyo_margin`` = 50% entropies (k-th smallest, k = int(0.5 B), ``E <= E_k``);
-  2. the shape-destroying view of the selected queries (below), re-embedded by the current model without grad; text
-     queries are **not** augmented (the view is the query itself, so PLPD = 0 and nothing passes the PLPD filter: DeYO
-     equals the source model on text->image, as in TCR's Table 8), so no re-encoding is spent on them;
-  3. PLPD filter: PLPD > ``plpd_threshold`` = 0.0;
-  4. loss = mean over the kept queries of E * (1/(exp(E - q40) + 0.1) + (exp(PLPD) + 0.1)), q40 the k-th smallest
-     entropy of the batch with k = int(``margin_e0`` B) (weights detached).
+``selection="tcr_port"`` (default: DeYO as TCR's baseline port ran it, the source of TCR's table rows). The port
+exists only as bytecode, ``models/tta_baselines/__pycache__/deyo.cpython-39.pyc`` of github.com/XLearning-SCU/2025-ICLR-TCR
+(``forward_and_adapt_deyo``); its disassembly is the source followed here (offsets in brackets):
+  1. entropy filter per batch: k = int(``deyo_margin`` B) (0.5: 32 of 64), E_k the k-th smallest entropy, keep
+     ``E < E_k`` **strictly** (31 of 64 without ties) [82-122: ``torch.where(entropys < deyo_threshold)``]; k = 0 keeps
+     nothing [126];
+  2. the shape-destroying view of the selected queries (below), re-embedded by the current model without grad [252-750];
+     text queries are **not** augmented: the port re-encodes the queries themselves, so PLPD = 0 (no re-encoding is
+     spent on them here), and it sets the PLPD threshold to -1 for them [752: ``args.plpd_threshold = -1``], so every
+     entropy-selected text query trains (``plpd_threshold`` applies to the other modalities);
+  3. PLPD filter: PLPD > ``plpd_threshold`` = 0.0 [1008-1022];
+  4. loss = mean over the kept queries of E * (1/(exp(E - E_0) + 0.1) + (exp(PLPD) + 0.1)) [1400-1482], weights
+     detached, E_0 the k'-th smallest entropy **of the queries that survived both filters**, k' = int(``margin_e0`` n)
+     [1308-1374]; E_0 = +inf (entropy weight 10) when k' = 0 [1378-1398].
 
 ``selection="paper"`` (DeYO as published, thresholds as fractions of ln C, C = the number of softmax columns, here the
 gallery size; ``plpd_threshold`` 0.2 in the paper — set it):
@@ -32,6 +37,7 @@ PLPD = p(y_hat | x) - p(y_hat | x'), y_hat = argmax p(. | x).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +54,15 @@ from .base import (
     config_field,
     gallery_tau_field,
     log_classes_margin,
-    lowest_fraction,
     register_objective,
     select_rows,
     softmax_entropy,
 )
 
 TEXT_KEYS = ("input_ids", "token_type_ids", "position_ids")
+PORT_TEXT_PLPD_THRESHOLD = -1.0  # deyo.cpython-39.pyc offset 752: args.plpd_threshold = -1 for text queries
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,13 +70,14 @@ class DeYOConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
     selection: str = config_field(
         "tcr_port",
-        "'tcr_port' (default; TCR's port): lowest deyo_margin fraction of the batch (k-th smallest, <=), E_0 = the "
-        "margin_e0 batch quantile, weights 1/(exp(E - E_0) + 0.1) + (exp(PLPD) + 0.1), text queries not augmented. "
+        "'tcr_port' (default; TCR's port): E below the k-th smallest, k = int(deyo_margin B) (strict <), E_0 = the "
+        "k'-th smallest of the survivors of both filters, k' = int(margin_e0 n), weights 1/(exp(E - E_0) + 0.1) + "
+        "(exp(PLPD) + 0.1); text queries not augmented and trained with PLPD threshold -1. "
         "'paper' (DeYO): E < deyo_margin * ln C, E_0 = margin_e0 * ln C, weights exp(-(E - E_0)) + exp(PLPD), token shuffle.",
     )
-    deyo_margin: float = config_field(0.5, "Entropy filter: batch fraction kept ('tcr_port') or fraction of ln C ('paper'); TCR code: 0.5.")
-    margin_e0: float = config_field(0.4, "E_0 of the entropy weight: batch fraction ('tcr_port') or fraction of ln C ('paper'); TCR code: 0.4.")
-    plpd_threshold: float = config_field(0.0, "PLPD filter: keep PLPD > this (TCR's port: 0.0; DeYO paper: 0.2).")
+    deyo_margin: float = config_field(0.5, "Entropy filter: batch fraction ('tcr_port', strict <) or fraction of ln C ('paper'); TCR code: 0.5.")
+    margin_e0: float = config_field(0.4, "E_0 of the entropy weight: fraction of the filtered queries ('tcr_port') or of ln C ('paper'); TCR code: 0.4.")
+    plpd_threshold: float = config_field(0.0, "PLPD filter: keep PLPD > this (TCR's port: 0.0, and -1 for text queries; DeYO paper: 0.2).")
     reweight_ent: bool = config_field(True, "Weight by exp(-(E - E_0)) (DeYO: on).")
     reweight_plpd: bool = config_field(True, "Weight by exp(PLPD) (DeYO: on).")
     patch_len: int = config_field(4, "Grid size of the patch shuffle of array-like queries (DeYO: 4, i.e. 4 x 4 patches).")
@@ -148,9 +157,20 @@ def plpd(probs: torch.Tensor, probs_view: torch.Tensor) -> torch.Tensor:
     return (probs.gather(1, y) - probs_view.gather(1, y)).squeeze(1)
 
 
+def port_kth_smallest(values: torch.Tensor, fraction: float) -> torch.Tensor | None:
+    """TCR's port: ``torch.topk(values, k, largest=False)[0][-1]``, the k-th smallest of ``values`` with
+    ``k = int(len(values) * fraction)`` (capped at ``len(values)``), or ``None`` when ``k = 0``."""
+    k = min(int(values.shape[0] * fraction), values.shape[0])
+    return values.detach().kthvalue(k).values if k > 0 else None
+
+
 @register_objective("deyo", DeYOConfig)
 class DeYO(Objective):
     """Entropy minimisation on queries that are confident and whose prediction depends on their shape (PLPD)."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self._told_text_threshold = False  # the port's text PLPD threshold is logged once
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
@@ -158,20 +178,26 @@ class DeYO(Objective):
             raise ValueError("DeYO needs ObjectiveInputs.reencode to embed the shuffled queries (TTAWrapper provides it).")
         logits = inputs.scores / c.tau
         entropy = softmax_entropy(logits)
-        if c.selection == "tcr_port":
-            mask, _ = lowest_fraction(entropy, c.deyo_margin)
-            _, e_0 = lowest_fraction(entropy, c.margin_e0)
+        port = c.selection == "tcr_port"
+        if port:  # deyo.cpython-39.pyc offsets 82-126: E < the k-th smallest (strict), nothing when k = 0
+            e_k = port_kth_smallest(entropy, c.deyo_margin)
+            mask = entropy.detach() < e_k if e_k is not None else torch.zeros_like(entropy, dtype=torch.bool)
         else:
             mask = entropy.detach() < log_classes_margin(c.deyo_margin, entropy, logits.shape[1])
-            e_0 = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
         first = mask.nonzero().flatten()
         logs = {"entropy_selected": float(first.numel())}
         if first.numel() == 0:
             return LossOutput(loss=None, n_selected=0, logs=logs)
         probs = logits[first].detach().softmax(dim=1)
         text = inputs.query_modality == "text" or (inputs.queries is not None and "input_ids" in inputs.queries)
-        if c.selection == "tcr_port" and text:
-            diff = torch.zeros(first.numel(), device=probs.device)  # the port does not augment text: x' = x, PLPD = 0
+        threshold = c.plpd_threshold
+        if port and text:
+            diff = torch.zeros(first.numel(), device=probs.device, dtype=probs.dtype)  # x' = x: PLPD = 0
+            threshold = PORT_TEXT_PLPD_THRESHOLD
+            if c.plpd_threshold != threshold and not self._told_text_threshold:
+                self._told_text_threshold = True
+                logger.info("DeYO (selection='tcr_port') on text queries: PLPD threshold %s replaced by %s, as TCR's port "
+                            "does (deyo.cpython-39.pyc offset 752).", c.plpd_threshold, threshold)
         else:
             gen = inputs.generator
             with torch.no_grad():
@@ -179,7 +205,7 @@ class DeYO(Objective):
                     lambda q: destroy_view(select_rows(first)(q), inputs.query_modality, c.patch_len, gen)
                 )
             diff = plpd(probs, (view_scores / c.tau).softmax(dim=1))
-        keep = diff > c.plpd_threshold
+        keep = diff > threshold
         logs["plpd"] = diff.mean()
         if not keep.any():
             return LossOutput(loss=None, n_selected=0, logs=logs)
@@ -187,9 +213,13 @@ class DeYO(Objective):
         loss = ent
         if c.reweight_ent or c.reweight_plpd:
             e = ent.detach()
-            if c.selection == "tcr_port":
+            if port:  # offsets 1308-1398: E_0 from the survivors of both filters, +inf when k' = 0
+                e_0 = port_kth_smallest(e, c.margin_e0)
+                e_0 = e_0 if e_0 is not None else torch.full((), float("inf"), dtype=e.dtype, device=e.device)
                 w_ent, w_plpd = 1 / (torch.exp(e - e_0) + 0.1), torch.exp(d) + 0.1
             else:
+                e_0 = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
                 w_ent, w_plpd = torch.exp(-(e - e_0)), torch.exp(d)
+            logs["e_0"] = e_0
             loss = ent * (float(c.reweight_ent) * w_ent + float(c.reweight_plpd) * w_plpd)
         return LossOutput(loss=loss.mean(), n_selected=int(keep.sum()), logits=logits, temperature=c.tau, logs=logs)

@@ -12,13 +12,20 @@ One step is SAM's two passes, run through the wrapper's optimiser-closure path (
      ``reset_constant`` = 0.2 the wrapper restores the source parameters and a fresh optimiser.
 
 Selection (``selection``):
-  * ``"tcr_port"`` (default; SAR as TCR's baseline port ran it, ``margin_e0=0.40`` read as a batch fraction): pass 1
-    keeps the k-th smallest entropy and below, k = int(0.4 B), ``E <= E_k`` (25 of 64; a linearly interpolated
-    0.4-quantile with ``<`` would keep 26); when the second pass keeps nothing, the EMA is still updated, with the mean
-    second-pass entropy of the pass-1 queries (SAR's ``loss_second_value``) — the port's behaviour as issue 13 reports
-    it; which value the port feeds the EMA then is our reading, since the digest does not quote that line;
+  * ``"tcr_port"`` (default; SAR as TCR's baseline port ran it, github.com/XLearning-SCU/2025-ICLR-TCR,
+    models/tta_baselines/sar.py, ``margin_e0=0.40`` read as a batch fraction): pass 1 keeps the k-th smallest entropy
+    and below, k = int(0.4 B), ``E <= E_k`` (sar.py:85-90; 25 of 64; a linearly interpolated 0.4-quantile with ``<``
+    would keep 26). When the second pass keeps nothing, the port sets ``loss_second = torch.tensor(0.0)`` (sar.py:113)
+    and feeds that 0.0 to the EMA (sar.py:117-118), so the EMA drops to 0.9 x its value (to 0.0 on the first update)
+    and model recovery fires as soon as that is below ``reset_constant`` (sar.py:125-128; at once on the first
+    update). Its backward reaches no parameter, so SAM's second step, which skips parameters without a gradient
+    (sar.py:181-183), neither restores them nor lets AdamW step them: the parameters stay at the perturbed point
+    theta + rho g/||g|| until a recovery. (That holds with PyTorch >= 2.0, where ``first_step(zero_grad=True)`` sets the
+    gradients to ``None``; under 1.x they would be zero tensors, restored and stepped. We follow the code as it runs
+    today.) Here :class:`SAM` built with ``restore_without_grad=False`` does the same;
   * ``"paper"``: E_0 = 0.4 ln C with C the gallery size, ``E < E_0``; an empty second pass leaves the EMA alone (SAR's
-    ``if not np.isnan(loss_second)``).
+    ``if not np.isnan(loss_second)``) and SAM restores theta and takes a zero-gradient base step (SAR's NaN mean over
+    no query back-propagates zero gradients).
 The second pass reuses the first pass's threshold (``E2 < E_0``) in both.
 
 Difference from the reference code: after a recovery SAR re-assigns the triggering EMA (so the next step usually
@@ -54,8 +61,8 @@ class SARConfig(ObjectiveConfig):
     tau: float = gallery_tau_field()
     selection: str = config_field(
         "tcr_port",
-        "'tcr_port' (default; TCR's port): keep the lowest margin_e0 fraction (k-th smallest, <=), an empty second pass "
-        "still updates the EMA. 'paper' (SAR): keep E < margin_e0 * ln C.",
+        "'tcr_port' (default; TCR's port): keep the lowest margin_e0 fraction (k-th smallest, <=); an empty second pass "
+        "feeds 0.0 to the EMA and leaves the parameters perturbed. 'paper' (SAR): keep E < margin_e0 * ln C.",
     )
     margin_e0: float = config_field(0.4, "Entropy margin: batch fraction kept ('tcr_port': 0.40) or fraction of ln C ('paper': 0.4 ln C).")
     rho: float = config_field(0.05, "SAM neighbourhood radius (SAR: 0.05).")
@@ -79,12 +86,16 @@ class SAM(torch.optim.Optimizer):
     ``step(closure)``: ascend to ``theta + rho * g / ||g||`` with the gradient already in ``.grad``, re-evaluate the
     loss and its gradient there (``closure``), restore ``theta`` exactly, and let the base optimiser step with the
     perturbed gradient. State and ``state_dict`` are the base optimiser's (so checkpoints hold AdamW's moments).
+
+    A parameter the closure left without a gradient (its pass selected nothing) is restored and stepped with a zero
+    gradient when ``restore_without_grad`` (SAR's code); otherwise it is skipped, left at the perturbed point and not
+    stepped (TCR's port, sar.py:181-185, with PyTorch >= 2.0 gradients set to ``None``).
     """
 
     requires_closure = True
 
     def __init__(self, params, base_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, rho: float = 0.05,
-                 adaptive: bool = False, **kwargs):
+                 adaptive: bool = False, restore_without_grad: bool = True, **kwargs):
         if rho < 0:
             raise ValueError(f"`rho` must be >= 0, got {rho}.")
         super().__init__(params, dict(rho=rho, adaptive=adaptive, **kwargs))
@@ -92,6 +103,7 @@ class SAM(torch.optim.Optimizer):
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
         self._origin: dict[torch.Tensor, torch.Tensor] = {}
+        self.restore_without_grad = restore_without_grad
 
     @torch.no_grad()
     def _grad_norm(self) -> torch.Tensor:
@@ -117,9 +129,11 @@ class SAM(torch.optim.Optimizer):
     @torch.no_grad()
     def second_step(self) -> None:
         for p, origin in self._origin.items():
+            if p.grad is None:  # the closure selected nothing
+                if not self.restore_without_grad:
+                    continue  # TCR's port: left perturbed, and the base optimiser skips it (sar.py:182)
+                p.grad = torch.zeros_like(p)  # SAR's code: restored, then a zero-gradient base step
             p.copy_(origin)
-            if p.grad is None:  # the closure selected nothing: a zero-gradient base step, as SAR's code takes
-                p.grad = torch.zeros_like(p)
         self._origin = {}
         self.base_optimizer.step()
 
@@ -152,11 +166,18 @@ class SAR(Objective):
         self._first_pass: dict[str, torch.Tensor] | None = None
         self._second_loss: torch.Tensor | None = None
 
+    @property
+    def first_pass_selection(self) -> torch.Tensor | None:
+        """The reliable-query mask of the first pass of the step in progress (``None`` between steps)."""
+        return None if self._first_pass is None else self._first_pass["selected"]
+
     def init_state(self, device="cpu") -> ObjectiveState:
         return {"ema": torch.zeros(0, device=device)}  # empty = no EMA yet
 
     def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        return SAM(params, torch.optim.AdamW, rho=self.config.rho, adaptive=self.config.adaptive, lr=lr, weight_decay=weight_decay)
+        c = self.config
+        return SAM(params, torch.optim.AdamW, rho=c.rho, adaptive=c.adaptive, restore_without_grad=c.selection == "paper",
+                   lr=lr, weight_decay=weight_decay)
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
@@ -166,8 +187,8 @@ class SAR(Objective):
             threshold, first = self._first_pass["threshold"], self._first_pass["selected"]
             selected = first & (entropy.detach() < threshold)
             if not selected.any():
-                # tcr_port: the EMA still moves, with the mean pass-2 entropy of the pass-1 queries; paper: it does not
-                self._second_loss = entropy.detach()[first].mean() if c.selection == "tcr_port" and first.any() else None
+                # tcr_port: loss_second = 0.0 enters the EMA (sar.py:113, 117-118); paper: the EMA does not move
+                self._second_loss = entropy.new_zeros(()).detach() if c.selection == "tcr_port" else None
                 return LossOutput(loss=None, n_selected=0)
             loss = entropy[selected].mean()
             self._second_loss = loss.detach()

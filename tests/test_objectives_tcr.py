@@ -1,11 +1,13 @@
-"""TCR's equations on small tensors against values derived by hand (TCR, ICLR 2025, Eq. 4-13)."""
+"""TCR's equations (hf_tta/objectives/tcr.py; TCR, ICLR 2025, Eq. 4-11) on small tensors against values derived by hand."""
+
+from __future__ import annotations
 
 import math
 
 import pytest
 import torch
 
-from hf_tta.objectives import ObjectiveInputs, build_objective, softmax_entropy
+from hf_tta.objectives import build_objective, softmax_entropy
 from hf_tta.objectives.tcr import (
     gap_loss,
     init_queue_state,
@@ -15,7 +17,7 @@ from hf_tta.objectives.tcr import (
     uniformity_loss,
     update_queue,
 )
-from hf_tta.objectives.tcr_training_free import rectify_queries
+from objective_helpers import embedding_inputs
 
 ZQ = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
 ZG = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
@@ -87,17 +89,13 @@ def test_queue_constraints_eq7_eq8():
     assert e_m.item() == pytest.approx(0.7)
 
 
-def _inputs(zq, zg, step=0, batch_index=0):
-    return ObjectiveInputs(query_emb=zq, gallery_emb=zg, scores=zq @ zg.T, step=step, batch_index=batch_index)
-
-
 def test_tcr_loss_is_sum_of_terms_on_refined_prediction():
     torch.manual_seed(1)
     zq = torch.nn.functional.normalize(torch.randn(8, 4), dim=1).requires_grad_()
     gallery = torch.nn.functional.normalize(torch.randn(30, 4), dim=1)
     tcr = build_objective("tcr")
     state = tcr.init_state()
-    out = tcr(_inputs(zq, gallery), state)
+    out = tcr(embedding_inputs(zq, gallery), state)
     # by hand: candidates = argmax rows; refined logits = zq @ zg'^T / 0.02 (B x B)
     nn_idx = (zq @ gallery.T).argmax(1)
     zg = gallery[nn_idx]
@@ -129,7 +127,7 @@ def test_queue_updates_only_at_step0_of_first_10_batches():
     for b in range(12):
         for step in range(3):
             zq = torch.nn.functional.normalize(torch.randn(10, 4), dim=1)
-            tcr(_inputs(zq, gallery, step=step, batch_index=b), state)
+            tcr(embedding_inputs(zq, gallery, step=step, batch_index=b), state)
     assert int(state["queue_updates"]) == 10
     assert state["queue_si"].numel() == 30  # 10 batches x int(0.3 * 10) pairs, below the capacity of 64
 
@@ -148,7 +146,7 @@ def test_queue_capacity_is_the_configured_size_not_the_current_batch():
         nn_idx = (zq @ gallery.T).argmax(1)
         si = si_score(zq, gallery[nn_idx])
         entered.append(si[si.argsort()[: int(0.3 * size)]])
-        tcr(_inputs(zq, gallery, step=0, batch_index=b), state)
+        tcr(embedding_inputs(zq, gallery, step=0, batch_index=b), state)
         seen = torch.cat(entered)
         assert state["queue_si"].numel() == min(64, seen.numel())  # 19, 38, 57, 59 (the short batch), 64
         assert torch.allclose(state["queue_si"].sort().values, seen.sort().values[:64])
@@ -160,25 +158,5 @@ def test_queue_keeps_the_embeddings_dtype():
     zq = torch.nn.functional.normalize(torch.randn(10, 4, generator=g), dim=1).bfloat16()
     tcr = build_objective("tcr")
     state = tcr.init_state()
-    tcr(_inputs(zq, gallery), state)
+    tcr(embedding_inputs(zq, gallery), state)
     assert {state[k].dtype for k in ("queue_si", "queue_q", "queue_g", "queue_entropy")} == {torch.bfloat16}
-
-
-def test_training_free_rectification_eq12_eq13():
-    zq = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    zg = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
-    delta_s = torch.tensor(R / 2)
-    # centre c = (.5,.5); scaled = c + 2 (z - c) = (1.5,-.5), (-.5,1.5); Delta_T = R;
-    # offset = (1 - 0.5) * ((1,0) - c) = (.25,-.25)
-    expected = torch.nn.functional.normalize(torch.tensor([[1.75, -0.75], [-0.25, 1.25]]), dim=1)
-    assert torch.allclose(rectify_queries(zq, zg, delta_s, 2.0), expected, atol=1e-6)
-
-
-def test_training_free_objective_changes_scores_not_parameters():
-    torch.manual_seed(3)
-    zq = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
-    gallery = torch.nn.functional.normalize(torch.randn(12, 4), dim=1)
-    obj = build_objective("tcr_training_free")
-    out = obj(_inputs(zq, gallery), obj.init_state())
-    assert out.loss is None and out.scores.shape == (6, 12)
-    assert not torch.allclose(out.scores, zq @ gallery.T)
