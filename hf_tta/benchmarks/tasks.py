@@ -276,7 +276,9 @@ class HubTask(Task):
     layout: configs ``clean``, ``image-<name>-<s>``, ``text-<name>-<s>``, ``image-diverse``, ``text-diverse``).
 
     Args:
-        model: a Hub id or a local folder (loaded with ``AutoModel`` + ``AutoProcessor``), or a model instance.
+        model: a Hub id or a local folder (loaded as the class its config declares, e.g. ``BlipForImageTextRetrieval``,
+            else ``AutoModel``; see :func:`hf_tta.models.auto.load_dual_encoder`; + ``AutoProcessor``), or a model
+            instance.
         dataset: builder output folder, local Hub-layout folder or Hub dataset id.
         processor: the processor when ``model`` is an instance.
         limit: keep only the first ``limit`` queries of each stream.
@@ -286,11 +288,13 @@ class HubTask(Task):
 
     def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
         if isinstance(model, str):
-            from transformers import AutoModel, AutoProcessor
+            from transformers import AutoProcessor
+
+            from ..models.auto import load_dual_encoder
 
             self.model_id = model
             processor = processor or AutoProcessor.from_pretrained(model)
-            model = AutoModel.from_pretrained(model, dtype=torch.float32)
+            model = load_dual_encoder(model, dtype=torch.float32)
         else:
             self.model_id = type(model).__name__
         if processor is None:
@@ -303,7 +307,8 @@ class HubTask(Task):
         self._splits: dict[str, Any] = {}
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model_id, "dataset": str(self.dataset), "limit": self.limit}
+        return {"name": self.name, "model": self.model_id, "model_class": type(self.model).__name__,
+                "dataset": str(self.dataset), "limit": self.limit}
 
     def _config(self, cond: Condition) -> str:
         prefix = "image" if cond.direction == "i2t" else "text"

@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = build_parser().parse_known_args(_default_to_run(argv))
         if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see `hf-tta {args.command} --help`)")
+        args.debug = debug
         return handlers[args.command](args)
     except UsageError as err:
         if debug:

@@ -194,6 +194,9 @@ def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
 
 def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     """:func:`load_config` without checking ``config`` against the COCO-C / Flickr-C names."""
+    from ...extras import require
+
+    require("datasets", "Loading a benchmark")
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     if hasattr(source, "load") and hasattr(source, "config_dir"):  # a BenchmarkBuilder
