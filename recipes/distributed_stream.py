@@ -36,8 +36,9 @@ def main(argv=None) -> None:
 
     mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()  # accelerate launch --mixed_precision
     if mixed not in ("no", "", "bf16"):
-        p.error(f"accelerate --mixed_precision {mixed}: hf_tta adapts in fp32 or under bf16 autocast only (fp16 gradients "
-                "of the adapted norms need a gradient scaler); launch with --mixed_precision bf16 or no.")
+        raise SystemExit(f"distributed_stream.py: error: accelerate --mixed_precision {mixed}: hf_tta adapts in fp32 or under "
+                         "bf16 autocast only (fp16 gradients of the adapted norms need a gradient scaler); launch with "
+                         "--mixed_precision bf16 or no.")
     autocast = "bf16" if mixed == "bf16" else None
 
     from transformers import CLIPConfig, CLIPModel

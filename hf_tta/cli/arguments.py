@@ -193,14 +193,15 @@ def _path_or_hub_id(flag: str, value: str | None, what: str) -> None:
 
 
 def _dataset_folder(value: str | None) -> None:
-    """``--dataset``: a benchmark on the Hub is ``owner/name``; anything else that is not here is a missing folder
-    (not a Hub repo that "couldn't be reached"), and so is ``a/b`` when ``a`` is a folder here."""
+    """``--dataset``: a benchmark on the Hub is ``owner/name``; a path (``/``, ``.``, ``~``), a bare name, or ``a/b``
+    where ``a`` is a folder here is a local folder, and a missing one is reported as such (not as a Hub repo that
+    "couldn't be reached")."""
     if value is None or Path(value).expanduser().exists():
         return
-    first = Path(value).expanduser().parts[0] if Path(value).parts else value
-    if "/" not in value.strip("/") or Path(first).is_dir():
-        raise UsageError(f"--dataset {value}: the folder {Path(value).expanduser().resolve()} does not exist; pass the folder "
-                         "recipes/build_benchmarks.py wrote (or a Hub dataset id, owner/name).")
+    path = Path(value).expanduser()
+    if value.startswith(("/", ".", "~")) or "/" not in value.strip("/") or Path(path.parts[0]).is_dir():
+        raise UsageError(f"--dataset {value}: no such file or folder (the folder {path.absolute()} does not exist); pass the "
+                         "folder recipes/build_benchmarks.py wrote, or a Hub dataset id (owner/name).")
 
 
 def writable_folder(flag: str, value: str | None) -> None:
@@ -221,8 +222,8 @@ def writable_folder(flag: str, value: str | None) -> None:
 def validate_args(args) -> None:
     """Check what the command line names before anything loads (each mistake: one line that names the fix)."""
     _path_or_hub_id("--model", getattr(args, "model", None), "pass a Hugging Face model id or a saved model folder")
-    _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with recipes/build_benchmarks.py and pass its folder")
     _dataset_folder(getattr(args, "dataset", None))
+    _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with recipes/build_benchmarks.py and pass its folder")
     weights = getattr(args, "weights", None)
     if weights is not None and not Path(weights).expanduser().is_dir():
         raise UsageError(f"--weights {weights}: no such folder; pass the folder recipes/train_source_model.py wrote.")
