@@ -17,7 +17,6 @@ pytest.importorskip("datasets", reason="needs the data extra: pip install 'hf_tt
 pytest.importorskip("PIL", reason="needs the data extra: pip install 'hf_tta[data]'")
 
 from cli_folders import save_benchmark, save_retrieval_checkpoint  # noqa: E402
-
 from hf_tta import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
