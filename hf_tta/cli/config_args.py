@@ -122,13 +122,12 @@ def _config_class():
     return TTAConfig
 
 
-def config_fields(args) -> dict[str, Any]:
-    """The TTAConfig fields the user set: ``--config``'s, then the command line's."""
-    fields = _read_file(args.config) if getattr(args, "config", None) else {}
-    for f in dataclasses.fields(_config_class()):
-        if f.name not in GRID_FIELDS and hasattr(args, f.name):
-            fields[f.name] = getattr(args, f.name)
-    return fields
+def config_fields(args) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The TTAConfig fields the user set: ``--config``'s and the command line's (which win), apart."""
+    from_file = _read_file(args.config) if getattr(args, "config", None) else {}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(_config_class())
+             if f.name not in GRID_FIELDS and hasattr(args, f.name)}
+    return from_file, given
 
 
 def apply_config(args, directions: list[str]) -> dict[str, Any]:
@@ -138,7 +137,8 @@ def apply_config(args, directions: list[str]) -> dict[str, Any]:
     from ..benchmarks.grid import GALLERY_MODALITY, QUERY_MODALITY
 
     TTAConfig = _config_class()
-    fields = config_fields(args)
+    from_file, given = config_fields(args)
+    fields = {**from_file, **given}
     for name, per_dir in (("query_modality", QUERY_MODALITY), ("gallery_modality", GALLERY_MODALITY)):
         wanted = fields.pop(name, None)
         clash = [d for d in directions if wanted is not None and per_dir[d] != wanted]
@@ -147,9 +147,17 @@ def apply_config(args, directions: list[str]) -> dict[str, Any]:
                              "leave it out or choose the direction.")
     objective = fields.pop("objective", None)
     if objective is not None:
-        if getattr(args, "objectives", None) is not None:
+        if getattr(args, "objectives", None) is None:
+            args.objectives = objective
+        elif "objective" in given:
             raise UsageError("give --objective (one row) or --objectives (several), not both.")
-        args.objectives = objective
+        else:
+            logger.info("--objectives %s replaces the objective %r of --config.", args.objectives, objective)
+    # The two fields the grid's options serve: the file's value applies unless the option is given.
+    for name, option in (("objective_config", "objective_config"), ("gradient_decoupling", "gradient_decoupling")):
+        value = fields.pop(name, None)
+        if value not in (None, {}, False) and getattr(args, option, None) is None:
+            setattr(args, option, json.dumps(value) if isinstance(value, dict) else str(value).lower())
     if fields.get("autocast_dtype") == "fp16":  # until TTAConfig refuses it (no GradScaler on the adapted parameters)
         raise UsageError("--autocast_dtype fp16: fp16 gradients of the adapted norms underflow without a gradient scaler, "
                          "which hf_tta does not run; use --autocast_dtype bf16.")

@@ -249,6 +249,10 @@ def prepare_run(args, show_progress: bool):
     from .config_args import apply_config
 
     validate_args(args)
+    if args.dataset:
+        from ..extras import require
+
+        require("datasets", "--dataset")  # one line naming the extra, before anything reads the folder
     overrides = apply_config(args, run_directions(args))
     jobs, notes = resolve_grid(args)
     rows = list(dict.fromkeys(j.objective for j in jobs))
