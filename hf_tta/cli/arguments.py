@@ -8,6 +8,7 @@ anything loads. Every mistake is a :class:`UsageError`: one line that names the 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 from pathlib import Path
@@ -20,8 +21,21 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
+    #: Options whose default is argparse.SUPPRESS so that only given ones reach the namespace; after parsing they are
+    #: filled with these defaults and ``namespace.config_given`` lists the given ones (see :mod:`.config_args`).
+    late_defaults: dict | None = None
+
     def error(self, message: str):  # one line instead of argparse's usage block
         raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if self.late_defaults is not None:
+            namespace.config_given = sorted(k for k in self.late_defaults if hasattr(namespace, k))
+            for name, value in self.late_defaults.items():
+                if not hasattr(namespace, name):
+                    setattr(namespace, name, copy.deepcopy(value))
+        return namespace, extra
 
 
 def _positive_int(value: str) -> int:

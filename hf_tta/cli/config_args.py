@@ -61,8 +61,9 @@ def _json_object(value: str) -> dict:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one option per :class:`~hf_tta.TTAConfig` field (except :data:`GRID_FIELDS`) to ``parser`` in an
-    ``adaptation`` group, through ``HfArgumentParser``'s own field parser. Unset options stay out of the namespace
-    (``argparse.SUPPRESS``): :func:`apply_config` fills them from ``--config`` and the dataclass defaults."""
+    ``adaptation`` group, through ``HfArgumentParser``'s own field parser. Options default to ``argparse.SUPPRESS`` and the
+    parser fills the dataclass defaults in after parsing, with ``namespace.config_given`` naming the options given,
+    so that :func:`apply_config` lets ``--config`` fill exactly the others."""
     from transformers import HfArgumentParser
 
     from ..config import TTAConfig
@@ -71,6 +72,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", default=None, metavar="FILE",
                        help="JSON or YAML file of TTAConfig fields (e.g. a saved tta_config.json); options given here win.")
     hints = typing.get_type_hints(TTAConfig)
+    late = {}
     for f in dataclasses.fields(TTAConfig):
         if f.name in GRID_FIELDS or not f.init:
             continue
@@ -83,10 +85,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         start = len(group._group_actions)
         HfArgumentParser._parse_dataclass_field(group, field)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        late[f.name] = None if f.name in PER_RUN_FIELDS else default
         for action in group._group_actions[start:]:
             action.default = argparse.SUPPRESS
             shown = "set per run by the grid" if f.name in PER_RUN_FIELDS else f"default: {default!r}"
             action.help = f"{action.help or ''} {CLI_NOTES.get(f.name, '')}({shown})".replace("%", "%%")
+    parser.late_defaults = late  # the namespace gets every field; `config_given` says which were on the command line
 
 
 def _read_file(path: str) -> dict[str, Any]:
@@ -125,8 +129,10 @@ def _config_class():
 def config_fields(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """The TTAConfig fields the user set: ``--config``'s and the command line's (which win), apart."""
     from_file = _read_file(args.config) if getattr(args, "config", None) else {}
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(_config_class())
-             if f.name not in GRID_FIELDS and hasattr(args, f.name)}
+    names = getattr(args, "config_given", None)
+    if names is None:  # a namespace built by hand: every field it holds counts as given
+        names = [f.name for f in dataclasses.fields(_config_class()) if f.name not in GRID_FIELDS and hasattr(args, f.name)]
+    given = {name: getattr(args, name) for name in names}
     return from_file, given
 
 

@@ -20,7 +20,7 @@ RUN_HEADER = "hf-tta-run"
 
 #: Options that change no result: a rerun that differs only in these continues an interrupted run. ``cache_dir``
 #: holds renders and source-model embeddings that are rebuilt identically when missing.
-_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command", "cache_dir", "debug", "config")
+_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command", "cache_dir", "debug", "config", "config_given")
 
 
 def run_signature(args) -> dict:
