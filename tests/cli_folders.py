@@ -13,9 +13,11 @@ from tiny_models import make_model
 WORDS = ["photo", "of", "a", "the", "red", "blue", "green", "cat", "dog", "car", "tree", "house", "boat", "bird"]
 
 
-def save_retrieval_checkpoint(name: str, folder: Path) -> Path:
+def save_retrieval_checkpoint(name: str, folder: Path, model_class: str | None = None) -> Path:
     """``make_model(name)`` (``blip``: BlipForImageTextRetrieval, ``blip2``: Blip2ForImageTextRetrieval with
-    ``use_qformer_text_input=True``) and its processor, saved to ``folder``."""
+    ``use_qformer_text_input=True``) and its processor, saved to ``folder``; ``model_class`` (e.g. ``BlipModel``)
+    saves that class of the same config instead."""
+    import transformers
     from transformers import BertTokenizer, Blip2Processor, BlipImageProcessor, BlipProcessor
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -24,7 +26,10 @@ def save_retrieval_checkpoint(name: str, folder: Path) -> Path:
     tokenizer = BertTokenizer(vocab=str(vocab))
     images = BlipImageProcessor(size={"height": 32, "width": 32})
     processor = (Blip2Processor if name == "blip2" else BlipProcessor)(image_processor=images, tokenizer=tokenizer)
-    make_model(name).save_pretrained(folder)
+    model = make_model(name)
+    if model_class is not None:
+        model = getattr(transformers, model_class)(model.config)
+    model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
 

@@ -74,6 +74,17 @@ def test_wrapping_the_automodel_class_names_the_retrieval_class(automodel_class,
         TTAWrapper(model, TTAConfig(objective="tent"))
 
 
+def test_run_on_a_folder_saved_as_blipmodel_names_the_class_to_save_instead(folders, tmp_path, capsys):
+    model = save_retrieval_checkpoint("blip", tmp_path / "blip-model", model_class="BlipModel")
+    capsys.readouterr()
+    code = cli.main(["run", "--model", str(model), "--dataset", str(folders["dataset"]), "--corruptions", "fog", *FAST,
+                     "--output-dir", str(tmp_path / "res")])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "transformers.BlipForImageTextRetrieval.from_pretrained" in err, err
+    assert not (tmp_path / "res").exists()
+
+
 def test_checkpoints_without_a_retrieval_class_still_load_with_automodel(tmp_path):
     from hf_tta.models.auto import load_dual_encoder
     from tiny_models import make_model

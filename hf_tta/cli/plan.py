@@ -260,6 +260,13 @@ def prepare_run(args, show_progress: bool):
     gradient_decoupling = _gradient_decoupling(args.gradient_decoupling, rows)
     check_dataset_configs(args, jobs)
     task = make_task(args)
+    if args.model:  # a checkpoint hf_tta cannot adapt (e.g. saved as BlipModel) fails now, not in every run
+        from ..models import get_adapter
+
+        try:
+            get_adapter(task.model)
+        except ValueError as err:
+            raise UsageError(f"--model {args.model}: {str(err).splitlines()[0]}") from None
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(
