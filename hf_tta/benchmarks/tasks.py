@@ -271,6 +271,19 @@ class EmojiTask(Task):
         return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
 
 
+def image_text_config(cond: Condition) -> str:
+    """The config of a COCO-C / Flickr-C benchmark that holds a condition's queries (``clean``, ``image-fog-5``,
+    ``text-ocr-7``, ``image-diverse``, ...)."""
+    prefix = "image" if cond.direction == "i2t" else "text"
+    if cond.shift in ("clean", "degenerate"):  # degenerate: the runner feeds a constant prefix before the clean stream
+        return "clean"
+    if cond.shift == "diverse":
+        return f"{prefix}-diverse"
+    if cond.shift == "noto":
+        raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
+    return f"{prefix}-{cond.shift}-{cond.severity}"
+
+
 class HubTask(Task):
     """Any Hugging Face dual encoder on a benchmark built by :mod:`hf_tta.data.builders` (COCO-C / Flickr-C
     layout: configs ``clean``, ``image-<name>-<s>``, ``text-<name>-<s>``, ``image-diverse``, ``text-diverse``).
@@ -311,14 +324,7 @@ class HubTask(Task):
                 "dataset": str(self.dataset), "limit": self.limit}
 
     def _config(self, cond: Condition) -> str:
-        prefix = "image" if cond.direction == "i2t" else "text"
-        if cond.shift in ("clean", "degenerate"):  # degenerate: the runner feeds a constant prefix before the clean stream
-            return "clean"
-        if cond.shift == "diverse":
-            return f"{prefix}-diverse"
-        if cond.shift == "noto":
-            raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
-        return f"{prefix}-{cond.shift}-{cond.severity}"
+        return image_text_config(cond)
 
     def _split(self, cond: Condition):
         config = self._config(cond)

@@ -43,6 +43,8 @@ CLI_NOTES = {
     "objective": "hf-tta run: the one row besides the source model (--objectives names several). ",
     "seed": "hf-tta run: also seeds the stream order and the corruptions (emoji: the --limit slice). ",
     "safety": "hf-tta run: on every row, e.g. --safety '{}'; '+safe' rows add it to one row. ",
+    "target_modules": "hf-tta run: a regex (PEFT semantics), e.g. '.*layer_norm1'; oracle_all rows set their own. ",
+    "exclude_modules": "hf-tta run: a regex, e.g. 'qformer.*'. ",
 }
 #: Fields RunSettings carries itself (the runner sets them on every row's config).
 SETTINGS_FIELDS = ("steps", "lr", "seed", "gallery_batch_size")

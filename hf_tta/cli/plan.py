@@ -300,7 +300,7 @@ def check_dataset_configs(args, jobs) -> None:
     folder = Path(args.dataset).expanduser()
     if not folder.is_dir():
         return
-    from ..benchmarks.tasks import HubTask
+    from ..benchmarks.tasks import image_text_config
     from ..data.builders.base import built_configs
 
     have = set(built_configs(folder))
@@ -311,7 +311,7 @@ def check_dataset_configs(args, jobs) -> None:
             have |= set(get_dataset_config_names(str(folder)))
         except Exception:  # the loader reports what is wrong with the card
             return
-    needed = {"clean"} | {HubTask._config(None, j.condition) for j in jobs}
+    needed = {"clean"} | {image_text_config(j.condition) for j in jobs}
     missing = sorted(needed - have)
     if missing:
         raise UsageError(f"--dataset {args.dataset} has no config {', '.join(missing)} (it has: {', '.join(sorted(have)) or 'none'}); "
