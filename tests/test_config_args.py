@@ -130,5 +130,8 @@ def test_recipes_honour_accelerates_mixed_precision(mode, expected, monkeypatch)
         with pytest.raises(cli.UsageError, match=rf"--mixed_precision {mode}: .*launch with --mixed_precision bf16"):
             autocast_from_accelerate(args)
     else:
+        from hf_tta.cli.config_args import apply_config
+
         autocast_from_accelerate(args)
-        assert getattr(args, "autocast_dtype", None) == expected
+        assert apply_config(args, ["i2t"]).get("autocast_dtype") == expected  # reaches every row's config
+        assert args.autocast_dtype == expected

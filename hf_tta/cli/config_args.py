@@ -200,3 +200,5 @@ def autocast_from_accelerate(args) -> None:
     if current is None:
         logger.info("accelerate --mixed_precision bf16: adapting under bf16 autocast (TTAConfig.autocast_dtype='bf16').")
     args.autocast_dtype = "bf16"
+    if getattr(args, "config_given", None) is not None and "autocast_dtype" not in args.config_given:
+        args.config_given = sorted([*args.config_given, "autocast_dtype"])  # as if given: apply_config keeps it
