@@ -146,3 +146,13 @@ def test_tables_show_the_safety_layers_counts(folders, tmp_path, capsys):
     column = csv_rows[0].split(",").index("safety_skip_degenerate")
     assert sorted(int(r.split(",")[column]) for r in csv_rows[1:] if ",tent+safe," in r) == sorted(
         s["skip_degenerate"] for s in safe.values())
+
+
+def test_loading_a_missing_folder_says_it_does_not_exist(tmp_path, monkeypatch):
+    from hf_tta.data.builders import load_retrieval_split
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for missing in ("coco-c", "./coco-c", "out/coco-c", str(tmp_path / "coco-c")):
+        with pytest.raises(FileNotFoundError, match=rf"The folder {tmp_path}/.*coco-c does not exist"):
+            load_retrieval_split(missing, "clean", task="i2t")
