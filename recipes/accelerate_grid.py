@@ -13,6 +13,9 @@ the grid is embarrassingly parallel and the table equals the single-process one.
 
     # 2 GPUs
     accelerate launch --multi_gpu --num_processes 2 recipes/accelerate_grid.py --full --device cuda
+    # bf16 autocast of the query forward (accelerate's --mixed_precision bf16; fp16 is refused: it needs a gradient
+    # scaler, which TTA's few-parameter steps do not run)
+    accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16 recipes/accelerate_grid.py --device cuda
     # 2 CPU processes (note: `accelerate launch --cpu` silently runs ONE process; use --multi_gpu on CPU too)
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
         recipes/accelerate_grid.py --corruptions all --objectives tent,tcr
@@ -33,15 +36,20 @@ if str(REPO) not in sys.path:
 
 
 def main(argv=None) -> list[dict] | None:
+    from hf_tta.extras import require
+
+    require("accelerate", "recipes/accelerate_grid.py")
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 
     from hf_tta.benchmarks import GridRunner, build_tables, format_table, merge_rows, write_outputs
     from hf_tta.benchmarks.report import won_back_line
     from hf_tta.cli import build_parser, prepare_run, setup_environment
+    from hf_tta.cli.config_args import autocast_from_accelerate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["run", *argv])
+    autocast_from_accelerate(args)  # --mixed_precision bf16: bf16 autocast; fp16 / fp8: one line naming bf16
     import torch
 
     # CPU processes (debug_launcher sets ACCELERATE_USE_CPU; `accelerate launch --multi_gpu` on a machine without
@@ -77,4 +85,11 @@ def main(argv=None) -> list[dict] | None:
 
 
 if __name__ == "__main__":
-    main()
+    from hf_tta.cli import UsageError
+    from hf_tta.extras import MissingExtraError
+
+    try:
+        main()
+    except (UsageError, MissingExtraError) as err:  # one line naming the fix, as `hf-tta` does
+        print(f"accelerate_grid.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

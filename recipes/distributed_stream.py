@@ -4,6 +4,9 @@
         recipes/distributed_stream.py --batches 4 --batch-size 16
     torchrun --nproc_per_node 2 recipes/distributed_stream.py
 
+``accelerate launch --mixed_precision bf16`` adapts under bf16 autocast (``TTAConfig(autocast_dtype="bf16")``); fp16 and
+fp8 are refused in one line (fp16 gradients need a gradient scaler).
+
 Every process gets the same global batches and embeds its share; the adapted state is identical everywhere and is
 saved by the main process. With ``--sharded`` each process also holds only its shard of the gallery. The model here is
 a small CLIP built from its config (random weights, offline), the gallery random unit vectors: swap in your own.
@@ -29,6 +32,14 @@ def main(argv=None) -> None:
     )
     p.add_argument("--save", default=None, help="Folder to save the adapted state to (main process).")
     args = p.parse_args(argv)
+    import os
+
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()  # accelerate launch --mixed_precision
+    if mixed not in ("no", "", "bf16"):
+        raise SystemExit(f"distributed_stream.py: error: accelerate --mixed_precision {mixed}: hf_tta adapts in fp32 or under "
+                         "bf16 autocast only (fp16 gradients of the adapted norms need a gradient scaler); launch with "
+                         "--mixed_precision bf16 or no.")
+    autocast = "bf16" if mixed == "bf16" else None
 
     from transformers import CLIPConfig, CLIPModel
 
@@ -51,7 +62,7 @@ def main(argv=None) -> None:
         image_size=64, patch_size=16, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4
     )
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=64)).eval()
-    tta = DistributedTTAWrapper(model, TTAConfig(objective=args.objective, query_modality="image"))
+    tta = DistributedTTAWrapper(model, TTAConfig(objective=args.objective, query_modality="image", autocast_dtype=autocast))
 
     emb = F.normalize(torch.randn(args.gallery_size, 64, generator=torch.Generator().manual_seed(1)), dim=1)
     if args.sharded:

@@ -177,7 +177,7 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         ("run", "--objective-config", '{"tent": 1}'): "must map objective names to dicts",
         ("run", "--seeds", "0,x"): "give integers separated by commas",
         ("run", "--shard", "3/2"): "--shard 3/2: write K/N",
-        ("run", "--steps", "0"): "must be a positive integer",
+        ("run", "--steps", "0"): "`steps` must be an integer >= 1, got 0.",
         ("run", "--objectives", "tnet"): "unknown objectives ['tnet']",
         ("run", "--corruptions", "fgo"): "unknown image corruptions ['fgo']",
         ("run", "--weights", str(tmp_path / "none")): "--weights",

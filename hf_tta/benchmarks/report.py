@@ -180,6 +180,9 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                     avg_std = _mean_std([float(np.mean(p)) for p in per_seed])[1]
             body.append({"objective": obj, "label": row_label(obj), "values": values, "stds": stds, "status": status,
                          "avg": avg, "avg_std": avg_std, "seeds": sorted(seeds)})
+            runs = [r for col in columns for r in cells.get((obj, col), []) if "safety" in r]
+            if runs:  # what the safety layer did over the row's streams (summed over shifts and seeds)
+                body[-1]["safety"] = {a: sum(int(r["safety"].get(a, 0)) for r in runs) for a in SAFETY_COLUMNS}
         source = next((b for b in body if b["objective"] == SOURCE), None)
         for b in body:
             if source is None or b is source:
@@ -224,7 +227,9 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
     seeds, each row's mean difference to the source model [paired bootstrap 95 % interval], the share of lost
     recall won back and the worst shift's change; then the share won back per shift."""
     with_delta = any("delta" in r for r in table["rows"])
-    cols = ["Method", *table["columns"], "Avg.", *(["Δ vs source [95% CI]"] if with_delta else []), "Won back", "Worst Δ"]
+    with_safety = any("safety" in r for r in table["rows"])
+    cols = ["Method", *table["columns"], "Avg.", *(["Δ vs source [95% CI]"] if with_delta else []), "Won back", "Worst Δ",
+            *(["Safety skips/rollbacks/resets"] if with_safety else [])]
     lines = [f"**{table['title']}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in table["rows"]:
         name = source_label if row["objective"] == SOURCE else f"• {row.get('label', row['objective'])}"
@@ -239,6 +244,8 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
             extra.append("–" if d is None else f"{d:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]")
         worst = row.get("worst_delta")
         extra += [_pct(row.get("won_back_mean")), "–" if worst is None else f"{worst:+.1f} ({row['worst_shift']})"]
+        if with_safety:
+            extra.append("/".join(str(row["safety"][a]) for a in SAFETY_COLUMNS) if "safety" in row else "–")
         lines.append("| " + " | ".join([name, *vals, avg, *extra]) + " |")
     if any(r.get("won_back") for r in table["rows"]):
         lines += ["", "Share of lost recall won back, (R@1 − source) / (clean − source):", "",
@@ -296,7 +303,10 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
 CSV_FIELDS = (
     "direction", "shift", "severity", "objective", "seed", "R@1", "R@5", "R@10", "uniformity_before", "uniformity_after",
     "gap_before", "gap_after", "num_queries", "gallery_size", "updates", "skipped_steps", "gradient_decoupling", "seconds", "error",
+    "safety_skip_degenerate", "safety_rollback", "safety_reset",
 )
+#: The safety layer's actions (hf_tta.safety.SAFETY_ACTIONS), in the tables' "skips/rollbacks/resets" column.
+SAFETY_COLUMNS = ("skip_degenerate", "rollback", "reset")
 
 
 def write_outputs(rows: Sequence[dict], folder, meta: dict[str, Any], plots: bool = True) -> dict[str, str]:
@@ -316,7 +326,7 @@ def write_outputs(rows: Sequence[dict], folder, meta: dict[str, Any], plots: boo
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow(r)
+            w.writerow({**r, **{f"safety_{a}": n for a, n in (r.get("safety") or {}).items()}})
     paths["csv"] = str(folder / "results.csv")
     (folder / "results.md").write_text("\n\n".join(format_table(t) for t in tables) + "\n")
     paths["markdown"] = str(folder / "results.md")

@@ -71,6 +71,11 @@ class RunSettings:
         default=DEGENERATE_BATCHES,
         metadata={"help": "Batches of one constant query that open the degenerate stream before its clean part."},
     )
+    config_overrides: dict = field(
+        default_factory=dict,
+        metadata={"help": "TTAConfig fields every row's config starts from (e.g. weight_decay, reset_policy, autocast_dtype, "
+                  "safety); the row sets its objective, modalities, steps, lr and seed, and +safe / +dn / oracle_all add theirs."},
+    )
     gradient_decoupling: tuple[str, ...] | None = field(
         default=None,
         metadata={
@@ -149,19 +154,24 @@ class GridRunner:
         targets = None
         if spec.all_params:
             targets = query_tower_modules(get_adapter(self.pristine, (modality, GALLERY_MODALITY[cond.direction])), modality)
-        return TTAConfig(
-            objective=objective,
-            objective_config=dict(s.objective_configs.get(row, s.objective_configs.get(objective, {}))),
-            query_modality=modality,
-            gallery_modality=GALLERY_MODALITY[cond.direction],
-            steps=s.steps,
-            lr=s.lr,
-            seed=seed,
-            target_modules=targets,
-            gradient_decoupling=gd,
-            score_transform="dn" if spec.dn else None,
-            safety=dict(s.safety) if spec.safe else None,
-        )
+        base = dict(s.config_overrides)  # the user's TTAConfig fields; the row's own choices win
+        transform = "dn" if spec.dn else base.get("score_transform")
+        safety = base.get("safety")
+        return TTAConfig(**{
+            **base,
+            "objective": objective,
+            "objective_config": dict(s.objective_configs.get(row, s.objective_configs.get(objective, {}))),
+            "query_modality": modality,
+            "gallery_modality": GALLERY_MODALITY[cond.direction],
+            "steps": s.steps,
+            "lr": s.lr,
+            "seed": seed,
+            "target_modules": targets if spec.all_params else base.get("target_modules"),
+            "gradient_decoupling": gd,
+            "score_transform": transform,
+            "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
+            "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
+        })
 
     def _wrapper(self, row: str, cond: Condition, seed: int):
         from ..wrapper import TTAWrapper
@@ -324,8 +334,9 @@ class GridRunner:
                 row["uniformity_before"] = src["uniformity_after"]
                 row["gap_before"] = src["gap_after"]
         except Exception as err:  # one failing objective must not lose the rest of the grid
-            logger.exception("%s on %s failed", job.objective, cond.key)
             row["error"] = f"{type(err).__name__}: {err}"
+            logger.warning("%s on %s (seed %s) failed: %s", job.objective, cond.key, seed, row["error"].splitlines()[0])
+            logger.debug("traceback of %s on %s", job.objective, cond.key, exc_info=True)
         row["seconds"] = round(time.time() - t0, 2)
         return row
 

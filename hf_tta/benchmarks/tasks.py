@@ -271,12 +271,27 @@ class EmojiTask(Task):
         return {k: v.to(self.device) for k, v in tokenize(self.tokenizer, raw).items()}
 
 
+def image_text_config(cond: Condition) -> str:
+    """The config of a COCO-C / Flickr-C benchmark that holds a condition's queries (``clean``, ``image-fog-5``,
+    ``text-ocr-7``, ``image-diverse``, ...)."""
+    prefix = "image" if cond.direction == "i2t" else "text"
+    if cond.shift in ("clean", "degenerate"):  # degenerate: the runner feeds a constant prefix before the clean stream
+        return "clean"
+    if cond.shift == "diverse":
+        return f"{prefix}-diverse"
+    if cond.shift == "noto":
+        raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
+    return f"{prefix}-{cond.shift}-{cond.severity}"
+
+
 class HubTask(Task):
     """Any Hugging Face dual encoder on a benchmark built by :mod:`hf_tta.data.builders` (COCO-C / Flickr-C
     layout: configs ``clean``, ``image-<name>-<s>``, ``text-<name>-<s>``, ``image-diverse``, ``text-diverse``).
 
     Args:
-        model: a Hub id or a local folder (loaded with ``AutoModel`` + ``AutoProcessor``), or a model instance.
+        model: a Hub id or a local folder (loaded as the class its config declares, e.g. ``BlipForImageTextRetrieval``,
+            else ``AutoModel``; see :func:`hf_tta.models.auto.load_dual_encoder`; + ``AutoProcessor``), or a model
+            instance.
         dataset: builder output folder, local Hub-layout folder or Hub dataset id.
         processor: the processor when ``model`` is an instance.
         limit: keep only the first ``limit`` queries of each stream.
@@ -286,11 +301,13 @@ class HubTask(Task):
 
     def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
         if isinstance(model, str):
-            from transformers import AutoModel, AutoProcessor
+            from transformers import AutoProcessor
+
+            from ..models.auto import load_dual_encoder
 
             self.model_id = model
             processor = processor or AutoProcessor.from_pretrained(model)
-            model = AutoModel.from_pretrained(model, dtype=torch.float32)
+            model = load_dual_encoder(model, dtype=torch.float32)
         else:
             self.model_id = type(model).__name__
         if processor is None:
@@ -303,17 +320,11 @@ class HubTask(Task):
         self._splits: dict[str, Any] = {}
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model_id, "dataset": str(self.dataset), "limit": self.limit}
+        return {"name": self.name, "model": self.model_id, "model_class": type(self.model).__name__,
+                "dataset": str(self.dataset), "limit": self.limit}
 
     def _config(self, cond: Condition) -> str:
-        prefix = "image" if cond.direction == "i2t" else "text"
-        if cond.shift == "clean":
-            return "clean"
-        if cond.shift == "diverse":
-            return f"{prefix}-diverse"
-        if cond.shift == "noto":
-            raise ValueError("The 'noto' style shift exists only on the emoji benchmark.")
-        return f"{prefix}-{cond.shift}-{cond.severity}"
+        return image_text_config(cond)
 
     def _split(self, cond: Condition):
         config = self._config(cond)

@@ -13,13 +13,21 @@ Examples::
     hf-tta run --direction t2i --objectives tcr    # text queries, offline text corruptions
     hf-tta run --full --device cuda                # the full severity-5 grid
     hf-tta run --model openai/clip-vit-base-patch16 --dataset ./coco-c --corruptions all   # a real run
+    hf-tta run --model Salesforce/blip-itm-base-coco --dataset ./coco-c --objective tcr --safety '{}'   # BLIP (TCR's model)
+    hf-tta run --model ./my-model --dataset ./coco-c --config my_tta_config.yaml   # TTAConfig fields from a file
     hf-tta run --model laion/clap-htsat-unfused --dataset ./audioset-o --direction a2t,t2a   # audio <-> text
     hf-tta run --model microsoft/xclip-base-patch32 --dataset ./audioset-d --direction video->text
     hf-tta list                                    # objectives, corruptions, styles
     hf-tta clean                                   # clean R@1/5/10 of the source model
 
+``--model`` loads the class the checkpoint's config.json declares when hf_tta adapts it (``BlipForImageTextRetrieval``,
+``Blip2ForImageTextRetrieval``; a BLIP-2 checkpoint needs ``use_qformer_text_input=True`` in its Q-Former config for text),
+else ``AutoModel``. A run that fails prints one line as it happens, and the command ends with a
+summary and exit status 1.
+
 The package, one idea per module: ``arguments`` (the parser, the argument types, :class:`UsageError` and
-:func:`validate_args`), ``environment`` (threads, offline mode), ``plan`` (the grid, the task and the run settings of
+:func:`validate_args`), ``config_args`` (the adaptation options generated from :class:`~hf_tta.TTAConfig`'s fields and
+``--config``), ``environment`` (threads, offline mode), ``plan`` (the grid, the task and the run settings of
 ``hf-tta run``), ``run`` (``hf-tta run`` and its resumable ``rows.jsonl``), ``listing`` (``hf-tta list``), ``clean``
 (``hf-tta clean``) and ``results`` (``hf-tta plot`` and ``hf-tta merge``); this module holds :func:`main`, the entry
 point of the ``hf-tta`` console script and of ``python -m hf_tta.cli``.
@@ -79,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = build_parser().parse_known_args(_default_to_run(argv))
         if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see `hf-tta {args.command} --help`)")
+        args.debug = debug
         return handlers[args.command](args)
     except UsageError as err:
         if debug:

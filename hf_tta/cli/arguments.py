@@ -8,6 +8,7 @@ anything loads. Every mistake is a :class:`UsageError`: one line that names the 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 from pathlib import Path
@@ -20,8 +21,21 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
+    #: Options whose default is argparse.SUPPRESS so that only given ones reach the namespace; after parsing they are
+    #: filled with these defaults and ``namespace.config_given`` lists the given ones (see :mod:`.config_args`).
+    late_defaults: dict | None = None
+
     def error(self, message: str):  # one line instead of argparse's usage block
         raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if self.late_defaults is not None:
+            namespace.config_given = sorted(k for k in self.late_defaults if hasattr(namespace, k))
+            for name, value in self.late_defaults.items():
+                if not hasattr(namespace, name):
+                    setattr(namespace, name, copy.deepcopy(value))
+        return namespace, extra
 
 
 def _positive_int(value: str) -> int:
@@ -39,13 +53,6 @@ def _float(value: str) -> float:
         return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-
-
-def _positive_float(value: str) -> float:
-    v = _float(value)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be > 0")
-    return v
 
 
 def _render_factor(value: str) -> float:
@@ -91,7 +98,8 @@ def _directions(value: str) -> list[str]:
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="Hugging Face model id or folder for a real run (default: the shipped emoji source model); "
-                   "loaded with AutoModel + AutoProcessor. Audio/video directions: CLAP (audio-text), X-CLIP or CLIP (video-text, CLIP "
+                   "loaded as the class its config.json declares (architectures, e.g. BlipForImageTextRetrieval, Blip2ForImageTextRetrieval "
+                   "with use_qformer_text_input=True) when hf_tta adapts it, else AutoModel; + AutoProcessor. Audio/video directions: CLAP (audio-text), X-CLIP or CLIP (video-text, CLIP "
                    "mean-pools its frame embeddings). Only Hugging Face checkpoints load here: a custom dual encoder (e.g. CAV-MAE for "
                    "video-audio) runs from Python with hf_tta.DualEncoderAdapter and hf_tta.benchmarks.AVTask.")
     g.add_argument("--dataset", default=None, help="With --model: a benchmark built by hf_tta.data.builders (folder or Hub id, configs clean/image-<name>-<s>/text-<name>-<s>), "
@@ -101,7 +109,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=_positive_int, default=None, help="Emoji: a seeded slice of this many concepts; Hub: the first N queries of each stream.")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice).")
-    g.add_argument("--seed", type=int, default=0, help="Seeds corruptions, the query order and the objectives' RNG (emoji: also the --limit slice).")
     g.add_argument("--render-factor", type=_render_factor, default=None, help="Emoji: render each query at k x the model's input side, corrupt it "
                    "there, then resize it with the model's preprocessing (COCO-C's protocol); a number >= 1 (default: the benchmark's).")
     g.add_argument("--cache-dir", default=None, help="Emoji: store the query streams and gallery embeddings here and reuse them (a filled cache runs image→text grids without the fonts, corruption packages or MiniLM).")
@@ -151,15 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "constant query, then the clean stream, scored on the clean part (a safe method matches the source model).")
     g.add_argument("--degenerate-batches", type=_positive_int, default=200, help="Constant batches before the clean part (default 200).")
     g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, every objective and the two oracle ceilings (unless --objectives is given).")
-    a = run.add_argument_group("adaptation")
-    a.add_argument("--steps", type=_positive_int, default=3, help="Gradient steps per batch (TCR: 3).")
-    a.add_argument("--batch-size", type=_positive_int, default=64, help="Queries per online batch (TCR: 64).")
-    a.add_argument("--lr", type=_positive_float, default=None, help="Learning rate (default: the papers' rate for the model and query modality).")
-    a.add_argument("--objective-config", default=None, help="JSON of per-objective overrides, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
-    a.add_argument("--gradient-decoupling", default=None, metavar="OBJECTIVES",
-                   help="Comma list of objectives run with REST's gradient decoupling (Eq. 15-17) on every stream, or 'none'. "
+    g.add_argument("--batch-size", type=_positive_int, default=64, help="Queries per online batch (TCR: 64).")
+    g.add_argument("--objective-config", "--objective_config", default=None,
+                   help="JSON of the objective's overrides (TTAConfig.objective_config, e.g. '{\"tau\": 0.01}' with one objective), "
+                   "or of per-row overrides, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
+    g.add_argument("--gradient-decoupling", "--gradient_decoupling", default=None, metavar="OBJECTIVES",
+                   help="REST's gradient decoupling (Eq. 15-17; TTAConfig.gradient_decoupling) on every stream: 'true' (every "
+                   "gradient objective), 'false'/'none', or a comma list of objectives. "
                    "Default: REST's protocol, i.e. rest with gradient decoupling on the diverse streams only.")
     g.add_argument("--shard", default=None, help="K/N: run only every N-th run starting at K (0-based), e.g. to spread a grid over several processes by hand; combine with `hf-tta merge`.")
+    from .config_args import add_config_arguments
+
+    add_config_arguments(run)  # --config and one option per TTAConfig field (--steps, --lr, --seed, --safety, ...)
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
@@ -171,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     clean = sub.add_parser("clean", help="clean R@1/5/10 of the source model in both directions", description="Clean retrieval of the (emoji or --model) source model.")
     _add_common(clean)
+    clean.add_argument("--seed", type=int, default=0, help="Seeds the emoji --limit slice and the query order.")
     clean.add_argument("--direction", type=_directions, default=None, help="Directions to evaluate (default i2t,t2i; an audio/video dataset needs e.g. a2t,t2a or v2t,t2v; see `hf-tta run --help`).")
     clean.add_argument("--quiet", action="store_true")
 
@@ -195,6 +206,18 @@ def _path_or_hub_id(flag: str, value: str | None, what: str) -> None:
         raise UsageError(f"{flag} {value}: no such file or folder, and not a Hub id (owner/name); {what}.")
 
 
+def _dataset_folder(value: str | None) -> None:
+    """``--dataset``: a benchmark on the Hub is ``owner/name``; a path (``/``, ``.``, ``~``), a bare name, or ``a/b``
+    where ``a`` is a folder here is a local folder, and a missing one is reported as such (not as a Hub repo that
+    "couldn't be reached")."""
+    if value is None or Path(value).expanduser().exists():
+        return
+    path = Path(value).expanduser()
+    if value.startswith(("/", ".", "~")) or "/" not in value.strip("/") or Path(path.parts[0]).is_dir():
+        raise UsageError(f"--dataset {value}: no such file or folder (the folder {path.absolute()} does not exist); pass the "
+                         "folder recipes/build_benchmarks.py wrote, or a Hub dataset id (owner/name).")
+
+
 def writable_folder(flag: str, value: str | None) -> None:
     """A UsageError unless the nearest existing part of ``value`` is a folder we can write to (the rest is created
     later); ``None`` passes."""
@@ -213,6 +236,7 @@ def writable_folder(flag: str, value: str | None) -> None:
 def validate_args(args) -> None:
     """Check what the command line names before anything loads (each mistake: one line that names the fix)."""
     _path_or_hub_id("--model", getattr(args, "model", None), "pass a Hugging Face model id or a saved model folder")
+    _dataset_folder(getattr(args, "dataset", None))
     _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with recipes/build_benchmarks.py and pass its folder")
     weights = getattr(args, "weights", None)
     if weights is not None and not Path(weights).expanduser().is_dir():

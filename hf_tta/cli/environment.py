@@ -1,4 +1,5 @@
-"""The process settings a command sets before it loads anything: torch threads and the Hugging Face offline mode."""
+"""The process settings a command sets before it loads anything: torch threads, the Hugging Face offline mode and
+(``--quiet``) the Hugging Face libraries' progress bars."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def setup_environment(args) -> None:
     if args.model is None:
         go_offline()  # the emoji benchmark never needs the network; say so to the Hugging Face libraries
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "quiet", False):  # --quiet: no progress bars, transformers' and the hub's (loading weights) too
+        import huggingface_hub.utils
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
 
 
 def go_offline() -> None:

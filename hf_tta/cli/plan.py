@@ -42,6 +42,9 @@ def make_task(args):
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
             raise UsageError("a real run needs both --model and --dataset (or neither, for the emoji benchmark).")
+        from ..extras import require
+
+        require("datasets", "--dataset")  # one line naming the extra, before the model loads
         task_class = AVTask if audio_video else HubTask
         return task_class(args.model, args.dataset, limit=args.limit, device=args.device)
     return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir,
@@ -175,25 +178,35 @@ def _objectives(value: str) -> list[str]:
     return names
 
 
-def _gradient_decoupling(value: str | None) -> tuple[str, ...] | None:
+def _gradient_decoupling(value: str | None, rows: list[str]) -> tuple[str, ...] | None:
+    """``--gradient-decoupling``: a comma list of objectives, ``none``/``false``, or ``true`` (TTAConfig's boolean:
+    every gradient objective of the grid)."""
     from .. import available_objectives
+    from ..benchmarks.grid import SOURCE, row_spec
     from ..objectives import get_objective_class
 
     if value is None:
         return None
-    if value.strip().lower() == "none":
+    if value.strip().lower() in ("none", "false"):
         return ()
+    if value.strip().lower() == "true":
+        return tuple(dict.fromkeys(row_spec(r).objective for r in rows if r != SOURCE
+                                   and get_objective_class(row_spec(r).objective).requires_grad))
     names = tuple(comma_list(value))
     unknown = [n for n in names if n not in available_objectives()]
     if unknown:
-        raise UsageError(f"--gradient-decoupling: unknown objectives {unknown}; give registered names (see `hf-tta list`) or 'none'.")
+        raise UsageError(f"--gradient-decoupling: unknown objectives {unknown}; give registered names (see `hf-tta list`), 'true' or 'none'.")
     free = [n for n in names if not get_objective_class(n).requires_grad]
     if free:
         raise UsageError(f"--gradient-decoupling: {free} are training-free; it applies to gradient objectives only.")
     return names
 
 
-def _objective_configs(value: str | None) -> dict:
+def _objective_configs(value: str | None, rows: list[str]) -> dict:
+    """``--objective-config``: per-row overrides (``{"tent": {"tau": 0.01}}``), or TTAConfig.objective_config's plain
+    form (``{"tau": 0.01}``) when the grid has one objective."""
+    from ..benchmarks.grid import SOURCE, row_spec
+
     if not value:
         return {}
     try:
@@ -201,9 +214,16 @@ def _objective_configs(value: str | None) -> dict:
     except json.JSONDecodeError as err:
         raise UsageError(f"--objective-config is not valid JSON ({err.msg} at character {err.pos}); "
                          "write it like '{\"tent\": {\"tau\": 0.01}}'.") from None
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+    if not isinstance(data, dict):
         raise UsageError("--objective-config must map objective names to dicts, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
-    from ..benchmarks.grid import row_spec
+    objectives = list(dict.fromkeys(row_spec(r).objective for r in rows if r != SOURCE))
+    if data and not any(isinstance(v, dict) for v in data.values()) and not set(data) & set(rows + objectives):
+        if len(objectives) != 1:  # TTAConfig.objective_config's plain form needs one objective
+            raise UsageError(f"--objective-config {value}: the grid runs {objectives}; map each to its overrides, "
+                             "e.g. '{\"tent\": {\"tau\": 0.01}}'.")
+        data = {objectives[0]: data}
+    if not all(isinstance(v, dict) for v in data.values()):
+        raise UsageError("--objective-config must map objective names to dicts, e.g. '{\"tent\": {\"tau\": 0.01}}'.")
     from ..config import TTAConfig
 
     for key, overrides in data.items():  # a row ("tcr+safe") or an objective ("tcr"); checked now, not per run
@@ -214,20 +234,85 @@ def _objective_configs(value: str | None) -> dict:
     return data
 
 
+def run_directions(args) -> list[str]:
+    """The directions of ``hf-tta run``: ``--direction``, else i2t (both with ``--full``)."""
+    return list(args.direction or (["i2t", "t2i"] if args.full else ["i2t"]))
+
+
 def prepare_run(args, show_progress: bool):
-    """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings."""
-    from ..benchmarks.runner import RunSettings
+    """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings.
+
+    The adaptation options (TTAConfig's fields, :mod:`hf_tta.cli.config_args`) are resolved first; every row's config
+    is then built by the runner and validated by ``TTAConfig`` before anything runs (one path with the Python API)."""
+    from ..benchmarks.grid import SOURCE
+    from ..benchmarks.runner import GridRunner, RunSettings
+    from .config_args import apply_config
 
     validate_args(args)
-    objective_configs = _objective_configs(args.objective_config)
-    gradient_decoupling = _gradient_decoupling(args.gradient_decoupling)
+    if args.dataset:
+        from ..extras import require
+
+        require("datasets", "--dataset")  # one line naming the extra, before anything reads the folder
+    overrides = apply_config(args, run_directions(args))
     jobs, notes = resolve_grid(args)
+    rows = list(dict.fromkeys(j.objective for j in jobs))
+    objective_configs = _objective_configs(args.objective_config, rows)
+    gradient_decoupling = _gradient_decoupling(args.gradient_decoupling, rows)
+    check_dataset_configs(args, jobs)
     task = make_task(args)
+    if args.model:  # a checkpoint hf_tta cannot adapt (e.g. saved as BlipModel) fails now, not in every run
+        from ..models import get_adapter
+
+        try:
+            get_adapter(task.model)
+        except ValueError as err:
+            raise UsageError(f"--model {args.model}: {str(err).splitlines()[0]}") from None
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
+        gallery_batch_size=args.gallery_batch_size, config_overrides=overrides,
         objective_configs=objective_configs, show_progress=show_progress, cache_dir=args.cache_dir,
         gradient_decoupling=gradient_decoupling, degenerate_batches=args.degenerate_batches,
     )
+    runner, checked = GridRunner(task, settings), set()
+    for job in jobs:
+        key = (job.objective, job.condition.direction, job.condition.shift)
+        if job.objective == SOURCE or key in checked:
+            continue
+        checked.add(key)
+        try:
+            runner.row_config(job.objective, job.condition, job.seed)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"row {job.objective!r}: {str(err).splitlines()[0]}") from None
     return jobs, notes, task, settings
+
+
+def check_dataset_configs(args, jobs) -> None:
+    """A local image-text benchmark folder must hold every config the grid reads: else one line naming the missing
+    ones and what the folder has, before anything runs."""
+    from pathlib import Path
+
+    from ..benchmarks.grid import AV_DIRECTIONS
+
+    if not args.dataset or any(d in AV_DIRECTIONS for d in run_directions(args)):
+        return
+    folder = Path(args.dataset).expanduser()
+    if not folder.is_dir():
+        return
+    from ..benchmarks.tasks import image_text_config
+    from ..data.builders.base import built_configs
+
+    have = set(built_configs(folder))
+    if (folder / "README.md").is_file():  # a Hub-layout folder: its configs are in the card
+        try:
+            from datasets import get_dataset_config_names
+
+            have |= set(get_dataset_config_names(str(folder)))
+        except Exception:  # the loader reports what is wrong with the card
+            return
+    needed = {"clean"} | {image_text_config(j.condition) for j in jobs}
+    missing = sorted(needed - have)
+    if missing:
+        raise UsageError(f"--dataset {args.dataset} has no config {', '.join(missing)} (it has: {', '.join(sorted(have)) or 'none'}); "
+                         "leave it out of --corruptions / --text-corruptions or build it with recipes/build_benchmarks.py.")

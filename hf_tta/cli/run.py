@@ -6,7 +6,9 @@ its signature is the same."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ RUN_HEADER = "hf-tta-run"
 
 #: Options that change no result: a rerun that differs only in these continues an interrupted run. ``cache_dir``
 #: holds renders and source-model embeddings that are rebuilt identically when missing.
-_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command", "cache_dir")
+_PRESENTATION = ("output_dir", "quiet", "no_plots", "fresh", "threads", "command", "cache_dir", "debug", "config", "config_given")
 
 
 def run_signature(args) -> dict:
@@ -86,10 +88,13 @@ def cmd_run(args) -> int:
     def save(row):
         with open(progress, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
+        if "error" in row:  # one line per failed run, as it happens (the traceback with --debug)
+            print(f"hf-tta: {failure_line(row)}", file=sys.stderr, flush=True)
 
     runner = GridRunner(task, settings)
     runner.remember(done)
-    rows = done + runner.run_all(jobs, on_row=save)
+    with _runner_log_level(logging.DEBUG if getattr(args, "debug", False) else logging.ERROR):
+        rows = done + runner.run_all(jobs, on_row=save)
     if done:
         from ..benchmarks.report import merge_rows
 
@@ -103,18 +108,42 @@ def cmd_run(args) -> int:
         "seconds": round(time.time() - t0, 1),
         "versions": _versions(),
     }
-    paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
-    print()
-    for table in build_tables(rows):
-        print(format_table(table))
-        print()
-        print(won_back_line(table))
-        print()
     errors = [r for r in rows if "error" in r]
-    for r in errors:
-        print(f"hf-tta: {r['objective']} on {r['direction']}/{r['shift']} (seed {r.get('seed', 0)}) failed: {r['error']}", file=sys.stderr)
-    print(f"\nwrote {', '.join(paths.values())} ({time.time() - t0:.0f} s)")
-    return 1 if errors and len(errors) == len(rows) else 0
+    paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots and len(errors) < len(rows))
+    print()
+    if len(errors) < len(rows):  # a table of nothing but `err` says nothing the failure lines do not
+        for table in build_tables(rows):
+            print(format_table(table))
+            print()
+            print(won_back_line(table))
+            print()
+    print(f"wrote {', '.join(paths.values())} ({time.time() - t0:.0f} s)")
+    if errors:
+        print(f"hf-tta: {len(errors)} of {len(rows)} runs failed (one line each above; their cells show 'err'); "
+              "fix the cause and rerun the same command to run only those (--debug shows the tracebacks).", file=sys.stderr)
+        return 1
+    return 0
+
+
+def failure_line(row: dict) -> str:
+    """One line for a failed run: which run, and the first line of its error."""
+    where = row["shift"] if row.get("severity") is None else f"{row['shift']}-{row['severity']}"
+    first = str(row["error"]).strip().splitlines()[0] if str(row["error"]).strip() else "unknown error"
+    return f"{row['objective']} on {row['direction']}/{where} (seed {row.get('seed', 0)}) failed: {first}"
+
+
+@contextlib.contextmanager
+def _runner_log_level(level: int):
+    """The runner logs each failure; the CLI prints its own line for it (and the traceback under --debug)."""
+    log = logging.getLogger("hf_tta.benchmarks.runner")
+    old = log.level
+    log.setLevel(level)
+    if level == logging.DEBUG and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
 
 
 def _versions() -> dict[str, str]:

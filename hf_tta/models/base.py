@@ -279,6 +279,14 @@ def get_adapter(model: nn.Module | ModelAdapter, modalities: Iterable[str] | Non
                 if set(wanted) <= set(cls.modalities):
                     return cls(model)
             return ADAPTERS[klass.__name__](model)  # its check_modality() explains what it embeds
+    from .auto import retrieval_class_name
+
+    instead = retrieval_class_name(type(model).__name__)
+    if instead is not None:  # e.g. AutoModel gave BlipModel: no ITC projections to embed with
+        raise ValueError(
+            f"hf_tta has no adapter for {type(model).__name__}: load the checkpoint with "
+            f"transformers.{instead}.from_pretrained(...) (the retrieval class, with the ITC projections)."
+        )
     raise ValueError(
         f"hf_tta has no adapter for {type(model).__name__}. Supported: {', '.join(supported_architectures())}. "
         "For another dual encoder, wrap it with hf_tta.DualEncoderAdapter(model, encoders=..., towers=...)."

@@ -194,6 +194,9 @@ def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
 
 def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     """:func:`load_config` without checking ``config`` against the COCO-C / Flickr-C names."""
+    from ...extras import require
+
+    require("datasets", "Loading a benchmark")
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     if hasattr(source, "load") and hasattr(source, "config_dir"):  # a BenchmarkBuilder
@@ -211,7 +214,13 @@ def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
         if (folder / "README.md").is_file():
             return load_dataset(str(folder), config, split=split, **load_kwargs)
         raise FileNotFoundError(f"{folder} has neither a built config {config!r} nor a README.md with configs.")
-    return load_dataset(str(source), config, split=split, **load_kwargs)
+    text = str(source)
+    path = Path(text).expanduser()
+    if text.startswith(("/", ".", "~")) or "/" not in text.strip("/") or Path(path.parts[0]).is_dir():
+        # a path, a bare name or a/b under a folder here: a missing folder, not a Hub repo that "couldn't be reached"
+        raise FileNotFoundError(f"The folder {path.absolute()} does not exist; pass a built benchmark folder or a Hub "
+                                "dataset id (owner/name).")
+    return load_dataset(text, config, split=split, **load_kwargs)
 
 
 def load_retrieval_split(

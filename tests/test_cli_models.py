@@ -1,0 +1,158 @@
+"""`hf-tta run` as a user runs it: retrieval checkpoints saved to folders with their processors and loaded by path,
+a COCO-C-style benchmark folder; the class each checkpoint declares, exit status and one line per failure, and the
+safety layer's counts in the tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets", reason="needs the data extra: pip install 'hf_tta[data]'")
+pytest.importorskip("PIL", reason="needs the data extra: pip install 'hf_tta[data]'")
+
+from cli_folders import save_benchmark, save_retrieval_checkpoint  # noqa: E402
+from hf_tta import cli  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--steps", "1", "--batch-size", "4", "--quiet", "--no-plots", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    return {
+        "dataset": save_benchmark(root / "coco-c"),
+        "blip": save_retrieval_checkpoint("blip", root / "blip"),
+        "blip2": save_retrieval_checkpoint("blip2", root / "blip2"),
+    }
+
+
+def _hf_tta(*argv) -> subprocess.CompletedProcess:
+    """The `hf-tta` command in a fresh process (`python -m hf_tta.cli`, this tree first on the path)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "hf_tta.cli", *map(str, argv)], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=str(ROOT))
+
+
+@pytest.mark.parametrize("name, declared", [("blip", "BlipForImageTextRetrieval"), ("blip2", "Blip2ForImageTextRetrieval")])
+def test_run_adapts_blip_and_blip2_retrieval_folders_loaded_by_path(folders, name, declared, tmp_path, capsys):
+    out = tmp_path / "res"
+    code = cli.main(["run", "--model", str(folders[name]), "--dataset", str(folders["dataset"]), "--direction", "both",
+                     "--corruptions", "fog", "--text-corruptions", "ocr", "--objectives", "tent,tcr", *FAST,
+                     "--output-dir", str(out)])
+    assert code == 0
+    assert "• tcr" in capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["task"]["model_class"] == declared  # the class config.json declares, not AutoModel's
+    rows = data["rows"]
+    assert not [r for r in rows if "error" in r]
+    by = {(r["direction"], r["objective"]): r for r in rows if r["shift"] != "clean"}
+    assert (by[("i2t", "tent")]["num_queries"], by[("i2t", "tent")]["gallery_size"]) == (8, 16)  # 2 captions per image
+    assert (by[("t2i", "tcr")]["num_queries"], by[("t2i", "tcr")]["gallery_size"]) == (16, 8)
+    for (direction, objective), r in by.items():  # every adapted row stepped on every batch of 4
+        if objective != "source":
+            assert r["updates"] == r["num_queries"] // 4, (direction, objective)
+
+
+@pytest.mark.parametrize("automodel_class, retrieval_class",
+                         [("BlipModel", "BlipForImageTextRetrieval"), ("Blip2Model", "Blip2ForImageTextRetrieval")])
+def test_wrapping_the_automodel_class_names_the_retrieval_class(automodel_class, retrieval_class):
+    import transformers
+
+    from hf_tta import TTAConfig, TTAWrapper
+    from tiny_models import make_model
+
+    config = make_model("blip2" if automodel_class.startswith("Blip2") else "blip").config
+    model = getattr(transformers, automodel_class)(config)
+    with pytest.raises(ValueError, match=rf"load the checkpoint with transformers\.{retrieval_class}\.from_pretrained"):
+        TTAWrapper(model, TTAConfig(objective="tent"))
+
+
+def test_run_on_a_folder_saved_as_blipmodel_names_the_class_to_save_instead(folders, tmp_path, capsys):
+    model = save_retrieval_checkpoint("blip", tmp_path / "blip-model", model_class="BlipModel")
+    capsys.readouterr()
+    code = cli.main(["run", "--model", str(model), "--dataset", str(folders["dataset"]), "--corruptions", "fog", *FAST,
+                     "--output-dir", str(tmp_path / "res")])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "transformers.BlipForImageTextRetrieval.from_pretrained" in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_checkpoints_without_a_retrieval_class_still_load_with_automodel(tmp_path):
+    from hf_tta.models.auto import load_dual_encoder
+    from tiny_models import make_model
+
+    make_model("clip").save_pretrained(tmp_path / "clip")
+    assert type(load_dual_encoder(str(tmp_path / "clip"))).__name__ == "CLIPModel"
+
+
+def test_a_failed_run_exits_1_with_one_line_each_and_a_summary(folders, tmp_path):
+    dataset = tmp_path / "coco-c"
+    shutil.copytree(folders["dataset"], dataset)
+    for arrow in (dataset / "image-fog-5").glob("*.arrow"):  # a torn copy of one config
+        arrow.write_bytes(b"torn")
+    res = _hf_tta("run", "--model", folders["blip"], "--dataset", dataset, "--corruptions", "fog", "--clean",
+                  "--objectives", "tent", *FAST, "--output-dir", tmp_path / "res")
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    failed = [line for line in res.stderr.splitlines() if " failed: " in line]
+    assert len(failed) == 2 and all(line.startswith("hf-tta: ") and "i2t/fog-5" in line for line in failed), res.stderr
+    assert {line.split(" on ")[0] for line in failed} == {"hf-tta: source", "hf-tta: tent"}
+    assert res.stderr.strip().splitlines()[-1].startswith("hf-tta: 2 of 4 runs failed")
+    rows = json.loads((tmp_path / "res" / "results.json").read_text())["rows"]
+    assert sorted(r["shift"] for r in rows if "error" not in r) == ["clean", "clean"]  # the clean stream still ran
+
+
+def test_missing_configs_and_folders_are_named_before_anything_runs(folders, tmp_path, monkeypatch, capsys):
+    common = ["run", "--model", str(folders["blip"]), *FAST, "--output-dir", str(tmp_path / "res")]
+    assert cli.main([*common, "--dataset", str(folders["dataset"]), "--corruptions", "frost"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no config image-frost-5 (it has: clean, image-fog-5, text-ocr-7)" in err
+    assert not (tmp_path / "res").exists()  # nothing ran
+    monkeypatch.chdir(tmp_path)
+    for missing in ("coco-c-built", "./coco-c-built", "res/coco-c"):  # a bare name, a path, a/b with a folder a here
+        (tmp_path / "res").mkdir(exist_ok=True)
+        assert cli.main([*common, "--dataset", missing]) == 2, missing
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"(the folder {(tmp_path / missing).absolute()} does not exist)" in err, err
+
+
+def test_tables_show_the_safety_layers_counts(folders, tmp_path, capsys):
+    out = tmp_path / "res"
+    code = cli.main(["run", "--model", str(folders["blip"]), "--dataset", str(folders["dataset"]), "--corruptions", "fog",
+                     "--objectives", "tent+safe,tent", "--degenerate", "--degenerate-batches", "3", "--steps", "1",
+                     "--batch-size", "8", "--quiet", "--no-plots", "--output-dir", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    safe = {r["shift"]: r["safety"] for r in rows if r["objective"] == "tent+safe"}
+    assert not [r for r in rows if r["objective"] == "tent" and "safety" in r]
+    assert safe["degenerate"]["skip_degenerate"] >= 3  # each batch of one constant query is skipped
+    headers = [line for line in printed.splitlines() if line.endswith("| Safety skips/rollbacks/resets |")]
+    assert len(headers) == 2  # the fog table and the shifts (degenerate) table
+    widths = {line.count("|") for line in headers}
+    main_rows = [line for line in printed.splitlines() if line.count("|") in widths]  # not the won-back tables
+    cells = {line.rsplit("|", 2)[1].strip() for line in main_rows if line.startswith("| • tent+safe |")}
+    assert cells == {f"{s['skip_degenerate']}/{s['rollback']}/{s['reset']}" for s in safe.values()}
+    assert all(line.rstrip().endswith("| – |") for line in main_rows if line.startswith("| • tent |"))
+    csv_rows = (out / "results.csv").read_text().splitlines()
+    column = csv_rows[0].split(",").index("safety_skip_degenerate")
+    assert sorted(int(r.split(",")[column]) for r in csv_rows[1:] if ",tent+safe," in r) == sorted(
+        s["skip_degenerate"] for s in safe.values())
+
+
+def test_loading_a_missing_folder_says_it_does_not_exist(tmp_path, monkeypatch):
+    from hf_tta.data.builders import load_retrieval_split
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for missing in ("coco-c", "./coco-c", "out/coco-c", str(tmp_path / "coco-c")):
+        with pytest.raises(FileNotFoundError, match=rf"The folder {tmp_path}/.*coco-c does not exist"):
+            load_retrieval_split(missing, "clean", task="i2t")
