@@ -239,6 +239,11 @@ class TTAConfig(ConfigMixin):
         check_choice("scoring", self.scoring, SCORING)
         check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
+        if self.autocast_dtype == "fp16":
+            raise ValueError(
+                "`autocast_dtype='fp16'` needs a gradient scaler that TTAWrapper does not run (fp16 gradients of the "
+                "adapted norms underflow); use autocast_dtype='bf16'."
+            )
         if self.fast_step is not None and not isinstance(self.fast_step, bool):
             raise TypeError(f"`fast_step` must be True, False or None (auto: on for CUDA), got {self.fast_step!r}.")
         # Validate the overrides now, not at the first batch.

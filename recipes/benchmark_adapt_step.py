@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--gallery-size", type=int, default=5000, help="gallery embeddings (COCO i2t has 25,000)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
+    p.add_argument("--autocast", choices=["bf16"], default=None)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:

@@ -174,7 +174,7 @@ def count_flops(fn) -> int:
 def autocast_ctx(device, dtype: str | None):
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16}[dtype])
 
 
 def make_tta(model, dtype, fast: bool, lr=None):

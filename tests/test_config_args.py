@@ -99,7 +99,7 @@ def test_grid_and_config_options_that_overlap(capsys):
     cases = {
         ("--objective", "tent", "--objectives", "tcr"): "give --objective (one row) or --objectives (several), not both",
         ("--query_modality", "text"): "--query_modality text disagrees with --direction i2t",
-        ("--autocast_dtype", "fp16"): "use --autocast_dtype bf16",
+        ("--autocast_dtype", "fp16"): "use autocast_dtype='bf16'",
         ("--objectives", "tent,tcr", "--objective-config", '{"tau": 0.01}'): "the grid runs ['tent', 'tcr']; map each",
         ("--config", "missing.json"): "--config missing.json: no such file",
     }

@@ -13,11 +13,10 @@ import os
 import re
 from pathlib import Path
 
+from .errors import UsageError
+
 SUBCOMMANDS = ("run", "list", "clean", "plot", "merge")
 
-
-class UsageError(ValueError):
-    """A mistake in the command line: reported as one line naming the fix, exit status 2 (traceback with --debug)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,12 +113,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=None, help="Emoji: store the query streams and gallery embeddings here and reuse them (a filled cache runs image→text grids without the fonts, corruption packages or MiniLM).")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __doc__ as overview  # the package docstring (hf_tta/cli/__init__.py): its first paragraph
+#: The first line of ``hf-tta --help`` (and of the package docstring of :mod:`hf_tta.cli`).
+OVERVIEW = "``hf-tta``: run test-time adaptation benchmarks for cross-modal retrieval under query shift."
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hf-tta",
-        description=overview.split("\n\n")[0] + " Run `hf-tta` alone for the default offline benchmark.",
+        description=OVERVIEW + " Run `hf-tta` alone for the default offline benchmark.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Subcommands have their own --help, e.g. `hf-tta run --help`. A mistake on the command line prints one line "
         "naming the fix (exit status 2); add --debug anywhere for the traceback.",

@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .arguments import UsageError
+from .errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +166,6 @@ def apply_config(args, directions: list[str]) -> dict[str, Any]:
         value = fields.pop(name, None)
         if value not in (None, {}, False) and getattr(args, option, None) is None:
             setattr(args, option, json.dumps(value) if isinstance(value, dict) else str(value).lower())
-    if fields.get("autocast_dtype") == "fp16":  # until TTAConfig refuses it (no GradScaler on the adapted parameters)
-        raise UsageError("--autocast_dtype fp16: fp16 gradients of the adapted norms underflow without a gradient scaler, "
-                         "which hf_tta does not run; use --autocast_dtype bf16.")
     # One validation path: the dataclass's own checks (each row's full config is checked again in prepare_run).
     for d in directions:
         try:

@@ -13,24 +13,9 @@ import logging
 
 import torch
 
-from .base import ADAPTERS
+from .base import ADAPTERS, RETRIEVAL_CLASS, retrieval_class_name  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-#: Classes without an adapter whose checkpoints load into a retrieval class that has one.
-RETRIEVAL_CLASS = {
-    "BlipModel": "BlipForImageTextRetrieval",
-    "BlipForConditionalGeneration": "BlipForImageTextRetrieval",
-    "BlipForQuestionAnswering": "BlipForImageTextRetrieval",
-    "Blip2Model": "Blip2ForImageTextRetrieval",
-    "Blip2ForConditionalGeneration": "Blip2ForImageTextRetrieval",
-}
-
-
-def retrieval_class_name(class_name: str) -> str | None:
-    """The retrieval class to load instead of ``class_name`` (``BlipModel`` → ``BlipForImageTextRetrieval``), if any."""
-    return RETRIEVAL_CLASS.get(class_name)
-
 
 def load_dual_encoder(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
     """The model of a Hub id or folder as the class its config declares (``architectures``), when hf_tta adapts it;

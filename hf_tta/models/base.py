@@ -279,8 +279,6 @@ def get_adapter(model: nn.Module | ModelAdapter, modalities: Iterable[str] | Non
                 if set(wanted) <= set(cls.modalities):
                     return cls(model)
             return ADAPTERS[klass.__name__](model)  # its check_modality() explains what it embeds
-    from .auto import retrieval_class_name
-
     instead = retrieval_class_name(type(model).__name__)
     if instead is not None:  # e.g. AutoModel gave BlipModel: no ITC projections to embed with
         raise ValueError(
@@ -291,6 +289,21 @@ def get_adapter(model: nn.Module | ModelAdapter, modalities: Iterable[str] | Non
         f"hf_tta has no adapter for {type(model).__name__}. Supported: {', '.join(supported_architectures())}. "
         "For another dual encoder, wrap it with hf_tta.DualEncoderAdapter(model, encoders=..., towers=...)."
     )
+
+
+#: Classes without an adapter whose checkpoints load into a retrieval class that has one.
+RETRIEVAL_CLASS = {
+    "BlipModel": "BlipForImageTextRetrieval",
+    "BlipForConditionalGeneration": "BlipForImageTextRetrieval",
+    "BlipForQuestionAnswering": "BlipForImageTextRetrieval",
+    "Blip2Model": "Blip2ForImageTextRetrieval",
+    "Blip2ForConditionalGeneration": "Blip2ForImageTextRetrieval",
+}
+
+
+def retrieval_class_name(class_name: str) -> str | None:
+    """The retrieval class to load instead of ``class_name`` (``BlipModel`` → ``BlipForImageTextRetrieval``), if any."""
+    return RETRIEVAL_CLASS.get(class_name)
 
 
 def match_module_names(model: nn.Module, patterns: str | Iterable[str]) -> list[str]:
