@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-SUBCOMMANDS = ("run", "list", "clean", "plot", "merge")
+SUBCOMMANDS = ("run", "build", "list", "clean", "plot", "merge")
 
 
 class UsageError(ValueError):
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Subcommands have their own --help, e.g. `hf-tta run --help`. A mistake on the command line prints one line "
         "naming the fix (exit status 2); add --debug anywhere for the traceback.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,list,clean,plot,merge}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,build,list,clean,plot,merge}")
 
     run = sub.add_parser("run", help="run a benchmark grid (the default)", description="Run a (shift x severity x objective) grid; "
                          "every run starts from the source model, streams the queries in a seeded order in batches, "
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true", help="No progress bars.")
     o.add_argument("--fresh", action="store_true", help="Ignore the rows an interrupted run with the same arguments left in --output-dir.")
 
+    from .build import add_build_parser
+
+    add_build_parser(sub)
     lst = sub.add_parser("list", help="list objectives, corruptions and styles", description="List what a grid can contain.")
     lst.add_argument("--check-text", action="store_true", help="Also try each text corruption to see whether it runs offline here.")
 

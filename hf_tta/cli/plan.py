@@ -214,6 +214,58 @@ def _objective_configs(value: str | None) -> dict:
     return data
 
 
+#: The gallery-softmax baselines whose temperature the papers tune per dataset (TCR App. B.2, REST Supp. C-B).
+BASELINE_TAU_OBJECTIVES = ("tent", "pl", "shot", "eata", "sar", "read", "deyo", "oracle")
+
+
+def _dataset_tau(args, objective_configs: dict, notes: dict) -> dict:
+    """The baselines' temperature of a built dataset (its spec's ``baseline_tau``: 0.001 Fashion-Gen, 1e-4 ReID) for
+    every baseline the user did not configure; logged in the notes and printed."""
+    from ..data.builders.loading import built_spec
+
+    spec = built_spec(args.dataset) if getattr(args, "dataset", None) else None
+    if spec is None:
+        return objective_configs
+    from .. import available_objectives
+
+    out = dict(objective_configs)
+    applied = []
+    for name in BASELINE_TAU_OBJECTIVES:
+        if name in available_objectives() and "tau" not in out.get(name, {}):
+            out[name] = {**out.get(name, {}), "tau": spec.baseline_tau}
+            applied.append(name)
+    if applied:
+        notes["baseline_tau"] = {"tau": spec.baseline_tau, "benchmark": spec.name, "objectives": applied}
+        print(f"hf-tta: {spec.name}: baselines {', '.join(applied)} use tau = {spec.baseline_tau:g} (the papers' value for "
+              "this set; --objective-config overrides it)", flush=True)
+    return out
+
+
+def _built_jobs(args, task, jobs: list, notes: dict) -> list:
+    """The jobs whose config a local built dataset has (a real-world set holds only ``clean``); the others are left
+    out with a note, and none left is a :class:`UsageError` naming the configs there."""
+    from pathlib import Path
+
+    from ..benchmarks.tasks import AVTask, HubTask
+    from ..data.builders.base import built_configs
+
+    if not isinstance(task, HubTask) or isinstance(task, AVTask) or not Path(str(args.dataset)).is_dir():
+        return jobs
+    available = set(built_configs(args.dataset))
+    if not available:
+        return jobs  # a Hub-layout folder: load_dataset reads it
+    keep = [j for j in jobs if task._config(j.condition) in available]
+    dropped = sorted({task._config(j.condition) for j in jobs} - available)
+    if dropped:
+        notes["configs_not_built"] = dropped
+        print(f"hf-tta: {len(dropped)} streams left out: not built in {args.dataset} ({', '.join(dropped[:6])}"
+              f"{', ...' if len(dropped) > 6 else ''})", flush=True)
+    if not keep:
+        raise UsageError(f"{args.dataset} has none of the configs this grid needs; it has {', '.join(sorted(available))} "
+                         "(a real-world set holds only clean: add --clean).")
+    return keep
+
+
 def prepare_run(args, show_progress: bool):
     """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings."""
     from ..benchmarks.runner import RunSettings
@@ -223,6 +275,8 @@ def prepare_run(args, show_progress: bool):
     gradient_decoupling = _gradient_decoupling(args.gradient_decoupling)
     jobs, notes = resolve_grid(args)
     task = make_task(args)
+    jobs = _built_jobs(args, task, jobs, notes)
+    objective_configs = _dataset_tau(args, objective_configs, notes)
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(

@@ -117,8 +117,8 @@ def push_benchmark(
     if not info_path.is_file():
         raise FileNotFoundError(f"{output_dir} has no {BUILD_INFO}: build the benchmark first.")
     build_info = json.loads(info_path.read_text(encoding="utf-8"))
-    if spec is None:
-        spec = build_info["params"]["benchmark"]
+    if spec is None:  # a records build (pairs, real-world sets) records its spec; COCO-C / Flickr-C their name
+        spec = build_info["params"].get("spec") or build_info["params"]["benchmark"]
     spec = benchmark_spec(spec)
     built = built_configs(output_dir)
     configs = _order(built if configs is None else configs)

@@ -214,6 +214,23 @@ def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     return load_dataset(str(source), config, split=split, **load_kwargs)
 
 
+def built_spec(source: Any):
+    """The :class:`~.specs.BenchmarkSpec` a local build folder records (``build_info.json``), or ``None`` (Hub ids,
+    mappings, audio-video folders)."""
+    import json
+
+    from .base import BUILD_INFO
+    from .specs import benchmark_spec
+
+    if not isinstance(source, (str, os.PathLike)) or not (Path(source) / BUILD_INFO).is_file():
+        return None
+    params = json.loads((Path(source) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+    try:
+        return benchmark_spec(params.get("spec") or params.get("benchmark"))
+    except (ValueError, TypeError):
+        return None
+
+
 def load_retrieval_split(
     source: Any,
     config: str,
@@ -242,17 +259,30 @@ def load_retrieval_split(
     ds = load_config(source, config, split, **load_kwargs)
     meta = ds.remove_columns([c for c in ("image",) if c in ds.column_names])
     cols = meta[:]
+    groups = cols.get("group")  # items of one group (a product, a person) share their captions
     if task == "i2t":
         gallery, gallery_ids, relevant = [], [], []
         for caps, ids in zip(cols["captions"], cols["caption_ids"]):
             relevant.append(list(range(len(gallery), len(gallery) + len(caps))))
             gallery.extend(caps)
             gallery_ids.extend(ids)
+        if groups is not None:
+            by_group: dict[str, list[int]] = {}
+            for g, rel in zip(groups, relevant):
+                by_group.setdefault(g, []).extend(rel)
+            relevant = [by_group[g] for g in groups]
         corr = list(zip(cols["corruption"], cols["severity"]))
         return RetrievalSplit(task, config, LazyImages(ds), gallery, relevant, list(cols["image_id"]), gallery_ids, corr)
     gallery_ds = load_config(source, gallery_config, split, **load_kwargs)
-    gallery_ids = list(gallery_ds.select_columns(["image_id"])[:]["image_id"])
+    gallery_cols = gallery_ds.select_columns([c for c in ("image_id", "group") if c in gallery_ds.column_names])[:]
+    gallery_ids = list(gallery_cols["image_id"])
     pos = {iid: k for k, iid in enumerate(gallery_ids)}
+    members: dict[str, list[int]] = {}
+    if groups is not None:
+        if "group" not in gallery_cols:
+            raise ValueError(f"{config!r} has a 'group' column but the gallery config {gallery_config!r} has none: build them together.")
+        for k, g in enumerate(gallery_cols["group"]):
+            members.setdefault(g, []).append(k)
     queries, query_ids, relevant, corr = [], [], [], []
     has_lists = "clean_captions" in cols  # a text config; `clean` has scalar corruption columns
     for r, (iid, caps, ids) in enumerate(zip(cols["image_id"], cols["captions"], cols["caption_ids"])):
@@ -263,7 +293,7 @@ def load_retrieval_split(
         for cap, sid, n, s in zip(caps, ids, names, sevs):
             queries.append(cap)
             query_ids.append(sid)
-            relevant.append([pos[iid]])
+            relevant.append(members[groups[r]] if groups is not None else [pos[iid]])
             corr.append((n, s))
     return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr)
 
@@ -343,6 +373,7 @@ def load_av_retrieval(
 
 __all__ = [
     "AVRetrievalSplit",
+    "built_spec",
     "LazyImages",
     "LazyItems",
     "RetrievalSplit",
