@@ -109,7 +109,7 @@ def test_groups_make_items_relevant_to_each_others_captions(tmp_path):
     assert t2i.queries[0] != CAPS[0]  # corrupted
 
 
-def _clip_folder(root: Path) -> Path:
+def clip_folder(root: Path) -> Path:
     from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTokenizer
 
     from tiny_models import make_model
@@ -134,7 +134,7 @@ def test_hf_tta_build_pairs_then_run_dataset_end_to_end(tmp_path, capsys):
     info = json.loads((out / "build_info.json").read_text())
     assert info["params"]["spec"]["name"] == "shop" and info["params"]["spec"]["baseline_tau"] == 0.01
 
-    model = _clip_folder(tmp_path / "clip")
+    model = clip_folder(tmp_path / "clip")
     res = tmp_path / "res"
     code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "both", "--corruptions", "gaussian_noise",
                      "--text-corruptions", "ocr", "--objectives", "tent", "--steps", "1", "--batch-size", "4", "--quiet",
