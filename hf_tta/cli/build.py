@@ -130,10 +130,14 @@ def cmd_build(args) -> int:
     report = builder.report
     print(f"hf-tta: built {len(built)} configs of {builder.spec.name} in {args.output_dir}: {report.summary()}")
     if args.push_to_hub:
-        pushed = push_benchmark(args.output_dir, args.push_to_hub, private=args.private or None, show_progress=not args.quiet)
+        from ..data.builders.composed_hub import is_composed_build, push_composed
+
+        push = push_composed if is_composed_build(args.output_dir) else push_benchmark
+        pushed = push(args.output_dir, args.push_to_hub, private=args.private or None, show_progress=not args.quiet)
         print(f"hf-tta: pushed {len(pushed)} configs and the dataset card to {args.push_to_hub}")
     direction = ",".join(builder.spec.directions)
-    print(f"hf-tta: run it with `hf-tta run --model <model> --dataset {args.output_dir} --direction {direction} --clean`")
+    extra = " --batch-size 32" if direction == "c2i" else " --clean"
+    print(f"hf-tta: run it with `hf-tta run --model <model> --dataset {args.output_dir} --direction {direction}{extra}`")
     return 0
 
 

@@ -4,6 +4,7 @@ task (emoji, Hub or audio/video benchmark) and the run settings, all from the pa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
@@ -35,9 +36,52 @@ def _audio_video(args) -> bool:
     return av
 
 
+def _composed(args) -> bool:
+    """Whether this run is composed image retrieval (``--direction c2i``, or a composed build as ``--dataset``, whose
+    direction then defaults to c2i)."""
+    from ..data.builders.composed_hub import is_composed_build
+
+    built = bool(getattr(args, "dataset", None)) and is_composed_build(args.dataset)
+    directions = getattr(args, "direction", None)
+    if built and directions is None:
+        args.direction = directions = ["c2i"]
+    wants = "c2i" in (directions or ())
+    if built and not wants:
+        raise UsageError(f"{args.dataset} is a composed image retrieval build: run it with --direction c2i.")
+    if wants and (len(directions) > 1 or not built and args.dataset and Path(str(args.dataset)).is_dir()):
+        raise UsageError("--direction c2i runs alone, on a FIQ or CIRR build of `hf-tta build --fashioniq/--cirr`.")
+    if wants and not (args.model and args.dataset):
+        raise UsageError("--direction c2i needs --model (a Blip2ForImageTextRetrieval checkpoint) and --dataset (a composed build).")
+    return wants
+
+
+def resolve_composed_grid(args) -> tuple[list, dict]:
+    """The jobs of a composed run: the build's query configs (``--corruptions`` picks some; ``clean`` with --clean)."""
+    from ..benchmarks.composed_task import composed_dataset_configs
+    from ..benchmarks.grid import DEFAULT_OBJECTIVES, Condition, jobs_for
+
+    configs = composed_dataset_configs(args.dataset)
+    shifts = [c for c in configs if c != "clean"]
+    if not args.full and args.corruptions not in ("default", "all"):
+        named = comma_list(args.corruptions) + (["diverse"] if args.diverse else [])
+        unknown = [n for n in named if n not in shifts]
+        if unknown:
+            raise UsageError(f"{unknown} are not configs of {args.dataset} (it has {', '.join(configs)}).")
+        shifts = named
+    objectives = (full_grid_rows() if args.full else list(DEFAULT_OBJECTIVES)) if args.objectives is None else _objectives(args.objectives)
+    clean = Condition("c2i", "clean")
+    conds = ([clean] if args.clean or args.full or not shifts else []) + [Condition("c2i", s) for s in shifts]
+    references = [] if clean in conds or "clean" not in configs else [clean]
+    return jobs_for(conds, objectives, run_seeds(args), references), {"dataset_configs": configs}
+
+
 def make_task(args):
     from ..benchmarks.tasks import AVTask, EmojiTask, HubTask
 
+    if _composed(args):
+        from ..benchmarks.composed_task import ComposedTask
+
+        return ComposedTask(args.model, args.dataset, limit=args.limit, device=args.device)
     audio_video = _audio_video(args)  # an audio/video direction needs --model and --dataset
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
@@ -59,6 +103,8 @@ def resolve_grid(args) -> tuple[list, dict]:
     )
     from ..data.corruptions import IMAGE_SEVERITIES
 
+    if _composed(args):
+        return resolve_composed_grid(args)
     if _audio_video(args):
         return resolve_av_grid(args)
     notes: dict = {}
@@ -244,12 +290,11 @@ def _dataset_tau(args, objective_configs: dict, notes: dict) -> dict:
 def _built_jobs(args, task, jobs: list, notes: dict) -> list:
     """The jobs whose config a local built dataset has (a real-world set holds only ``clean``); the others are left
     out with a note, and none left is a :class:`UsageError` naming the configs there."""
-    from pathlib import Path
-
+    from ..benchmarks.composed_task import ComposedTask
     from ..benchmarks.tasks import AVTask, HubTask
     from ..data.builders.base import built_configs
 
-    if not isinstance(task, HubTask) or isinstance(task, AVTask) or not Path(str(args.dataset)).is_dir():
+    if not isinstance(task, HubTask) or isinstance(task, (AVTask, ComposedTask)) or not Path(str(args.dataset)).is_dir():
         return jobs
     available = set(built_configs(args.dataset))
     if not available:

@@ -54,6 +54,10 @@ def _commit_card(api, repo_id: str, data: dict, body: str, commit_message: str, 
     )
 
 
+#: Commit a card (YAML data + Markdown body): public name for the other publishers (:mod:`.composed_hub`).
+commit_card = _commit_card
+
+
 def remote_configs(repo_id: str, api, revision: str | None = None) -> list[str]:
     """Config names declared in the repository's card (what ``push_to_hub`` already published)."""
     card = read_remote_card(repo_id, api, revision)
@@ -186,4 +190,4 @@ def push_av_benchmark(
     return configs
 
 
-__all__ = ["push_av_benchmark", "push_benchmark", "push_card", "read_remote_card", "remote_configs"]
+__all__ = ["commit_card", "push_av_benchmark", "push_benchmark", "push_card", "read_remote_card", "remote_configs"]

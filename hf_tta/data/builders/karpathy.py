@@ -168,6 +168,10 @@ def _readable(path: Path) -> bool:
         return False
 
 
+#: Whether an image file decodes fully (public name for the other builders).
+is_readable = _readable
+
+
 def scan_sources(
     images: Iterable[KarpathyImage],
     images_root: str | os.PathLike,

@@ -192,6 +192,11 @@ def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     return _load_any(source, config, split, **load_kwargs)
 
 
+def load_any_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
+    """:func:`load_config` for any config name (composed and audio-video builds have their own)."""
+    return _load_any(source, config, split, **load_kwargs)
+
+
 def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     """:func:`load_config` without checking ``config`` against the COCO-C / Flickr-C names."""
     from datasets import DatasetDict, load_dataset, load_from_disk
@@ -374,6 +379,7 @@ def load_av_retrieval(
 __all__ = [
     "AVRetrievalSplit",
     "built_spec",
+    "load_any_config",
     "LazyImages",
     "LazyItems",
     "RetrievalSplit",
