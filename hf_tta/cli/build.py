@@ -88,7 +88,14 @@ def make_builder(args):
     if kind in ("fashioniq", "cirr"):
         from ..data.builders.composed import composed_builder
 
-        builder = composed_builder(kind, path, args.output_dir, category=args.category, images_root=args.images_root, **common)
+        if args.domain or args.diverse_stream or (kind == "cirr" and args.category):
+            raise UsageError("--domain and --diverse-stream are for --nocaps / --fashion-gen; --category only for --fashioniq.")
+        if kind == "fashioniq" and not args.category:
+            raise UsageError("--fashioniq needs --category dress, shirt or toptee (one build per category, as REST's Table III).")
+        try:
+            builder = composed_builder(kind, path, args.output_dir, category=args.category, images_root=args.images_root, **common)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         return builder, builder.default_configs(), {}
     if kind == "pairs":
         if args.domain or args.category or args.diverse_stream:

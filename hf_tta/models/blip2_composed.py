@@ -40,7 +40,8 @@ class Blip2ComposedAdapter(ModelAdapter):
         "image": ("vision_model", "query_tokens", "qformer", "vision_projection"),
     }
     multi_vector = frozenset({"image"})
-    # Not given by REST for BLIP-2; BLIP's image-query rate (TCR App. B.2), since the reference image drives the query.
+    # Not given by REST for BLIP-2. The fused embedding is the Q-Former's text output (text_projection of a text token),
+    # so BLIP's text-query rate, 3e-5 (TCR App. B.2); the gallery side keeps BLIP's image rate.
     default_lr = {"composed": 3e-5, "image": 3e-4}
     processors = {"composed": "Blip2Processor(images=references, text=modifications)", "image": "Blip2Processor / BlipImageProcessor"}
     vocab_config = "qformer_config"

@@ -26,6 +26,8 @@ from .base import BUILD_INFO, CLEAN, SPLIT
 from .benchmark import BenchmarkBuilder, build_benchmark
 from .card import card_metadata, card_text, dataset_card
 from .clips import AVClip, ClipReport, read_clip_list, select_pairs
+from .composed import COMPOSED_CONFIGS, ComposedBuilder, composed_builder
+from .composed_hub import ComposedSplit, load_composed_split, push_composed
 from .hub import push_av_benchmark, push_benchmark, push_card, remote_configs
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .loading import (
@@ -68,6 +70,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "push_composed",
+    "load_composed_split",
+    "composed_builder",
+    "ComposedSplit",
+    "ComposedBuilder",
+    "COMPOSED_CONFIGS",
     "AUDIOSET_D_CONFIGS",
     "AUDIOSET_O_CONFIGS",
     "AVClip",

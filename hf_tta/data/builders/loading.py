@@ -109,7 +109,8 @@ class RetrievalSplit:
 
     ``task`` is ``"i2t"`` (image queries, caption gallery) or ``"t2i"`` (caption queries, image gallery).
     ``relevant[i]`` lists the gallery positions relevant to query ``i`` (5 captions per image for i2t, the image
-    of the caption for t2i): pass it to :func:`hf_tta.metrics.retrieval_metrics`.
+    of the caption for t2i; with a ``group`` column, every caption / image of the query's group: Fashion-Gen's
+    products, the ReID sets' persons): pass it to :func:`hf_tta.metrics.retrieval_metrics`.
     """
 
     task: str
