@@ -124,7 +124,24 @@ def clip_folder(root: Path) -> Path:
     return root
 
 
-def test_hf_tta_build_pairs_then_run_dataset_end_to_end(tmp_path, capsys):
+def blip_folder(root: Path) -> Path:
+    """A tiny BlipForImageTextRetrieval saved with its processor (loaded back as that class, not BlipModel)."""
+    from transformers import BertTokenizer, BlipImageProcessor, BlipProcessor
+
+    from tiny_models import make_model
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *[f"##{c}" for c in string.ascii_lowercase]]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "vocab.txt").write_text("\n".join(vocab))
+    proc = BlipProcessor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}),
+                         tokenizer=BertTokenizer(str(root / "vocab.txt"), model_max_length=24))
+    make_model("blip").save_pretrained(root)
+    proc.save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["clip", "blip"])
+def test_hf_tta_build_pairs_then_run_dataset_end_to_end(tmp_path, capsys, kind):
     pairs = write_jsonl(tmp_path / "src")
     out = tmp_path / "built"
     assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(out), "--configs", CONFIGS, "--name", "shop", "--quiet"]) == 0
@@ -134,7 +151,7 @@ def test_hf_tta_build_pairs_then_run_dataset_end_to_end(tmp_path, capsys):
     info = json.loads((out / "build_info.json").read_text())
     assert info["params"]["spec"]["name"] == "shop" and info["params"]["spec"]["baseline_tau"] == 0.01
 
-    model = clip_folder(tmp_path / "clip")
+    model = clip_folder(tmp_path / "clip") if kind == "clip" else blip_folder(tmp_path / "blip")
     res = tmp_path / "res"
     code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "both", "--corruptions", "gaussian_noise",
                      "--text-corruptions", "ocr", "--objectives", "tent", "--steps", "1", "--batch-size", "4", "--quiet",

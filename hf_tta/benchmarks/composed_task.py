@@ -22,18 +22,6 @@ class ComposedTask(HubTask):
 
     name = "composed"
 
-    def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
-        model_id = None
-        if isinstance(model, str):  # the checkpoint's own class (AutoModel would give Blip2Model, without the ITC heads)
-            import transformers
-            from transformers import AutoConfig, AutoModel, AutoProcessor
-
-            arch = (AutoConfig.from_pretrained(model).architectures or [None])[0]
-            model_id, processor = model, processor or AutoProcessor.from_pretrained(model)
-            model = (getattr(transformers, arch, AutoModel) if arch else AutoModel).from_pretrained(model, dtype=torch.float32)
-        super().__init__(model, dataset, processor, limit, device)
-        self.model_id = model_id or self.model_id
-
     def _config(self, cond: Condition) -> str:
         return cond.shift
 

@@ -286,11 +286,11 @@ class HubTask(Task):
 
     def __init__(self, model, dataset, processor=None, limit: int | None = None, device: str = "cpu"):
         if isinstance(model, str):
-            from transformers import AutoModel, AutoProcessor
+            from transformers import AutoProcessor
 
             self.model_id = model
             processor = processor or AutoProcessor.from_pretrained(model)
-            model = AutoModel.from_pretrained(model, dtype=torch.float32)
+            model = load_checkpoint(model)
         else:
             self.model_id = type(model).__name__
         if processor is None:
@@ -410,6 +410,22 @@ class AVTask(HubTask):
         from ..data.builders.audioset import to_model_inputs
 
         return self._on_device(to_model_inputs(raw, modality, self._processor(modality), self.sampling_rate))
+
+
+def load_checkpoint(model_id: str):
+    """A checkpoint as the class it was saved from (its config's ``architectures``): ``AutoModel`` would load a BLIP
+    or BLIP-2 retrieval checkpoint as ``BlipModel`` / ``Blip2Model``, without the retrieval heads hf_tta scores with.
+    Falls back to ``AutoModel`` when the class is not in transformers."""
+    import transformers
+    from transformers import AutoConfig, AutoModel
+
+    arch = (getattr(AutoConfig.from_pretrained(model_id), "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = AutoModel
+    elif cls is not AutoModel:
+        logger.info("Loading %s as %s (its config's architectures).", model_id, cls.__name__)
+    return cls.from_pretrained(model_id, dtype=torch.float32)
 
 
 class HeadSequence(Sequence):
