@@ -279,3 +279,9 @@ def test_composed_hf_tta_build_then_run_dataset_end_to_end(tmp_path, capsys):
     assert "composed image retrieval build: run it with --direction c2i" in capsys.readouterr().err
     assert cli.main(["build", "--fashioniq", str(root), "--output-dir", str(tmp_path / "f")]) == 2
     assert "--fashioniq needs --category" in capsys.readouterr().err
+    # the sentence representative (back-translation) needs seq2seq checkpoints: one line naming the fix, nothing built
+    code = cli.main(["build", "--cirr", str(root), "--output-dir", str(tmp_path / "s"), "--configs", "gallery,noise_sent", "--quiet",
+                     "--text-model", "back_translation=/nonexistent/en-de,/nonexistent/de-en"])
+    err = capsys.readouterr().err
+    assert code == 2 and "back_translation" in err and "--configs" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s" / "gallery").exists()

@@ -52,6 +52,10 @@ def add_build_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N items (smoke test)")
     p.add_argument("--on-missing", choices=["error", "skip"], default="error",
                    help="a missing/unreadable image: stop (default) or leave it out of every config (counted in the card)")
+    p.add_argument("--text-model", action="append", default=[], metavar="NAME=ID[,ID]",
+                   help="a seq2seq checkpoint of a sentence-level text corruption (folder or cached Hub id), e.g. "
+                   "back_translation=facebook/wmt19-en-de,facebook/wmt19-de-en or formal=prithivida/informal_to_formal_styletransfer")
+    p.add_argument("--wordnet", default=None, help="WordNet folder for the synonym corruptions (default: nltk's or Debian's)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="publish the built configs and the card to this dataset repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
     p.add_argument("--quiet", action="store_true")
@@ -78,13 +82,30 @@ def default_image_text_configs() -> tuple[list[str], dict[str, str]]:
     return configs, missing
 
 
+def _text_models(items: list[str]) -> dict:
+    from ..data.corruptions import SENTENCE_CORRUPTIONS
+
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in SENTENCE_CORRUPTIONS or not value:
+            raise UsageError(f"--text-model {item!r}: write NAME=ID with NAME in {', '.join(SENTENCE_CORRUPTIONS)} "
+                             "(back_translation takes two ids: EN_DE,DE_EN).")
+        ids = [v.strip() for v in value.split(",") if v.strip()]
+        if name == "back_translation" and len(ids) != 2:
+            raise UsageError("--text-model back_translation=EN_DE,DE_EN takes the two translation checkpoints.")
+        out[name] = tuple(ids) if name == "back_translation" else ids[0]
+    return out
+
+
 def make_builder(args):
     """The builder of the named source; ``(builder, default configs, notes)``."""
     from ..data.builders.pairs import pairs_builder, pairs_spec
     from ..data.builders.realworld import realworld_builder
 
     kind, path = _source(args)
-    common = {"seed": args.seed, "limit": args.limit, "on_missing": args.on_missing, "show_progress": not args.quiet}
+    common = {"seed": args.seed, "limit": args.limit, "on_missing": args.on_missing, "show_progress": not args.quiet,
+              "text_models": _text_models(args.text_model) or None, "wordnet": args.wordnet}
     if kind in ("fashioniq", "cirr"):
         from ..data.builders.composed import composed_builder
 
@@ -133,7 +154,13 @@ def cmd_build(args) -> int:
     for what, items in notes.items():
         for name, why in (items or {}).items():
             print(f"hf-tta: {what}: {name} ({why})")
-    built = builder.build(configs)
+    from ..data.corruptions.base import MissingResourceError
+
+    try:
+        built = builder.build(configs)
+    except MissingResourceError as err:
+        raise UsageError(f"{str(err).splitlines()[0][:300]} ... Pass --text-model NAME=ID (or --wordnet DIR), or leave those "
+                         "configs out with --configs (e.g. without the *_sent / text-<sentence> ones).") from None
     report = builder.report
     print(f"hf-tta: built {len(built)} configs of {builder.spec.name} in {args.output_dir}: {report.summary()}")
     if args.push_to_hub:
