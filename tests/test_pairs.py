@@ -183,3 +183,4 @@ def test_push_pairs_build_to_fake_hub_with_its_card(tmp_path, fake_hub):  # noqa
     assert "pairs" in card.text and "position in the pairs file" in card.text and "tau = 0.01" in card.text
     back = load_dataset(str(repo), "clean", split="test")
     assert back["group"] == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert card.data.to_dict()["hf_tta"] == {"benchmark": "pairs", "baseline_tau": 0.01, "directions": ["i2t", "t2i"]}

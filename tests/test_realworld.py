@@ -104,6 +104,15 @@ def test_nocaps_build_card_and_tau(tmp_path, fake_hub):  # noqa: F811
     assert "agrawal2019nocaps" in card.text
 
 
+def test_published_fashion_gen_keeps_its_tau_for_hf_tta_run(tmp_path, fake_hub):  # noqa: F811
+    builder = realworld_builder("fashion-gen", write_fashion_gen(tmp_path / "fg.h5"), tmp_path / "out", show_progress=False)
+    builder.build(["clean"])
+    push_benchmark(builder.output_dir, "me/fashion-gen", api=fake_hub.api(), show_progress=False)
+    spec = built_spec(fake_hub.repo_dir("me/fashion-gen"))  # the Hub layout: read from the card's hf_tta block
+    assert spec.name == "fashion-gen" and spec.baseline_tau == 0.001 and spec.pretty_name.startswith("Fashion-Gen")
+    assert built_spec(tmp_path / "nothing-here") is None
+
+
 def test_nocaps_missing_image_names_the_file(tmp_path):
     path = write_nocaps(tmp_path)
     (tmp_path / "val" / f"{4:016x}.jpg").unlink()

@@ -98,6 +98,8 @@ def card_metadata(spec: BenchmarkSpec, num_rows: int | None = None) -> dict[str,
         "task_categories": ["image-to-text", "text-to-image"],
         "tags": ["test-time-adaptation", "robustness", "query-shift", "image-text-retrieval", "corruptions", "hf_tta"],
         "size_categories": [size],
+        # read back by `hf-tta run --dataset <repo>` (hf_tta.data.builders.loading.built_spec)
+        "hf_tta": {"benchmark": spec.name, "baseline_tau": spec.baseline_tau, "directions": list(spec.directions)},
     }
 
 

@@ -174,7 +174,8 @@ def push_composed(output_dir: str | os.PathLike, repo_id: str, *, private: bool 
     data = old.data.to_dict() if old is not None else {}
     spec = benchmark_spec(info["params"]["spec"])
     data.update({"pretty_name": spec.pretty_name, "license": spec.license_id, "language": ["en"],
-                 "tags": ["hf_tta", "test-time-adaptation", "query-shift", "composed-image-retrieval"]})
+                 "tags": ["hf_tta", "test-time-adaptation", "query-shift", "composed-image-retrieval"],
+                 "hf_tta": {"benchmark": spec.name, "baseline_tau": spec.baseline_tau, "directions": list(spec.directions), "kind": "composed"}})
     commit_card(api, repo_id, data, composed_card_text(info, repo_id, configs), "Update dataset card")
     return configs
 

@@ -221,19 +221,42 @@ def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
 
 
 def built_spec(source: Any):
-    """The :class:`~.specs.BenchmarkSpec` a local build folder records (``build_info.json``), or ``None`` (Hub ids,
-    mappings, audio-video folders)."""
+    """The :class:`~.specs.BenchmarkSpec` of a benchmark: from a build folder's ``build_info.json``, or the ``hf_tta``
+    block of a published card (a Hub id or a local Hub-layout folder: name, baseline tau, directions over the
+    registered spec or a default one). ``None`` where neither is found (mappings, audio-video builds, offline)."""
     import json
 
     from .base import BUILD_INFO
-    from .specs import benchmark_spec
+    from .specs import IMAGE_TEXT_BENCHMARKS, BenchmarkSpec, benchmark_spec
 
-    if not isinstance(source, (str, os.PathLike)) or not (Path(source) / BUILD_INFO).is_file():
+    if not isinstance(source, (str, os.PathLike)):
         return None
-    params = json.loads((Path(source) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+    if (Path(source) / BUILD_INFO).is_file():
+        params = json.loads((Path(source) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+        try:
+            return benchmark_spec(params.get("spec") or params.get("benchmark"))
+        except (ValueError, TypeError):
+            return None
+    block = _card_block(source)
+    if not isinstance(block, dict) or "benchmark" not in block:
+        return None
+    base = IMAGE_TEXT_BENCHMARKS.get(block["benchmark"]) or BenchmarkSpec(
+        str(block["benchmark"]), str(block["benchmark"]), "", "", 0, 0, "", "", "other", "")
+    from dataclasses import replace
+
+    return replace(base, baseline_tau=float(block.get("baseline_tau", base.baseline_tau)),
+                   directions=tuple(block.get("directions", base.directions)))
+
+
+def _card_block(source) -> dict | None:
+    """The ``hf_tta`` block of a dataset card (local Hub-layout folder or Hub id); ``None`` when unreadable."""
     try:
-        return benchmark_spec(params.get("spec") or params.get("benchmark"))
-    except (ValueError, TypeError):
+        from huggingface_hub import DatasetCard
+
+        local = Path(source) / "README.md"
+        card = DatasetCard.load(local) if local.is_file() else DatasetCard.load(str(source), repo_type="dataset")
+        return card.data.to_dict().get("hf_tta")
+    except Exception:  # offline, no such repo, no card: the papers' default temperature applies
         return None
 
 
