@@ -205,3 +205,18 @@ def test_reid_irra_recipe_runs_clip_through_the_dual_encoder_adapter(tmp_path, c
     rows = json.loads((tmp_path / "res" / "results.json").read_text())["rows"]
     assert {r["objective"] for r in rows} == {"source", "tent"} and all(r["direction"] == "t2i" for r in rows)
     assert recipe.main(["--model", str(model), "--dataset", str(tmp_path / "raw")]) == 2
+
+
+def test_fashion_gen_d_runs_rest_with_gradient_decoupling_and_key_rows_by_category(tmp_path, capsys):
+    out = tmp_path / "fgd"
+    assert cli.main(["build", "--fashion-gen", str(write_fashion_gen(tmp_path / "fg.h5")), "--diverse-stream", "--output-dir", str(out), "--quiet"]) == 0
+    model = clip_folder(tmp_path / "clip")
+    res = tmp_path / "res"
+    code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "i2t", "--clean", "--objectives", "rest,tent+key",
+                     "--steps", "1", "--batch-size", "4", "--quiet", "--threads", "1", "--no-plots", "--output-dir", str(res)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "fashion-gen-d: rest runs with gradient decoupling" in printed.out and "tau = 0.001" in printed.out
+    rows = {r["objective"]: r for r in json.loads((res / "results.json").read_text())["rows"]}
+    assert rows["rest"]["gradient_decoupling"] is True and "error" not in rows["tent+key"]
+    assert rows["tent+key"]["domains"] == 3  # one adapter per category: SHIRTS, SKIRTS, TOPS

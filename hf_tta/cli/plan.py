@@ -287,6 +287,19 @@ def _dataset_tau(args, objective_configs: dict, notes: dict) -> dict:
     return out
 
 
+def _dataset_gd(args, notes: dict) -> tuple[str, ...] | None:
+    """REST's gradient decoupling for ``rest`` on every stream of a diverse-stream set (Fashion-Gen-D: "the gradient
+    decoupling module is employed under the DQS setting"); ``None`` (the runner's default) elsewhere."""
+    from ..data.builders.loading import built_spec
+
+    spec = built_spec(args.dataset) if getattr(args, "dataset", None) else None
+    if spec is None or not spec.diverse_stream:
+        return None
+    notes["gradient_decoupling"] = {"objectives": ["rest"], "why": f"{spec.name} is a diverse-stream set (REST's DQS)"}
+    print(f"hf-tta: {spec.name}: rest runs with gradient decoupling (REST's DQS protocol; --gradient-decoupling overrides it)", flush=True)
+    return ("rest",)
+
+
 def _built_jobs(args, task, jobs: list, notes: dict) -> list:
     """The jobs whose config a local built dataset has (a real-world set holds only ``clean``); the others are left
     out with a note, and none left is a :class:`UsageError` naming the configs there."""
@@ -322,6 +335,8 @@ def prepare_run(args, show_progress: bool):
     task = make_task(args)
     jobs = _built_jobs(args, task, jobs, notes)
     objective_configs = _dataset_tau(args, objective_configs, notes)
+    if gradient_decoupling is None:
+        gradient_decoupling = _dataset_gd(args, notes)
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(

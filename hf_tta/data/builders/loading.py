@@ -121,6 +121,8 @@ class RetrievalSplit:
     query_ids: list[int]
     gallery_ids: list[int]
     query_corruptions: list[tuple[str, int]] = field(default_factory=list)
+    #: Each query's domain where the build records one (``domain`` column: Fashion-Gen categories, Nocaps domains).
+    query_domains: list[str] | None = None
     #: The audio rate of audio queries/galleries (``None`` for the other modalities).
     sampling_rate: int | None = None
 
@@ -301,7 +303,8 @@ def load_retrieval_split(
                 by_group.setdefault(g, []).extend(rel)
             relevant = [by_group[g] for g in groups]
         corr = list(zip(cols["corruption"], cols["severity"]))
-        return RetrievalSplit(task, config, LazyImages(ds), gallery, relevant, list(cols["image_id"]), gallery_ids, corr)
+        return RetrievalSplit(task, config, LazyImages(ds), gallery, relevant, list(cols["image_id"]), gallery_ids, corr,
+                              query_domains=list(cols["domain"]) if "domain" in cols else None)
     gallery_ds = load_config(source, gallery_config, split, **load_kwargs)
     gallery_cols = gallery_ds.select_columns([c for c in ("image_id", "group") if c in gallery_ds.column_names])[:]
     gallery_ids = list(gallery_cols["image_id"])
@@ -312,7 +315,7 @@ def load_retrieval_split(
             raise ValueError(f"{config!r} has a 'group' column but the gallery config {gallery_config!r} has none: build them together.")
         for k, g in enumerate(gallery_cols["group"]):
             members.setdefault(g, []).append(k)
-    queries, query_ids, relevant, corr = [], [], [], []
+    queries, query_ids, relevant, corr, domains = [], [], [], [], []
     has_lists = "clean_captions" in cols  # a text config; `clean` has scalar corruption columns
     for r, (iid, caps, ids) in enumerate(zip(cols["image_id"], cols["captions"], cols["caption_ids"])):
         if iid not in pos:
@@ -324,7 +327,9 @@ def load_retrieval_split(
             query_ids.append(sid)
             relevant.append(members[groups[r]] if groups is not None else [pos[iid]])
             corr.append((n, s))
-    return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr)
+            domains.append(cols["domain"][r] if "domain" in cols else None)
+    return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr,
+                          query_domains=domains if "domain" in cols else None)
 
 
 def _decode_audio(sampling_rate: int | None) -> Callable[[bytes], np.ndarray]:

@@ -122,9 +122,12 @@ FASHION_GEN = register_spec(BenchmarkSpec(
 FASHION_GEN_D = register_spec(BenchmarkSpec(
     name="fashion-gen-d",
     pretty_name="Fashion-Gen-D (diverse query shift over 48 product categories, REST Table VI)",
+    diverse_stream=True,
     construction=("Rows as `fashion-gen`, reordered so that the categories are interleaved (round robin over the "
                   "categories in order of first appearance): a stream of diverse user demands (REST's DQS; REST "
-                  "runs it with gradient decoupling).",),
+                  "runs it with gradient decoupling, which `hf-tta run` turns on for this set). `hf-tta run` feeds a "
+                  "stream in a seeded random order, itself a mix of the categories; the `domain` column keys the `+key` "
+                  "rows.",),
     **_FG_COMMON,
 ))
 _PEDES_COMMON = dict(

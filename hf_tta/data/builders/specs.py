@@ -46,6 +46,8 @@ class BenchmarkSpec:
     split_license: str = "Karpathy splits: released with \"Deep Visual-Semantic Alignments for Generating Image Descriptions\"."
     #: Extra construction bullets of the card (how the rows were read from the raw files).
     construction: tuple[str, ...] = ()
+    #: A diverse query stream (REST's DQS): ``hf-tta run`` turns on REST's gradient decoupling, as REST does there.
+    diverse_stream: bool = False
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
