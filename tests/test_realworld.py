@@ -167,11 +167,12 @@ def test_pedes_test_split_groups_by_person(tmp_path, benchmark, name):
     assert len(t2i.queries) == 8 and t2i.relevant[2] == [1, 2] and t2i.relevant[0] == [0]
 
 
-def test_pedes_file_of_another_split_is_one_line(tmp_path):
+def test_pedes_file_of_another_split_is_one_line(tmp_path, capsys):
     path = write_pedes(tmp_path, splits=("train", "train"))
     with pytest.raises(ValueError, match=r"reid_raw.json has no 'test' entry \(its splits: \['train'\]\)"):
         read_pedes(path)
-    assert cli.main(["build", "--cuhk-pedes", str(path), "--output-dir", str(tmp_path / "o")]) == 1
+    assert cli.main(["build", "--cuhk-pedes", str(path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "has no 'test' entry" in capsys.readouterr().err and not (tmp_path / "o" / "clean").exists()
 
 
 def test_hf_tta_build_and_run_a_reid_set_with_its_tau(tmp_path, capsys):

@@ -156,6 +156,10 @@ def cmd_build(args) -> int:
             print(f"hf-tta: {what}: {name} ({why})")
     from ..data.corruptions.base import MissingResourceError
 
+    try:  # reading and checking the raw files: their mistakes are the user's to fix (exit status 2)
+        builder.prepare()
+    except (ValueError, FileNotFoundError) as err:
+        raise UsageError(str(err).strip().splitlines()[0]) from None
     try:
         built = builder.build(configs)
     except MissingResourceError as err:
