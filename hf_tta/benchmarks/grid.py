@@ -28,6 +28,8 @@ AV_DIRECTIONS = {
     "t2v": ("text", "video"),
     "v2a": ("video", "audio"),
     "a2v": ("audio", "video"),
+    # composed image retrieval (REST Table III / A.8): reference image + modification text -> target images
+    "c2i": ("composed", "image"),
 }
 #: Streams that check that adaptation is safe to leave running: ``switch`` changes shift every
 #: :data:`SWITCH_EVERY` queries of the stream (2 batches of 64), cycling through one corruption per family;

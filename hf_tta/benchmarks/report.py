@@ -35,6 +35,11 @@ AV_ABBREVIATIONS = {
 }
 
 
+#: FIQ-O / CIRR-O columns as REST's Tables III and A.8 name them (Noise*+Char, ...).
+AV_ABBREVIATIONS.update({f"{i}_{t}": f"{i.capitalize()}*+{t.capitalize()}" for i in ("noise", "blur", "weather", "digital")
+                         for t in ("char", "word", "sent")})
+
+
 def abbreviation(shift: str) -> str:
     if shift in IMAGE_ABBREVIATIONS:
         return IMAGE_ABBREVIATIONS[shift]

@@ -322,6 +322,9 @@ class GridRunner:
                     info["domains"] = tta.num_domains
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
+            extra = getattr(self.task, "extra_metrics", None)  # a task's own columns (composed retrieval: REST's)
+            if extra is not None:
+                row.update({k: v for k, v in extra(cond, scores).items() if k not in row})
             row.update(info)
             g = gallery.single.float().cpu()
             row["uniformity_after"] = round(uniformity(after), 6)

@@ -346,6 +346,15 @@ class HubTask(Task):
     def gallery_items(self, cond: Condition) -> Sequence:
         return self._split(Condition(cond.direction, "clean")).gallery
 
+    def query_domains(self, cond: Condition, seed: int | None = None) -> list[str] | None:
+        """The ``domain`` column of the build (Fashion-Gen's 48 categories, a Nocaps domain) for the ``+key`` rows;
+        ``None`` where the build has none."""
+        domains = getattr(self._split(cond), "query_domains", None)
+        if domains is None:
+            return None
+        n = len(domains) if self.limit is None else min(self.limit, len(domains))
+        return list(domains[:n])
+
     def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
         raw = list(raw)
         if modality == "image":

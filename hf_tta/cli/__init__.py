@@ -17,7 +17,8 @@ Examples::
     hf-tta run --model ./my-model --dataset ./coco-c --config my_tta_config.yaml   # TTAConfig fields from a file
     hf-tta run --model laion/clap-htsat-unfused --dataset ./audioset-o --direction a2t,t2a   # audio <-> text
     hf-tta run --model microsoft/xclip-base-patch32 --dataset ./audioset-d --direction video->text
-    hf-tta list                                    # objectives, corruptions, styles
+    hf-tta build --pairs pairs.jsonl --output-dir ./my-set   # any image-text set -> a query-shift benchmark
+    hf-tta list                                    # objectives, corruptions, styles, benchmarks
     hf-tta clean                                   # clean R@1/5/10 of the source model
 
 ``--model`` loads the class the checkpoint's config.json declares when hf_tta adapts it (``BlipForImageTextRetrieval``,
@@ -28,7 +29,7 @@ summary and exit status 1.
 The package, one idea per module: ``arguments`` (the parser, the argument types, :class:`UsageError` and
 :func:`validate_args`), ``config_args`` (the adaptation options generated from :class:`~hf_tta.TTAConfig`'s fields and
 ``--config``), ``environment`` (threads, offline mode), ``plan`` (the grid, the task and the run settings of
-``hf-tta run``), ``run`` (``hf-tta run`` and its resumable ``rows.jsonl``), ``listing`` (``hf-tta list``), ``clean``
+``hf-tta run``), ``run`` (``hf-tta run`` and its resumable ``rows.jsonl``), ``build`` (``hf-tta build``), ``listing`` (``hf-tta list``), ``clean``
 (``hf-tta clean``) and ``results`` (``hf-tta plot`` and ``hf-tta merge``); this module holds :func:`main`, the entry
 point of the ``hf-tta`` console script and of ``python -m hf_tta.cli``.
 """
@@ -39,6 +40,7 @@ import sys
 from typing import Sequence
 
 from .arguments import SUBCOMMANDS, UsageError, build_parser, validate_args
+from .build import cmd_build
 from .clean import cmd_clean
 from .environment import go_offline, setup_environment
 from .listing import cmd_list
@@ -51,6 +53,7 @@ __all__ = [
     "SUBCOMMANDS",
     "UsageError",
     "build_parser",
+    "cmd_build",
     "cmd_clean",
     "cmd_list",
     "cmd_merge",
@@ -82,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    handlers = {"run": cmd_run, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
+    handlers = {"run": cmd_run, "build": cmd_build, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     try:
         args, extra = build_parser().parse_known_args(_default_to_run(argv))
         if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options

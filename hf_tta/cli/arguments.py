@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .errors import UsageError
 
-SUBCOMMANDS = ("run", "list", "clean", "plot", "merge")
+SUBCOMMANDS = ("run", "build", "list", "clean", "plot", "merge")
 
 
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Subcommands have their own --help, e.g. `hf-tta run --help`. A mistake on the command line prints one line "
         "naming the fix (exit status 2); add --debug anywhere for the traceback.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,list,clean,plot,merge}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,build,list,clean,plot,merge}")
 
     run = sub.add_parser("run", help="run a benchmark grid (the default)", description="Run a (shift x severity x objective) grid; "
                          "every run starts from the source model, streams the queries in a seeded order in batches, "
@@ -138,11 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", type=_seeds, default=None, help="Comma list, e.g. 0,1,2: run every cell once per seed (stream order, corruptions, "
                    "objectives' RNG); tables show mean ± std and a paired bootstrap 95%% interval of each row's difference to the source model. "
                    "Default: --seed.")
-    g.add_argument("--direction", type=_directions, default=None, metavar="{i2t,t2i,both,a2t,t2a,v2t,t2v,v2a,a2v}",
+    g.add_argument("--direction", type=_directions, default=None, metavar="{i2t,t2i,both,a2t,t2a,v2t,t2v,v2a,a2v,c2i}",
                    help="Query->gallery direction(s), a comma list: i2t: image queries / caption gallery; t2i: caption queries / image gallery "
                    "(default i2t; both with --full). With an audio/video --dataset: a2t (audio->text), t2a (text->audio), v2t (video->text), "
                    "t2v (text->video), v2a (video->audio), a2v (audio->video); long forms such as video->audio or video2audio work too. "
-                   "Video queries run the dataset's video_* configs, audio queries its audio_* configs, text queries (and VGGSound) clean.")
+                   "Video queries run the dataset's video_* configs, audio queries its audio_* configs, text queries (and VGGSound) clean. "
+                   "c2i: composed queries (reference image + text) -> target images, on a FIQ / CIRR build (the default there).")
     g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per category: gaussian_noise, defocus_blur, snow, contrast). "
                    "Audio/video: the dataset's configs to run (e.g. video_noise_blur,video_diverse; default: all of the query modality's); "
                    "a direction whose query modality has none of them runs clean.")
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true", help="No progress bars.")
     o.add_argument("--fresh", action="store_true", help="Ignore the rows an interrupted run with the same arguments left in --output-dir.")
 
+    from .build import add_build_parser
+
+    add_build_parser(sub)
     lst = sub.add_parser("list", help="list objectives, corruptions and styles", description="List what a grid can contain.")
     lst.add_argument("--check-text", action="store_true", help="Also try each text corruption to see whether it runs offline here.")
 

@@ -1,4 +1,5 @@
-"""``hf-tta list``: the objectives, corruptions, styles, row options and audio/video configs a grid can contain."""
+"""``hf-tta list``: the objectives, corruptions, styles, row options and audio/video configs a grid can contain, and
+every benchmark of the papers with what it needs and its status (:mod:`hf_tta.benchmarks.catalog`)."""
 
 from __future__ import annotations
 
@@ -36,4 +37,14 @@ def cmd_list(args) -> int:
     print("audio/video:       --direction " + ", ".join(f"{d} ({q}->{g})" for d, (q, g) in AV_DIRECTIONS.items()))
     for name, configs in AV_BENCHMARKS.items():
         print(f"  {name + ':':<16} " + ", ".join(configs))
+    from ..benchmarks.catalog import CATALOG
+    from ..data.builders.composed import O_CONFIGS
+
+    print("composed (c2i):    gallery, clean, " + ", ".join(O_CONFIGS) + ", diverse")
+    print("benchmarks:        name [status] (papers): what to build it from / how / which model")
+    for e in CATALOG:
+        print(f"  {e.name} [{e.status}] ({e.paper}): {e.task}")
+        print(f"      raw files: {e.raw_files}")
+        print(f"      build:     {e.build}")
+        print(f"      model:     {e.model}")
     return 0

@@ -4,6 +4,7 @@ task (emoji, Hub or audio/video benchmark) and the run settings, all from the pa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
@@ -35,9 +36,52 @@ def _audio_video(args) -> bool:
     return av
 
 
+def _composed(args) -> bool:
+    """Whether this run is composed image retrieval (``--direction c2i``, or a composed build as ``--dataset``, whose
+    direction then defaults to c2i)."""
+    from ..data.builders.composed_hub import is_composed_build
+
+    built = bool(getattr(args, "dataset", None)) and is_composed_build(args.dataset)
+    directions = getattr(args, "direction", None)
+    if built and directions is None:
+        args.direction = directions = ["c2i"]
+    wants = "c2i" in (directions or ())
+    if built and not wants:
+        raise UsageError(f"{args.dataset} is a composed image retrieval build: run it with --direction c2i.")
+    if wants and (len(directions) > 1 or not built and args.dataset and Path(str(args.dataset)).is_dir()):
+        raise UsageError("--direction c2i runs alone, on a FIQ or CIRR build of `hf-tta build --fashioniq/--cirr`.")
+    if wants and not (args.model and args.dataset):
+        raise UsageError("--direction c2i needs --model (a Blip2ForImageTextRetrieval checkpoint) and --dataset (a composed build).")
+    return wants
+
+
+def resolve_composed_grid(args) -> tuple[list, dict]:
+    """The jobs of a composed run: the build's query configs (``--corruptions`` picks some; ``clean`` with --clean)."""
+    from ..benchmarks.composed_task import composed_dataset_configs
+    from ..benchmarks.grid import DEFAULT_OBJECTIVES, Condition, jobs_for
+
+    configs = composed_dataset_configs(args.dataset)
+    shifts = [c for c in configs if c != "clean"]
+    if not args.full and args.corruptions not in ("default", "all"):
+        named = comma_list(args.corruptions) + (["diverse"] if args.diverse else [])
+        unknown = [n for n in named if n not in shifts]
+        if unknown:
+            raise UsageError(f"{unknown} are not configs of {args.dataset} (it has {', '.join(configs)}).")
+        shifts = named
+    objectives = (full_grid_rows() if args.full else list(DEFAULT_OBJECTIVES)) if args.objectives is None else _objectives(args.objectives)
+    clean = Condition("c2i", "clean")
+    conds = ([clean] if args.clean or args.full or not shifts else []) + [Condition("c2i", s) for s in shifts]
+    references = [] if clean in conds or "clean" not in configs else [clean]
+    return jobs_for(conds, objectives, run_seeds(args), references), {"dataset_configs": configs}
+
+
 def make_task(args):
     from ..benchmarks.tasks import AVTask, EmojiTask, HubTask
 
+    if _composed(args):
+        from ..benchmarks.composed_task import ComposedTask
+
+        return ComposedTask(args.model, args.dataset, limit=args.limit, device=args.device)
     audio_video = _audio_video(args)  # an audio/video direction needs --model and --dataset
     if args.model is not None or args.dataset is not None:
         if not (args.model and args.dataset):
@@ -62,6 +106,8 @@ def resolve_grid(args) -> tuple[list, dict]:
     )
     from ..data.corruptions import IMAGE_SEVERITIES
 
+    if _composed(args):
+        return resolve_composed_grid(args)
     if _audio_video(args):
         return resolve_av_grid(args)
     notes: dict = {}
@@ -239,6 +285,70 @@ def run_directions(args) -> list[str]:
     return list(args.direction or (["i2t", "t2i"] if args.full else ["i2t"]))
 
 
+#: The gallery-softmax baselines whose temperature the papers tune per dataset (TCR App. B.2, REST Supp. C-B).
+BASELINE_TAU_OBJECTIVES = ("tent", "pl", "shot", "eata", "sar", "read", "deyo", "oracle")
+
+
+def _dataset_tau(args, objective_configs: dict, notes: dict) -> dict:
+    """The baselines' temperature of a built dataset (its spec's ``baseline_tau``: 0.001 Fashion-Gen, 1e-4 ReID) for
+    every baseline the user did not configure; logged in the notes and printed."""
+    from ..data.builders.loading import built_spec
+
+    spec = built_spec(args.dataset) if getattr(args, "dataset", None) else None
+    if spec is None:
+        return objective_configs
+    from .. import available_objectives
+
+    out = dict(objective_configs)
+    applied = []
+    for name in BASELINE_TAU_OBJECTIVES:
+        if name in available_objectives() and "tau" not in out.get(name, {}):
+            out[name] = {**out.get(name, {}), "tau": spec.baseline_tau}
+            applied.append(name)
+    if applied:
+        notes["baseline_tau"] = {"tau": spec.baseline_tau, "benchmark": spec.name, "objectives": applied}
+        print(f"hf-tta: {spec.name}: baselines {', '.join(applied)} use tau = {spec.baseline_tau:g} (the papers' value for "
+              "this set; --objective-config overrides it)", flush=True)
+    return out
+
+
+def _dataset_gd(args, notes: dict) -> tuple[str, ...] | None:
+    """REST's gradient decoupling for ``rest`` on every stream of a diverse-stream set (Fashion-Gen-D: "the gradient
+    decoupling module is employed under the DQS setting"); ``None`` (the runner's default) elsewhere."""
+    from ..data.builders.loading import built_spec
+
+    spec = built_spec(args.dataset) if getattr(args, "dataset", None) else None
+    if spec is None or not spec.diverse_stream:
+        return None
+    notes["gradient_decoupling"] = {"objectives": ["rest"], "why": f"{spec.name} is a diverse-stream set (REST's DQS)"}
+    print(f"hf-tta: {spec.name}: rest runs with gradient decoupling (REST's DQS protocol; --gradient-decoupling overrides it)", flush=True)
+    return ("rest",)
+
+
+def _built_jobs(args, task, jobs: list, notes: dict) -> list:
+    """The jobs whose config a local built dataset has (a real-world set holds only ``clean``); the others are left
+    out with a note, and none left is a :class:`UsageError` naming the configs there."""
+    from ..benchmarks.composed_task import ComposedTask
+    from ..benchmarks.tasks import AVTask, HubTask
+    from ..data.builders.base import built_configs
+
+    if not isinstance(task, HubTask) or isinstance(task, (AVTask, ComposedTask)) or not Path(str(args.dataset)).is_dir():
+        return jobs
+    available = set(built_configs(args.dataset))
+    if not available:
+        return jobs  # a Hub-layout folder: load_dataset reads it
+    keep = [j for j in jobs if task._config(j.condition) in available]
+    dropped = sorted({task._config(j.condition) for j in jobs} - available)
+    if dropped:
+        notes["configs_not_built"] = dropped
+        print(f"hf-tta: {len(dropped)} streams left out: not built in {args.dataset} ({', '.join(dropped[:6])}"
+              f"{', ...' if len(dropped) > 6 else ''})", flush=True)
+    if not keep:
+        raise UsageError(f"{args.dataset} has none of the configs this grid needs; it has {', '.join(sorted(available))} "
+                         "(a real-world set holds only clean: add --clean).")
+    return keep
+
+
 def prepare_run(args, show_progress: bool):
     """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings.
 
@@ -267,6 +377,10 @@ def prepare_run(args, show_progress: bool):
             get_adapter(task.model)
         except ValueError as err:
             raise UsageError(f"--model {args.model}: {str(err).splitlines()[0]}") from None
+    jobs = _built_jobs(args, task, jobs, notes)
+    objective_configs = _dataset_tau(args, objective_configs, notes)
+    if gradient_decoupling is None:
+        gradient_decoupling = _dataset_gd(args, notes)
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     settings = RunSettings(

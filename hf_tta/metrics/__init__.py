@@ -2,6 +2,7 @@
 
 import os as _os
 
+from .composed import cirr_metrics, composed_recall, fiq_metrics, recall_subset
 from .recall import (
     RetrievalMetricAccumulator,
     modality_gap,
@@ -18,7 +19,11 @@ RETRIEVAL_RECALL_PATH = _os.path.join(_os.path.dirname(_os.path.abspath(__file__
 __all__ = [
     "RETRIEVAL_RECALL_PATH",
     "RetrievalMetricAccumulator",
+    "cirr_metrics",
+    "composed_recall",
+    "fiq_metrics",
     "modality_gap",
+    "recall_subset",
     "relevance_to_index",
     "relevant_ranks",
     "retrieval_metrics",

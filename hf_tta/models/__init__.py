@@ -1,6 +1,6 @@
 """Model adapters: one module per Hugging Face architecture, behind :class:`ModelAdapter`."""
 
-from . import blip, blip2, clap, clip, clip_video, siglip, vision_text_dual_encoder, xclip  # noqa: F401  (registration)
+from . import blip, blip2, blip2_composed, clap, clip, clip_video, siglip, vision_text_dual_encoder, xclip  # noqa: F401  (registration)
 from .base import (
     ADAPTERS,
     MODALITIES,
@@ -10,6 +10,7 @@ from .base import (
     register_adapter,
     supported_architectures,
 )
+from .blip2_composed import Blip2ComposedAdapter
 from .clap import ClapAdapter
 from .clip_video import CLIPVideoAdapter, FrameMeanPoolingMixin
 from .generic import DualEncoderAdapter
@@ -19,6 +20,7 @@ from .xclip import XCLIPAdapter
 __all__ = [
     "ADAPTERS",
     "MODALITIES",
+    "Blip2ComposedAdapter",
     "CLIPVideoAdapter",
     "ClapAdapter",
     "DualEncoderAdapter",

@@ -16,7 +16,8 @@ from torch import nn
 
 from .inputs import FEATURES, IDS, MASK, InputSpec, check_input
 
-MODALITIES = ("image", "text", "audio", "video")
+#: ``composed``: a reference image + a modification text (composed image retrieval, :mod:`.blip2_composed`).
+MODALITIES = ("image", "text", "audio", "video", "composed")
 
 # Normalisation layers TTA adapts by default (TCR: "the parameters within the normalization layers").
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)

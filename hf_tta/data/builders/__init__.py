@@ -11,6 +11,9 @@ Layout, dependencies one way (a module imports only from the lines above it):
 - :mod:`.benchmark` (the COCO-C / Flickr-C builder), :mod:`.av_plans` (how audio-video queries are corrupted) and
   :mod:`.av_builder` (the audio-video builder);
 - :mod:`.loading`: the one loading module (lazy columns, config loading, processor calls, retrieval splits);
+- :mod:`.pairs` (any image-text set: a JSONL/CSV of pairs or a folder with sidecar captions, through
+  :class:`~.pairs.RecordsBuilder`), :mod:`.realworld` (Nocaps, Fashion-Gen, CUHK-/ICFG-PEDES from their raw files)
+  and :mod:`.composed` (FIQ-O/-D, CIRR-O/-D composed queries);
 - :mod:`.card` (dataset cards), then :mod:`.hub` (publishing).
 """
 
@@ -23,6 +26,8 @@ from .base import BUILD_INFO, CLEAN, SPLIT
 from .benchmark import BenchmarkBuilder, build_benchmark
 from .card import card_metadata, card_text, dataset_card
 from .clips import AVClip, ClipReport, read_clip_list, select_pairs
+from .composed import COMPOSED_CONFIGS, ComposedBuilder, composed_builder
+from .composed_hub import ComposedSplit, load_composed_split, push_composed
 from .hub import push_av_benchmark, push_benchmark, push_card, remote_configs
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .loading import (
@@ -35,6 +40,8 @@ from .loading import (
     load_retrieval_split,
     to_model_inputs,
 )
+from .pairs import RecordsBuilder, pairs_builder, pairs_spec, read_pairs
+from .realworld import REALWORLD, realworld_builder
 from .specs import (
     AUDIOSET_D_CONFIGS,
     AUDIOSET_O_CONFIGS,
@@ -63,6 +70,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "push_composed",
+    "load_composed_split",
+    "composed_builder",
+    "ComposedSplit",
+    "ComposedBuilder",
+    "COMPOSED_CONFIGS",
     "AUDIOSET_D_CONFIGS",
     "AUDIOSET_O_CONFIGS",
     "AVClip",
@@ -83,6 +96,8 @@ __all__ = [
     "LazyImages",
     "LazyItems",
     "MissingRecordingsError",
+    "REALWORLD",
+    "RecordsBuilder",
     "RetrievalSplit",
     "SPLIT",
     "SourceReport",
@@ -99,12 +114,16 @@ __all__ = [
     "load_config",
     "load_retrieval_split",
     "parse_config_name",
+    "pairs_builder",
+    "pairs_spec",
     "parse_direction",
     "push_av_benchmark",
     "push_benchmark",
     "push_card",
     "read_clip_list",
     "read_karpathy_json",
+    "read_pairs",
+    "realworld_builder",
     "remote_configs",
     "save_av_benchmark",
     "scan_sources",

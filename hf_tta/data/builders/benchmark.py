@@ -43,6 +43,7 @@ from ..corruptions.text import (
 from .base import BUILD_INFO, SPLIT, build_versions, built_configs, encode_image, is_built
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .specs import (
+    EXTRA_COLUMNS,
     BenchmarkSpec,
     ConfigSpec,
     benchmark_spec,
@@ -62,6 +63,7 @@ def _image_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
     ext = ".jpg" if opts["image_format"] == "JPEG" else ".png"
     for rec in records:
         base = {
+            **{c: rec[c] for c in opts["extra"]},
             "image_id": rec["image_id"],
             "source_id": rec["source_id"],
             "filename": rec["filename"],
@@ -109,6 +111,7 @@ def _text_rows(records: list[dict], spec: ConfigSpec, seed: int, opts: dict):
                 new = [corrupt_text(c, name, sev, seed=derive_seed(seed, "text", name, sev, sid), **kw) for c, sid in zip(caps, ids)]
             names, sevs = [name] * len(caps), [sev] * len(caps)
         yield {
+            **{c: rec[c] for c in opts["extra"]},
             "image_id": rec["image_id"],
             "source_id": rec["source_id"],
             "filename": rec["filename"],
@@ -236,11 +239,8 @@ class BenchmarkBuilder:
         """Read the split file and check the images on disk (once per builder)."""
         if self._records is not None:
             return self.report
-        report = SourceReport(split=self.split, expected_images=self.spec.expected_images if self.limit is None else None)
-        data = read_karpathy_json(self.karpathy_json)
-        images = karpathy_images(data, self.split, self.captions_per_image, report)
-        if not images:
-            raise ValueError(f"{self.karpathy_json} has no image in split {self.split!r}.")
+        report = SourceReport(split=self.split, expected_images=(self.spec.expected_images or None) if self.limit is None else None)
+        images = self._source_images(report)
         if self.limit is not None:
             images = images[: self.limit]
         usable = scan_sources(images, self.images_root, report, self.check_decode, self.show_progress)
@@ -258,6 +258,20 @@ class BenchmarkBuilder:
             logger.info("%d extra captions left out (captions_per_image=%s).", report.truncated_captions, self.captions_per_image)
         self._records = usable
         return report
+
+    def _source_images(self, report: SourceReport) -> list[KarpathyImage]:
+        """The images of the split with their captions, before the files are checked (subclasses read other raw
+        formats: :mod:`.pairs`, :mod:`.realworld`)."""
+        data = read_karpathy_json(self.karpathy_json)
+        images = karpathy_images(data, self.split, self.captions_per_image, report)
+        if not images:
+            raise ValueError(f"{self.karpathy_json} has no image in split {self.split!r}.")
+        return images
+
+    @property
+    def extra_columns(self) -> tuple[str, ...]:
+        """The optional columns (``group``, ``domain``) the records carry."""
+        return tuple(c for c in EXTRA_COLUMNS if any(getattr(r, c) is not None for r in self.records))
 
     @property
     def records(self) -> list[KarpathyImage]:
@@ -362,6 +376,7 @@ class BenchmarkBuilder:
             "image_pool": self.image_pool,
             "text_pool": self.text_pool,
             "text_kwargs": self.text_kwargs,
+            "extra": self.extra_columns,
         }
         cache = self.output_dir / ".cache" / config
         tmp = self.output_dir / f".tmp-{config}"
@@ -370,7 +385,7 @@ class BenchmarkBuilder:
         fingerprint = f"hf_tta-{derive_seed(json.dumps(self._params(), sort_keys=True), config, len(records)):08x}"
         ds = Dataset.from_generator(
             _generate_rows,
-            features=image_features() if spec.has_images else text_features(),
+            features=image_features(opts["extra"]) if spec.has_images else text_features(opts["extra"]),
             gen_kwargs={"shards": shards, "config": config, "seed": self.seed, "opts": opts},
             cache_dir=str(cache),
             num_proc=n_shards if n_shards > 1 else None,

@@ -76,6 +76,9 @@ _TEXT_GENERATORS = {
 }
 
 
+_DIRECTION_NAMES = {"i2t": "image→text (TR)", "t2i": "text→image (IR)"}
+
+
 def _text_generator(name: str, models: dict | None) -> str:
     if name in _TEXT_GENERATORS:
         return _TEXT_GENERATORS[name]
@@ -95,6 +98,8 @@ def card_metadata(spec: BenchmarkSpec, num_rows: int | None = None) -> dict[str,
         "task_categories": ["image-to-text", "text-to-image"],
         "tags": ["test-time-adaptation", "robustness", "query-shift", "image-text-retrieval", "corruptions", "hf_tta"],
         "size_categories": [size],
+        # read back by `hf-tta run --dataset <repo>` (hf_tta.data.builders.loading.built_spec)
+        "hf_tta": {"benchmark": spec.name, "baseline_tau": spec.baseline_tau, "directions": list(spec.directions)},
     }
 
 
@@ -148,9 +153,8 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
         lines.append(f"| `text-diverse` | {rows('text-diverse')} | each caption with its own corruption |")
     lines += [
         "",
-        "All configs have one split, `test`, with one row per image in the order of the Karpathy split file.",
-        "Ids are stable: `image_id` is the Karpathy `imgid`, `caption_ids` the Karpathy `sentid`s, `source_id` the "
-        "COCO id (COCO) or the file stem (Flickr30K).",
+        "All configs have one split, `test`, with one row per image in the order of the source file.",
+        spec.ids_note,
         "",
         "<details><summary>All configs in this repository</summary>",
         "",
@@ -172,12 +176,18 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
         "The benchmark tables report R@1 at the maximum severity: image severity 5, character/word severity 7, "
         "sentence severity 1.",
         "",
+        f"Directions the papers report: {', '.join(_DIRECTION_NAMES.get(d, d) for d in spec.directions)}. "
+        f"Softmax temperature of the baselines (TCR App. B.2 / REST Supp. C-B): tau = {spec.baseline_tau:g} "
+        "(`hf-tta run --dataset` applies it to the gallery-softmax baselines unless `--objective-config` sets one).",
+        "",
         "## Construction",
         "",
         f"- Source: {spec.source_name}, split `{params.get('split', 'test')}`"
         + (f", first {params['limit']} images only" if params.get("limit") else "")
-        + f" ({spec.expected_images:,} images / {spec.expected_captions:,} captions in the benchmark).",
-        f"- Captions per image: the first {params.get('captions_per_image')} of each image"
+        + (f" ({spec.expected_images:,} images / {spec.expected_captions:,} captions in the benchmark)." if spec.expected_images else "."),
+        *[f"- {line}" for line in spec.construction],
+        *([f"- Read from: {', '.join(f'{k} = `{v}`' for k, v in params['source'].items())}."] if params.get("source") else []),
+        f"- Captions per image: the first {params.get('captions_per_image') or 'all'} of each image"
         + (f" ({report.get('truncated_captions')} extra captions of {report.get('images_with_extra_captions')} images left out)." if report.get("truncated_captions") else "."),
         f"- Source check: {report.get('num_images', '?')} images used; {len(report.get('missing', []))} missing and "
         f"{len(report.get('unreadable', []))} unreadable files"
@@ -233,7 +243,7 @@ def card_text(spec: BenchmarkSpec, repo_id: str, build_info: dict, configs: Iter
         "",
         f"- Images: {spec.image_license}",
         f"- Captions: {spec.annotation_license}",
-        "- Karpathy splits: released with \"Deep Visual-Semantic Alignments for Generating Image Descriptions\".",
+        f"- {spec.split_license}",
         "- The corruptions add no new content; derived data follows the licences of its sources.",
         "",
         "## Citations",

@@ -54,6 +54,10 @@ def _commit_card(api, repo_id: str, data: dict, body: str, commit_message: str, 
     )
 
 
+#: Commit a card (YAML data + Markdown body): public name for the other publishers (:mod:`.composed_hub`).
+commit_card = _commit_card
+
+
 def remote_configs(repo_id: str, api, revision: str | None = None) -> list[str]:
     """Config names declared in the repository's card (what ``push_to_hub`` already published)."""
     card = read_remote_card(repo_id, api, revision)
@@ -117,8 +121,8 @@ def push_benchmark(
     if not info_path.is_file():
         raise FileNotFoundError(f"{output_dir} has no {BUILD_INFO}: build the benchmark first.")
     build_info = json.loads(info_path.read_text(encoding="utf-8"))
-    if spec is None:
-        spec = build_info["params"]["benchmark"]
+    if spec is None:  # a records build (pairs, real-world sets) records its spec; COCO-C / Flickr-C their name
+        spec = build_info["params"].get("spec") or build_info["params"]["benchmark"]
     spec = benchmark_spec(spec)
     built = built_configs(output_dir)
     configs = _order(built if configs is None else configs)
@@ -186,4 +190,4 @@ def push_av_benchmark(
     return configs
 
 
-__all__ = ["push_av_benchmark", "push_benchmark", "push_card", "read_remote_card", "remote_configs"]
+__all__ = ["commit_card", "push_av_benchmark", "push_benchmark", "push_card", "read_remote_card", "remote_configs"]

@@ -34,6 +34,10 @@ class KarpathyImage:
     captions: list[str]
     caption_ids: list[int]
     path: str | None = None
+    #: Items of one group are relevant to each other's captions (a product id, a person id); ``None``: the image alone.
+    group: str | None = None
+    #: The item's domain (a Nocaps domain, a Fashion-Gen category), recorded in a ``domain`` column.
+    domain: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,6 +166,10 @@ def _readable(path: Path) -> bool:
         return True
     except Exception:
         return False
+
+
+#: Whether an image file decodes fully (public name for the other builders).
+is_readable = _readable
 
 
 def scan_sources(

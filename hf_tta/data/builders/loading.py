@@ -109,7 +109,8 @@ class RetrievalSplit:
 
     ``task`` is ``"i2t"`` (image queries, caption gallery) or ``"t2i"`` (caption queries, image gallery).
     ``relevant[i]`` lists the gallery positions relevant to query ``i`` (5 captions per image for i2t, the image
-    of the caption for t2i): pass it to :func:`hf_tta.metrics.retrieval_metrics`.
+    of the caption for t2i; with a ``group`` column, every caption / image of the query's group: Fashion-Gen's
+    products, the ReID sets' persons): pass it to :func:`hf_tta.metrics.retrieval_metrics`.
     """
 
     task: str
@@ -120,6 +121,8 @@ class RetrievalSplit:
     query_ids: list[int]
     gallery_ids: list[int]
     query_corruptions: list[tuple[str, int]] = field(default_factory=list)
+    #: Each query's domain where the build records one (``domain`` column: Fashion-Gen categories, Nocaps domains).
+    query_domains: list[str] | None = None
     #: The audio rate of audio queries/galleries (``None`` for the other modalities).
     sampling_rate: int | None = None
 
@@ -192,6 +195,11 @@ def load_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     return _load_any(source, config, split, **load_kwargs)
 
 
+def load_any_config(source: Any, config: str, split: str = SPLIT, **load_kwargs):
+    """:func:`load_config` for any config name (composed and audio-video builds have their own)."""
+    return _load_any(source, config, split, **load_kwargs)
+
+
 def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     """:func:`load_config` without checking ``config`` against the COCO-C / Flickr-C names."""
     from ...extras import require
@@ -223,6 +231,46 @@ def _load_any(source: Any, config: str, split: str = SPLIT, **load_kwargs):
     return load_dataset(text, config, split=split, **load_kwargs)
 
 
+def built_spec(source: Any):
+    """The :class:`~.specs.BenchmarkSpec` of a benchmark: from a build folder's ``build_info.json``, or the ``hf_tta``
+    block of a published card (a Hub id or a local Hub-layout folder: name, baseline tau, directions over the
+    registered spec or a default one). ``None`` where neither is found (mappings, audio-video builds, offline)."""
+    import json
+
+    from .base import BUILD_INFO
+    from .specs import IMAGE_TEXT_BENCHMARKS, BenchmarkSpec, benchmark_spec
+
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    if (Path(source) / BUILD_INFO).is_file():
+        params = json.loads((Path(source) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+        try:
+            return benchmark_spec(params.get("spec") or params.get("benchmark"))
+        except (ValueError, TypeError):
+            return None
+    block = _card_block(source)
+    if not isinstance(block, dict) or "benchmark" not in block:
+        return None
+    base = IMAGE_TEXT_BENCHMARKS.get(block["benchmark"]) or BenchmarkSpec(
+        str(block["benchmark"]), str(block["benchmark"]), "", "", 0, 0, "", "", "other", "")
+    from dataclasses import replace
+
+    return replace(base, baseline_tau=float(block.get("baseline_tau", base.baseline_tau)),
+                   directions=tuple(block.get("directions", base.directions)))
+
+
+def _card_block(source) -> dict | None:
+    """The ``hf_tta`` block of a dataset card (local Hub-layout folder or Hub id); ``None`` when unreadable."""
+    try:
+        from huggingface_hub import DatasetCard
+
+        local = Path(source) / "README.md"
+        card = DatasetCard.load(local) if local.is_file() else DatasetCard.load(str(source), repo_type="dataset")
+        return card.data.to_dict().get("hf_tta")
+    except Exception:  # offline, no such repo, no card: the papers' default temperature applies
+        return None
+
+
 def load_retrieval_split(
     source: Any,
     config: str,
@@ -251,18 +299,32 @@ def load_retrieval_split(
     ds = load_config(source, config, split, **load_kwargs)
     meta = ds.remove_columns([c for c in ("image",) if c in ds.column_names])
     cols = meta[:]
+    groups = cols.get("group")  # items of one group (a product, a person) share their captions
     if task == "i2t":
         gallery, gallery_ids, relevant = [], [], []
         for caps, ids in zip(cols["captions"], cols["caption_ids"]):
             relevant.append(list(range(len(gallery), len(gallery) + len(caps))))
             gallery.extend(caps)
             gallery_ids.extend(ids)
+        if groups is not None:
+            by_group: dict[str, list[int]] = {}
+            for g, rel in zip(groups, relevant):
+                by_group.setdefault(g, []).extend(rel)
+            relevant = [by_group[g] for g in groups]
         corr = list(zip(cols["corruption"], cols["severity"]))
-        return RetrievalSplit(task, config, LazyImages(ds), gallery, relevant, list(cols["image_id"]), gallery_ids, corr)
+        return RetrievalSplit(task, config, LazyImages(ds), gallery, relevant, list(cols["image_id"]), gallery_ids, corr,
+                              query_domains=list(cols["domain"]) if "domain" in cols else None)
     gallery_ds = load_config(source, gallery_config, split, **load_kwargs)
-    gallery_ids = list(gallery_ds.select_columns(["image_id"])[:]["image_id"])
+    gallery_cols = gallery_ds.select_columns([c for c in ("image_id", "group") if c in gallery_ds.column_names])[:]
+    gallery_ids = list(gallery_cols["image_id"])
     pos = {iid: k for k, iid in enumerate(gallery_ids)}
-    queries, query_ids, relevant, corr = [], [], [], []
+    members: dict[str, list[int]] = {}
+    if groups is not None:
+        if "group" not in gallery_cols:
+            raise ValueError(f"{config!r} has a 'group' column but the gallery config {gallery_config!r} has none: build them together.")
+        for k, g in enumerate(gallery_cols["group"]):
+            members.setdefault(g, []).append(k)
+    queries, query_ids, relevant, corr, domains = [], [], [], [], []
     has_lists = "clean_captions" in cols  # a text config; `clean` has scalar corruption columns
     for r, (iid, caps, ids) in enumerate(zip(cols["image_id"], cols["captions"], cols["caption_ids"])):
         if iid not in pos:
@@ -272,9 +334,11 @@ def load_retrieval_split(
         for cap, sid, n, s in zip(caps, ids, names, sevs):
             queries.append(cap)
             query_ids.append(sid)
-            relevant.append([pos[iid]])
+            relevant.append(members[groups[r]] if groups is not None else [pos[iid]])
             corr.append((n, s))
-    return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr)
+            domains.append(cols["domain"][r] if "domain" in cols else None)
+    return RetrievalSplit(task, config, queries, LazyImages(gallery_ds), relevant, query_ids, gallery_ids, corr,
+                          query_domains=domains if "domain" in cols else None)
 
 
 def _decode_audio(sampling_rate: int | None) -> Callable[[bytes], np.ndarray]:
@@ -352,6 +416,8 @@ def load_av_retrieval(
 
 __all__ = [
     "AVRetrievalSplit",
+    "built_spec",
+    "load_any_config",
     "LazyImages",
     "LazyItems",
     "RetrievalSplit",

@@ -33,6 +33,32 @@ class BenchmarkSpec:
     license_id: str
     source_url: str
     citations: tuple[str, ...] = field(default_factory=tuple)
+    #: The softmax temperature the papers tuned for the baselines on this set (TCR App. B.2, REST Supp. C-B).
+    baseline_tau: float = 0.01
+    #: The directions the papers report (``i2t`` = TR, ``t2i`` = IR).
+    directions: tuple[str, ...] = ("i2t", "t2i")
+    #: Card lines on ids and order; default: the Karpathy split's.
+    ids_note: str = (
+        "Ids are stable: `image_id` is the Karpathy `imgid`, `caption_ids` the Karpathy `sentid`s, `source_id` the "
+        "COCO id (COCO) or the file stem (Flickr30K)."
+    )
+    #: Card lines on the split file's licence; default: the Karpathy split's.
+    split_license: str = "Karpathy splits: released with \"Deep Visual-Semantic Alignments for Generating Image Descriptions\"."
+    #: Extra construction bullets of the card (how the rows were read from the raw files).
+    construction: tuple[str, ...] = ()
+    #: A diverse query stream (REST's DQS): ``hf-tta run`` turns on REST's gradient decoupling, as REST does there.
+    diverse_stream: bool = False
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchmarkSpec":
+        known = {f for f in cls.__dataclass_fields__}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        return cls(**kw)
 
 
 _KARPATHY = """@inproceedings{karpathy2015deep,
@@ -93,11 +119,19 @@ FLICKR_C = BenchmarkSpec(
 IMAGE_TEXT_BENCHMARKS: dict[str, BenchmarkSpec] = {COCO_C.name: COCO_C, FLICKR_C.name: FLICKR_C}
 
 
-def benchmark_spec(benchmark: str | BenchmarkSpec) -> BenchmarkSpec:
-    """The spec of a benchmark name (``"coco-c"``, ``"flickr-c"``) or the spec itself; an unknown name is a
-    ``ValueError`` that lists the known ones."""
+def register_spec(spec: BenchmarkSpec) -> BenchmarkSpec:
+    """Add a benchmark to :data:`IMAGE_TEXT_BENCHMARKS` (the real-world sets of :mod:`.realworld` do)."""
+    IMAGE_TEXT_BENCHMARKS[spec.name] = spec
+    return spec
+
+
+def benchmark_spec(benchmark: str | BenchmarkSpec | dict) -> BenchmarkSpec:
+    """The spec of a benchmark name (``"coco-c"``, ``"flickr-c"``), a spec dict (``BenchmarkSpec.to_dict``, as a
+    build records it) or the spec itself; an unknown name is a ``ValueError`` that lists the known ones."""
     if isinstance(benchmark, BenchmarkSpec):
         return benchmark
+    if isinstance(benchmark, dict):
+        return BenchmarkSpec.from_dict(benchmark)
     try:
         return IMAGE_TEXT_BENCHMARKS[benchmark]
     except (KeyError, TypeError):
@@ -190,11 +224,16 @@ def default_configs(
 
 
 # ------------------------------------------------------------------------------------------------ features
-def image_features():
+#: Optional columns of records that carry them (:class:`~.karpathy.KarpathyImage` ``group`` / ``domain``).
+EXTRA_COLUMNS = ("group", "domain")
+
+
+def image_features(extra: Sequence[str] = ()):
     from datasets import Features, Image, List, Value
 
     return Features(
         {
+            **{c: Value("string") for c in extra},
             "image_id": Value("int64"),
             "source_id": Value("string"),
             "filename": Value("string"),
@@ -207,11 +246,12 @@ def image_features():
     )
 
 
-def text_features():
+def text_features(extra: Sequence[str] = ()):
     from datasets import Features, List, Value
 
     return Features(
         {
+            **{c: Value("string") for c in extra},
             "image_id": Value("int64"),
             "source_id": Value("string"),
             "filename": Value("string"),
@@ -297,6 +337,7 @@ __all__ = [
     "BenchmarkSpec",
     "COCO_C",
     "ConfigSpec",
+    "EXTRA_COLUMNS",
     "FLICKR_C",
     "IMAGE_TEXT_BENCHMARKS",
     "NUM_PAIRS",
@@ -306,6 +347,7 @@ __all__ = [
     "image_features",
     "parse_config_name",
     "parse_direction",
+    "register_spec",
     "text_features",
     "text_severities",
 ]
