@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import UsageError
+from .common import UsageError, comma_list
 
 SUBCOMMANDS = ("run", "build", "list", "clean", "plot", "merge")
 
@@ -69,11 +69,6 @@ def _seeds(value: str) -> list[int]:
     if not out:
         raise argparse.ArgumentTypeError("no seed given")
     return list(dict.fromkeys(out))
-
-
-def comma_list(value: str) -> list[str]:
-    """The non-empty items of a comma list, stripped."""
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def _directions(value: str) -> list[str]:

@@ -24,7 +24,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from .arguments import UsageError, comma_list
+from .common import UsageError, comma_list
 
 SOURCES = ("pairs", "nocaps", "fashion_gen", "cuhk_pedes", "icfg_pedes", "fashioniq", "cirr")
 

@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from .common import UsageError
 
 logger = logging.getLogger(__name__)
 
