@@ -37,6 +37,9 @@ class ModelAdapter:
         default_lr: per query modality, the AdamW learning rate of the papers.
         multi_vector: modalities whose embedding is a set of vectors scored by a max (BLIP-2 images).
         excluded_norms: per modality, norm layers of the tower that the reference code does not adapt.
+        unused_norms: per modality, regexes (full match) of norm layers inside the tower that this modality's
+            forward never runs (BLIP's text cross-attention for text queries): adapting them would carry parameters
+            that never change; ``tests/test_models.py`` checks with forward hooks that every selected layer runs.
         preprocess_as: modalities whose inputs are prepared by another modality's processor (CLIP over videos: frames
             are images, so ``{"video": "image"}``); benchmark tasks read it to pick the processor.
         processors: per modality, what prepares the inputs (named in the input errors).
@@ -57,6 +60,7 @@ class ModelAdapter:
     default_lr: ClassVar[dict[str, float]] = {"image": 3e-4, "text": 3e-4}
     multi_vector: ClassVar[frozenset[str]] = frozenset()
     excluded_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
+    unused_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
     preprocess_as: ClassVar[dict[str, str]] = {}
     processors: ClassVar[dict[str, str]] = {
         "image": "the model's processor (AutoProcessor / AutoImageProcessor)",
@@ -202,15 +206,18 @@ class ModelAdapter:
         return {m for m, prefixes in self.towers.items() if any(_has_prefix(name, p) for p in prefixes)}
 
     def norm_layer_names(self, modality: str) -> list[str]:
-        """Names of the normalisation layers in ``modality``'s tower (TCR's default adapted parameters)."""
+        """Names of the normalisation layers that ``modality``'s forward runs (TCR's default adapted parameters):
+        those in its tower, without :attr:`excluded_norms` and :attr:`unused_norms`."""
         self.check_modality(modality)
         excluded = self.excluded_norms.get(modality, ())
+        unused = re.compile("|".join(f"(?:{p})" for p in self.unused_norms.get(modality, ())) or "(?!)")
         return [
             name
             for name, module in self.model.named_modules()
             if isinstance(module, NORM_TYPES)
             and modality in self.tower_of(name)
             and name not in excluded
+            and not unused.fullmatch(name)
             and any(True for _ in module.parameters(recurse=False))  # skip elementwise_affine=False
         ]
 
