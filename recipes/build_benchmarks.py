@@ -33,6 +33,7 @@ import logging
 import sys
 from typing import Callable
 
+import hf_tta
 from hf_tta.data.builders import IMAGE_TEXT_BENCHMARKS, BenchmarkBuilder, default_configs, push_benchmark
 from hf_tta.data.corruptions import (
     IMAGE_CORRUPTIONS,
@@ -162,6 +163,7 @@ def select_configs(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s")
+    hf_tta.logging.set_verbosity(logging.WARNING if args.quiet else logging.INFO)  # the hf_tta hierarchy's own level
     configs = select_configs(args)
     if args.list_configs:
         print("\n".join(configs))

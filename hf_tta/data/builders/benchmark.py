@@ -28,8 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tqdm.auto import tqdm
-
+from ...logging import tqdm
 from ..corruptions.base import derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import corrupt_image

@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from tqdm.auto import tqdm
-
+from ...logging import tqdm
 from .base import BUILD_INFO, CLEAN, SPLIT, built_configs
 from .card import card_metadata, card_text
 from .specs import BenchmarkSpec, benchmark_spec, parse_config_name
