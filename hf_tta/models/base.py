@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .inputs import FEATURES, IDS, MASK, InputSpec, check_input
+from .inputs import FEATURES, IDS, MASK, PIXEL_MAX_ABS, InputSpec, check_input
 
 MODALITIES = ("image", "text", "audio", "video")
 
@@ -111,7 +111,9 @@ class ModelAdapter:
             channels = getattr(vision, "num_channels", 3) if config is not None else None
             sizes = () if channels is None else ((-3, channels, f"vision_config.num_channels={channels}"),)
             layout = ("B", "C", "H", "W") if modality == "image" else ("B", "T", "C", "H", "W")
-            specs = {"pixel_values": InputSpec(FEATURES, layout, sizes, processor=proc, description="normalised pixel values")}
+            specs = {"pixel_values": InputSpec(
+                FEATURES, layout, sizes, processor=proc, description="normalised pixel values", max_abs=PIXEL_MAX_ABS
+            )}
             if modality == "video":
                 specs["frame_mask"] = InputSpec(MASK, ("B", "T"), processor=proc)
             return specs
