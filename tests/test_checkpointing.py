@@ -45,6 +45,23 @@ def test_checkpointing_recomputes_and_keeps_layernorm_gradients(name, modality):
     assert any(g.abs().max() > 0 for g in off.values())
 
 
+@pytest.mark.parametrize("name", ["clip", "blip"])
+def test_adapt_step_with_checkpointing_gives_the_same_parameters(name):
+    """The wrapper's full step (TCR, 2 AdamW steps) with the query tower checkpointed, as TTAConfig's option would."""
+    params = []
+    for on in (False, True):
+        tta = TTAWrapper(make_model(name), TTAConfig(objective="tcr", steps=2))
+        if on:
+            enable_gradient_checkpointing(tta.adapter, "image")
+        gallery = tta.encode_gallery(batch("text", 12, seed=1), show_progress=False)
+        out = tta.adapt_step(batch("image", 8), gallery)
+        assert out.num_updates == 2
+        params.append({n: p.detach().clone() for n, p in tta.params.items()})
+    assert any(not torch.equal(p, TTAWrapper(make_model(name), TTAConfig(steps=1))._source[n]) for n, p in params[0].items())
+    for n in params[0]:
+        torch.testing.assert_close(params[1][n], params[0][n], atol=1e-6, rtol=0)
+
+
 def test_disable_restores_eval_mode():
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tent", steps=1))
     enable_gradient_checkpointing(tta.adapter, "image")

@@ -10,7 +10,7 @@ tokenizer's special tokens and padding).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 SAMPLE_TEXTS: tuple[str, ...] = (
     "a dog runs across the green grass",
@@ -64,7 +64,7 @@ def check_tokenizer(tokenizer: Any, sample_texts: Sequence[str] | None = None, s
 def check_text_processor(processor: Any, sample_texts: Iterable[str] | None = None, source: str | None = None) -> bool:
     """:func:`check_tokenizer` on the tokenizer of ``processor`` (or of ``processor["text"]`` for a per-modality dict);
     returns whether there was a tokenizer to check."""
-    if isinstance(processor, dict):
+    if isinstance(processor, Mapping):
         processor = processor.get("text")
     tok = find_tokenizer(processor) if processor is not None else None
     if tok is None:
