@@ -10,6 +10,14 @@ and their ratio. CPU only (use ``torch.cuda.max_memory_allocated`` on a GPU inst
 
 "baseline" is the resident size once the model is wrapped and the gallery encoded; "adapt peak" the high-water
 mark after the adapt step; "step" their difference, what the adapt step itself added.
+
+Measured once at commit 4dec4a2 (2 shared CPU cores, torch 2.13, transformers 5.24; times are noisy)::
+
+    ViT-B/16 CLIP (random init), image queries, batch 64, tcr, 1 step(s), CPU
+     checkpointing  baseline GiB  adapt peak GiB  step GiB  seconds
+             False          1.39            7.64      6.26    246.0
+              True          1.40            2.49      1.09    298.3
+    peak ratio (on/off): 0.33; step ratio: 0.17
 """
 
 from __future__ import annotations
