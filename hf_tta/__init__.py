@@ -1,5 +1,6 @@
 """hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
 
+from . import logging  # noqa: F401  (hf_tta.logging.set_verbosity_*; first: configures the hf_tta logger)
 from .config import SafetyConfig, TTAConfig
 from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores

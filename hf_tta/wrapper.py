@@ -19,7 +19,6 @@ import torch
 from peft import LNTuningConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
-from tqdm.auto import tqdm
 
 from . import checkpoint
 from .batch import Batch, batch_size, check_gallery, check_inputs, chunks, label_mask
@@ -28,8 +27,10 @@ from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_items, candidate_topk
+from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
 from .models.base import ModelAdapter, get_adapter, resolve_target_modules
+from .models.checkpointing import enable_gradient_checkpointing
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import KEEP, SafetyDecision, SafetyMonitor
@@ -111,6 +112,8 @@ class TTAWrapper(CheckpointMixin):
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             self.peft_model = get_peft_model(self.model, LNTuningConfig(target_modules=pattern))
         self.model.eval()
+        if self.config.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
+            enable_gradient_checkpointing(self.adapter, self.query_modality)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.lr = self.config.lr if self.config.lr is not None else self.adapter.default_lr[self.query_modality]
         logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
@@ -164,9 +167,7 @@ class TTAWrapper(CheckpointMixin):
         """The adapted parameters' source values by name (copies), what :meth:`reset` restores."""
         return {n: t.clone() for n, t in self._source_params.items()}
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    device = property(lambda self: next(self.model.parameters()).device)
 
     def disabled(self) -> contextlib.AbstractContextManager:
         """Context in which the model computes exactly as the source model (adapters off)."""
@@ -377,8 +378,8 @@ class TTAWrapper(CheckpointMixin):
             return inputs, inputs.scores
         return result.inputs, result.scores
 
-    def _recover(self) -> None:
-        self._source_state.only({PARAMS, OPTIMIZER}).apply(self)  # an objective's model recovery (SAR)
+    def _recover(self) -> None:  # an objective's model recovery (SAR): source parameters, fresh optimiser
+        self._source_state.only({PARAMS, OPTIMIZER}).apply(self)
 
     def _apply(self, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
@@ -441,12 +442,10 @@ class TTAWrapper(CheckpointMixin):
         return dict(self.safety.counts) if self.safety is not None else {}
 
     def resolved_config(self) -> TTAConfig:
-        """The config with every default written out (objective hyper-parameters, learning rate, gallery modality):
-        what ``tta_config.json`` records, so that a checkpoint keeps its meaning when a default changes."""
+        """The config with every default written out (what ``tta_config.json`` records)."""
         return self.config.resolved(lr=self.lr, gallery_modality=self.gallery_modality)
 
-    def fingerprint(self) -> dict[str, Any]:
-        """The source model this wrapper adapts: class, config hash, adapted parameter names and shapes."""
+    def fingerprint(self) -> dict[str, Any]:  # the source model: class, config hash, adapted names, shapes and values
         return checkpoint.model_fingerprint(self.model, self.params, self._source_params)
 
     def _step_on_cpu(self) -> bool:

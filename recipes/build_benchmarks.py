@@ -33,11 +33,14 @@ import logging
 import sys
 from typing import Callable
 
+import hf_tta
 from hf_tta.data.builders import IMAGE_TEXT_BENCHMARKS, BenchmarkBuilder, default_configs, push_benchmark
 from hf_tta.data.corruptions import (
+    DEFAULT_TEXT_MODELS,
     IMAGE_CORRUPTIONS,
     IMAGE_SEVERITIES,
     SENTENCE_CORRUPTIONS,
+    TEXT_CORRUPTION_LEVELS,
     TEXT_CORRUPTIONS,
     make_pool,
 )
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--private", action="store_true")
     hub.add_argument("--token", default=None, help="Hub token (default: your login)")
     hub.add_argument("--no-skip-existing", action="store_true", help="re-upload configs already on the Hub")
+    hub.add_argument("--dry-run", action="store_true",
+                     help="with --push-to-hub: upload nothing; write the commit plan (every file and its path in the "
+                          "repository) to OUTPUT_DIR/push_plan.json and the card to OUTPUT_DIR/push_plan.README.md")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -143,6 +149,25 @@ def sentence_encoder_similarity(model_id: str, device=None) -> Callable[[str, st
     return similarity
 
 
+def missing_as_flags(missing: dict[str, str], models: dict) -> list[str]:
+    """One line per corruption whose resources did not load, as the flags (or install step) that provide them."""
+    lines = []
+    for name, why in missing.items():
+        level = TEXT_CORRUPTION_LEVELS[name]
+        spec = models.get(name, DEFAULT_TEXT_MODELS.get(name))
+        if name == "back_translation":
+            flag = f"--back-translation {spec[0]} {spec[1]}"
+        elif level == "sentence":
+            flag = f"--style-model {name}={spec}"
+        elif level == "word":
+            flag = "--wordnet DICT_FOLDER (or `apt-get install wordnet-base`, or `python -m nltk.downloader wordnet`)"
+        else:
+            flag = "pip install 'hf_tta[data]' (nlpaug)"
+        lines.append(f"  {name}: {flag}")
+        logging.getLogger(__name__).debug("%s: %s", name, why)
+    return lines
+
+
 def select_configs(args) -> list[str]:
     if args.configs:
         return list(args.configs)
@@ -162,6 +187,21 @@ def select_configs(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s")
+    hf_tta.logging.set_verbosity(logging.WARNING if args.quiet else logging.INFO)  # the hf_tta hierarchy's own level
+    if args.quiet:  # datasets' own bars (from_generator, save_to_disk) too, for this call only
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            return _run(args)
+        finally:
+            datasets.enable_progress_bars()
+    return _run(args)
+
+
+def _run(args) -> int:
+    if args.dry_run and not args.push_to_hub:
+        raise SystemExit("--dry-run plans a --push-to-hub: give the repository id with --push-to-hub.")
     configs = select_configs(args)
     if args.list_configs:
         print("\n".join(configs))
@@ -205,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         num_proc=args.num_proc,
         show_progress=not args.quiet,
     )
-    built = builder.build(configs)
+    built = builder.build(configs, skip_missing=True)
     print(f"{len(built)} configs in {args.output_dir}: {builder.report.summary()}")
+    if builder.left_out:
+        print(
+            f"build_benchmarks: {len(builder.left_out)} configs not built ({', '.join(builder.left_out)}): "
+            f"{len(builder.missing_resources)} text corruptions lack their resources. Rerun with these flags; model "
+            "checkpoints must load: local folders, or Hub ids in your Hugging Face cache (`hf download <id>`):",
+            *missing_as_flags(builder.missing_resources, models), sep="\n", file=sys.stderr,
+        )
+        return 1
     if args.push_to_hub:
         pushed = push_benchmark(
             args.output_dir,
@@ -216,8 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             skip_existing=not args.no_skip_existing,
             show_progress=not args.quiet,
+            dry_run=args.dry_run,
         )
-        print(f"Pushed {len(pushed)} configs (+ the dataset card) to {args.push_to_hub}.")
+        if args.dry_run:
+            print(f"Dry run: {len(pushed)} configs (+ the dataset card) would go to {args.push_to_hub}; "
+                  f"the commit plan is in {args.output_dir}/push_plan.json. Nothing was uploaded.")
+        else:
+            print(f"Pushed {len(pushed)} configs (+ the dataset card) to {args.push_to_hub}.")
     return 0
 
 

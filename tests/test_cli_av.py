@@ -66,12 +66,26 @@ def bench(tmp_path_factory) -> Path:
 
 
 def _clip_tokenizer():
-    from transformers import CLIPTokenizer
+    """A word-level tokenizer with CLIP's special ids (bos 0, pad 1, eos 2) that survives save/load.
 
-    vocab = {"<|startoftext|>": 0, "<pad>": 1, "<|endoftext|>": 2}
-    for suffix in ("", "</w>"):
-        vocab.update({c + suffix: len(vocab) for c in string.ascii_lowercase + ",."})
-    return CLIPTokenizer(vocab=vocab, merges=[], pad_token="<pad>", model_max_length=32)
+    (``CLIPTokenizer(vocab=..., merges=[])`` does not: transformers 5 saves a 5-token BPE, under which every caption
+    becomes the same ids; ``HubTask`` now refuses such a processor, see tests/test_text_processor.py.)"""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_tta.models.text_processor import SAMPLE_TEXTS
+
+    words = sorted({w for t in (*TEXTS, *SAMPLE_TEXTS) for w in t.lower().split()})
+    vocab = {"<|startoftext|>": 0, "<pad>": 1, "<|endoftext|>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer, tok.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=32,
+    )
 
 
 @pytest.fixture(scope="module")

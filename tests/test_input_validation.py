@@ -33,6 +33,7 @@ def _image_cases(processor):
         "5-D pixels": ({"pixel_values": px[None]}, ValueError, r"\(B, C, H, W\), 4 dimensions"),
         "1 channel": ({"pixel_values": px[:, :1]}, ValueError, r"size 1 on axis -3 \(C\).*expects 3 \(vision_config.num_channels=3\)"),
         "4 channels": ({"pixel_values": torch.cat([px, px[:, :1]], 1)}, ValueError, "expects 3"),
+        "float 0..255 pixels": ({"pixel_values": px.clamp(-1, 1) * 127 + 128}, ValueError, f"raw 0..255 pixels.*{processor}"),
     }
 
 
@@ -68,6 +69,8 @@ CASES += [
     ("xclip", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
     ("xclip", "video", "3 frames", {"pixel_values": _vid[:, :3]}, ValueError, "vision_config.num_frames=4"),
     ("xclip", "video", "1 channel", {"pixel_values": _vid[:, :, :1]}, ValueError, "vision_config.num_channels=3"),
+    ("xclip", "video", "float 0..255 video", {"pixel_values": _vid.clamp(-1, 1) * 127 + 128}, ValueError, "raw 0..255 pixels"),
+    ("clip_video", "video", "float 0..255 video", {"pixel_values": _vid.clamp(-1, 1) * 127 + 128}, ValueError, "raw 0..255"),
     ("clip_video", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
     ("clip_video", "video", "int video", {"pixel_values": _vid.long()}, TypeError, "CLIPImageProcessor"),
     ("clip_video", "video", "frame_mask rank", {"pixel_values": _vid, "frame_mask": torch.ones(2)}, ValueError, r"\(B, T\)"),
@@ -255,3 +258,28 @@ def test_a_model_already_wrapped_is_refused_in_one_line():
     with pytest.raises(ValueError, match="already carries PEFT adapter layers") as err:
         TTAWrapper(model, TTAConfig(query_modality="image"))
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+@pytest.mark.parametrize("processor_class", ["CLIPImageProcessor", "SiglipImageProcessor", "BlipImageProcessor", "ViTImageProcessor"])
+def test_every_image_processors_output_passes_the_pixel_range_check(processor_class):
+    """The other side of the 0..255 refusal: real processors' outputs (extreme images included) are never refused."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    from hf_tta.models.inputs import PIXEL_MAX_ABS
+
+    rng = np.random.default_rng(0)
+    arrays = [np.zeros((40, 40, 3), np.uint8), np.full((40, 40, 3), 255, np.uint8), rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)]
+    arrays.append(np.stack([np.full((40, 40), 255), np.zeros((40, 40)), np.full((40, 40), 255)], -1).astype(np.uint8))
+    proc = getattr(transformers, processor_class)(size={"height": 32, "width": 32}, crop_size={"height": 32, "width": 32})
+    px = proc(images=[Image.fromarray(a) for a in arrays], return_tensors="pt")["pixel_values"]
+    assert 0.99 < px.abs().max() < PIXEL_MAX_ABS  # normalised: [-1, 1] (SigLIP, ViT) to about +-2.6
+    tta, g = _wrapper("clip", "image")
+    before = _snapshot(tta)
+    checked = tta.adapter.check_inputs("image", {"pixel_values": px})
+    assert torch.equal(checked["pixel_values"], px)
+    _assert_bit_identical(before, _snapshot(tta))
+    bad = px.clone()
+    bad[0, 0, 0, 0] = float("inf")  # not a range problem: the wrapper's NaN/inf check names it
+    assert torch.equal(tta.adapter.check_inputs("image", {"pixel_values": bad})["pixel_values"], bad)

@@ -388,3 +388,39 @@ def test_source_scores_are_computed_once_per_batch(objective):
     for i in range(2):
         out = tta.adapt_step(batch("image", 6, seed=2 + i), g)
         assert out.num_updates == 3 and len(entered) == i + 1
+
+
+# ------------------------------------------------------------------------------------- scoring and memory options
+@pytest.mark.parametrize("objective", ["tcr", "oracle"])
+def test_before_update_scoring_keeps_the_trajectory_and_answers_with_the_model_before_the_batch(objective):
+    """``scoring="before_update"``: the parameters follow exactly the trajectory of ``"after_update"``; each batch is
+    answered by the model as it was before adapting on it (the source model for the first batch). With the supervised
+    oracle this is the prequential protocol: a batch is scored before its labels train the model."""
+    g_in, stream = batch("text", 12, seed=1), [batch("image", 6, seed=50 + i) for i in range(3)]
+    labels = [[i % 12] for i in range(6)]
+    kw = {"labels": labels} if objective == "oracle" else {}
+    after = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image"))
+    before = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image", scoring="before_update"))
+    ga, gb = after.encode_gallery(g_in), before.encode_gallery(g_in)
+    for i, x in enumerate(stream):
+        answered_by = {n: p.detach().clone() for n, p in before.params.items()}
+        with torch.no_grad():
+            expected = before.embed_and_score(x, gb)[1]  # the current model, before this batch
+        if i == 0:
+            assert all(torch.equal(v, before.source_parameters()[n]) for n, v in answered_by.items())
+        out_b, out_a = before.adapt_step(x, gb, **kw), after.adapt_step(x, ga, **kw)
+        assert torch.equal(out_b.scores, expected)
+        assert not torch.allclose(out_b.scores, out_a.scores)  # the papers' answer comes after the update
+        assert out_b.num_updates == out_a.num_updates > 0
+        assert all(torch.equal(before.params[n], after.params[n]) for n in after.params)
+
+
+def test_gradient_checkpointing_gives_the_same_adaptation():
+    g_in, stream = batch("text", 12, seed=1), [batch("image", 6, seed=60 + i) for i in range(2)]
+    plain = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image"))
+    ckpt = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", gradient_checkpointing=True))
+    gp, gc = plain.encode_gallery(g_in), ckpt.encode_gallery(g_in)
+    for x in stream:
+        assert torch.allclose(plain.adapt_step(x, gp).scores, ckpt.adapt_step(x, gc).scores, atol=1e-6)
+    assert all(torch.allclose(plain.params[n], ckpt.params[n], atol=1e-6) for n in plain.params)
+    assert any(m.training for m in ckpt.model.modules())  # the query tower's layers are marked for checkpointing

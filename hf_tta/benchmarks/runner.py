@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from ..logging import tqdm
 from .grid import (
     DEGENERATE_BATCHES,
     GALLERY_MODALITY,

@@ -312,6 +312,9 @@ class HubTask(Task):
             self.model_id = type(model).__name__
         if processor is None:
             raise ValueError("Pass the model's processor.")
+        from ..models.text_processor import check_text_processor
+
+        check_text_processor(processor, source=self.model_id)  # distinct captions must not collide (silent zeros)
         self.model = model.to(device).eval()
         self.processor = processor
         self.dataset = dataset

@@ -11,10 +11,12 @@ from .base import (
     supported_architectures,
 )
 from .blip2_composed import Blip2ComposedAdapter
+from .checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
 from .clap import ClapAdapter
 from .clip_video import CLIPVideoAdapter, FrameMeanPoolingMixin
 from .generic import DualEncoderAdapter
 from .inputs import InputSpec
+from .text_processor import check_text_processor, check_tokenizer
 from .xclip import XCLIPAdapter
 
 __all__ = [
@@ -28,6 +30,10 @@ __all__ = [
     "InputSpec",
     "ModelAdapter",
     "XCLIPAdapter",
+    "check_text_processor",
+    "check_tokenizer",
+    "disable_gradient_checkpointing",
+    "enable_gradient_checkpointing",
     "get_adapter",
     "match_module_names",
     "register_adapter",

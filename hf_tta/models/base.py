@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .inputs import FEATURES, IDS, MASK, InputSpec, check_input
+from .inputs import FEATURES, IDS, MASK, PIXEL_MAX_ABS, InputSpec, check_input
 
 #: ``composed``: a reference image + a modification text (composed image retrieval, :mod:`.blip2_composed`).
 MODALITIES = ("image", "text", "audio", "video", "composed")
@@ -38,6 +38,9 @@ class ModelAdapter:
         default_lr: per query modality, the AdamW learning rate of the papers.
         multi_vector: modalities whose embedding is a set of vectors scored by a max (BLIP-2 images).
         excluded_norms: per modality, norm layers of the tower that the reference code does not adapt.
+        unused_norms: per modality, regexes (full match) of norm layers inside the tower that this modality's
+            forward never runs (BLIP's text cross-attention for text queries): adapting them would carry parameters
+            that never change; ``tests/test_models.py`` checks with forward hooks that every selected layer runs.
         preprocess_as: modalities whose inputs are prepared by another modality's processor (CLIP over videos: frames
             are images, so ``{"video": "image"}``); benchmark tasks read it to pick the processor.
         processors: per modality, what prepares the inputs (named in the input errors).
@@ -58,6 +61,7 @@ class ModelAdapter:
     default_lr: ClassVar[dict[str, float]] = {"image": 3e-4, "text": 3e-4}
     multi_vector: ClassVar[frozenset[str]] = frozenset()
     excluded_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
+    unused_norms: ClassVar[dict[str, tuple[str, ...]]] = {}
     preprocess_as: ClassVar[dict[str, str]] = {}
     processors: ClassVar[dict[str, str]] = {
         "image": "the model's processor (AutoProcessor / AutoImageProcessor)",
@@ -108,7 +112,9 @@ class ModelAdapter:
             channels = getattr(vision, "num_channels", 3) if config is not None else None
             sizes = () if channels is None else ((-3, channels, f"vision_config.num_channels={channels}"),)
             layout = ("B", "C", "H", "W") if modality == "image" else ("B", "T", "C", "H", "W")
-            specs = {"pixel_values": InputSpec(FEATURES, layout, sizes, processor=proc, description="normalised pixel values")}
+            specs = {"pixel_values": InputSpec(
+                FEATURES, layout, sizes, processor=proc, description="normalised pixel values", max_abs=PIXEL_MAX_ABS
+            )}
             if modality == "video":
                 specs["frame_mask"] = InputSpec(MASK, ("B", "T"), processor=proc)
             return specs
@@ -203,15 +209,18 @@ class ModelAdapter:
         return {m for m, prefixes in self.towers.items() if any(_has_prefix(name, p) for p in prefixes)}
 
     def norm_layer_names(self, modality: str) -> list[str]:
-        """Names of the normalisation layers in ``modality``'s tower (TCR's default adapted parameters)."""
+        """Names of the normalisation layers that ``modality``'s forward runs (TCR's default adapted parameters):
+        those in its tower, without :attr:`excluded_norms` and :attr:`unused_norms`."""
         self.check_modality(modality)
         excluded = self.excluded_norms.get(modality, ())
+        unused = re.compile("|".join(f"(?:{p})" for p in self.unused_norms.get(modality, ())) or "(?!)")
         return [
             name
             for name, module in self.model.named_modules()
             if isinstance(module, NORM_TYPES)
             and modality in self.tower_of(name)
             and name not in excluded
+            and not unused.fullmatch(name)
             and any(True for _ in module.parameters(recurse=False))  # skip elementwise_affine=False
         ]
 

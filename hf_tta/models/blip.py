@@ -13,6 +13,8 @@ class BlipAdapter(ModelAdapter):
     towers = {"image": ("vision_model", "vision_proj"), "text": ("text_encoder", "text_proj")}
     # TCR App. B.2: 3e-4 for image queries, 3e-5 for text queries with BLIP.
     default_lr = {"image": 3e-4, "text": 3e-5}
+    # the ITC text embedding runs no cross-attention (no encoder_hidden_states): its LayerNorms never run
+    unused_norms = {"text": (r"text_encoder\.encoder\.layer\.\d+\.crossattention\..*",)}
     processors = {"image": "BlipProcessor / BlipImageProcessor", "text": "BlipProcessor / BertTokenizer"}
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -8,6 +8,14 @@ adapting its LayerNorms moves the text side too. hf_tta encodes the gallery once
 (exactly the source model), and never re-encodes it, so the cached gallery stays the source gallery whatever the
 queries adapt. The default adapted parameters therefore include the Q-Former's norms for both directions; to
 keep the Q-Former frozen, pass ``exclude_modules=["qformer"]`` in the :class:`~hf_tta.TTAConfig`.
+
+Each Q-Former layer has two feed-forward blocks: ``intermediate_query``/``output_query`` for the query tokens (image
+path) and ``intermediate``/``output`` for text tokens; text (``query_length=0``) runs no cross-attention. Only the
+LayerNorms a direction's forward runs are selected (:attr:`Blip2Adapter.unused_norms`).
+
+The text path needs ``qformer_config.use_qformer_text_input=True`` (the retrieval checkpoints set it;
+``Blip2Config``'s default is ``False``, which builds Q-Former layers without the text feed-forward block): the
+adapter refuses such a model when it is wrapped, naming the flag, instead of failing inside transformers.
 """
 
 from __future__ import annotations
@@ -33,6 +41,21 @@ class Blip2Adapter(ModelAdapter):
     default_lr = {"image": 3e-4, "text": 3e-5}
     processors = {"image": "Blip2Processor / BlipImageProcessor", "text": "Blip2Processor (its Q-Former tokenizer)"}
     vocab_config = "qformer_config"
+    _layer = r"qformer\.encoder\.layer\.\d+\."
+    unused_norms = {
+        "image": (_layer + r"output\..*",),  # the text tokens' feed-forward block
+        "text": (_layer + r"(crossattention|output_query)\..*",),  # query_length=0: no image, no query tokens
+    }
+
+    def __init__(self, model):
+        super().__init__(model)
+        qformer = getattr(getattr(model, "config", None), "qformer_config", None)
+        if qformer is not None and not getattr(qformer, "use_qformer_text_input", True):
+            raise ValueError(
+                f"{type(model).__name__} was built with qformer_config.use_qformer_text_input=False (Blip2Config's "
+                "default), so its Q-Former cannot embed text: build it with qformer_config=dict(..., "
+                "use_qformer_text_input=True), as the retrieval checkpoints (e.g. Salesforce/blip2-itm-vit-g) do."
+            )
 
     def input_specs(self, modality: str) -> dict[str, InputSpec]:
         specs = super().input_specs(modality)

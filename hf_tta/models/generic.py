@@ -86,7 +86,10 @@ class DualEncoderAdapter(ModelAdapter):
         if modality in self._specs:
             return self._specs[modality]
         # the defaults' dtype kinds only: no config tells a custom model's layouts or vocabulary
-        return {k: dataclasses.replace(s, layout=None, sizes=(), like=None) for k, s in super().input_specs(modality).items()}
+        return {
+            k: dataclasses.replace(s, layout=None, sizes=(), like=None, max_abs=None)  # a custom model's scale is its own
+            for k, s in super().input_specs(modality).items()
+        }
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.encoders[modality](self.model, inputs)

@@ -5,6 +5,9 @@ config); :func:`check_input` applies it before anything runs, so that a user's m
 missing batch dimension, a grey-scale batch for an RGB tower, token ids of another tokenizer) is one clear error
 naming the fix instead of an error from deep inside the model, or, worse, a silent adaptation on wrong inputs.
 
+Pixel values are normalised (``(x / 255 - mean) / std``: a few units at most); a float tensor with values beyond
+:data:`PIXEL_MAX_ABS` skipped the image processor (raw 0..255 pixels cast to float) and is refused.
+
 Floating-point features of another dtype than the model's (e.g. ``float64`` pixels for a ``float32`` model, or
 ``float32`` pixels for a ``bfloat16`` model) are cast once, here, to the model's dtype: the processor's output is
 ``float32`` whatever the model's dtype, so refusing would break the ordinary bf16 recipe.
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 FEATURES, IDS, MASK = "features", "ids", "mask"
+# |pixel| bound: normalised pixels of every HF image processor lie within about +-3 (CLIP's mean/std give
+# [-1.79, 2.15], ImageNet's [-2.12, 2.64], SigLIP's [-1, 1]); raw 0..255 pixels reach far beyond.
+PIXEL_MAX_ABS = 20.0
 KINDS = (FEATURES, IDS, MASK)
 
 
@@ -43,6 +49,10 @@ class InputSpec:
     description: str = field(default="inputs", metadata={"help": "What the tensor holds, e.g. 'normalised pixel values'."})
     like: str | None = field(default=None, metadata={"help": "Another input key this one must have the shape of."})
     required: bool = field(default=False, metadata={"help": "Refuse the batch when this key is absent."})
+    max_abs: float | None = field(
+        default=None,
+        metadata={"help": "Refuse floating-point features with a larger |value| (pixels that skipped normalisation)."},
+    )
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -93,6 +103,15 @@ def check_input(
             raise ValueError(
                 f"{where} holds ids in [{low}, {high}] but the vocabulary has {spec.vocab_size} tokens "
                 f"({spec.vocab_source}): tokenise with this model's tokenizer ({spec.processor})."
+            )
+    if spec.kind == FEATURES and spec.max_abs is not None and value.numel() and value.device.type != "meta":
+        peak = value.detach().abs().amax()
+        # one device sync per batch (as the ids' range check); NaN/inf are left to the wrapper's non-finite check
+        if bool((peak > spec.max_abs) & torch.isfinite(peak)):
+            raise ValueError(
+                f"{where} holds values up to {float(peak):.4g}, but {spec.description} lie within a few units "
+                f"(|x| <= {spec.max_abs:g} accepted): raw 0..255 pixels? Prepare the {modality} with {spec.processor}, "
+                "which rescales and normalises them."
             )
     if spec.kind == FEATURES and dtype is not None and value.dtype != dtype:
         value = value.to(dtype)  # cast once, at the boundary (see the module docstring)

@@ -8,13 +8,14 @@ Layout, dependencies one way (a module imports only from the lines above it):
 - :mod:`.base`: shared names and helpers (split, clean config, complete-config check, package versions);
 - :mod:`.specs`: what each benchmark is (sources, licences, config names, features, modality pairs);
 - :mod:`.karpathy` (COCO / Flickr30K sources) and :mod:`.clips` (local audio-video clips);
-- :mod:`.benchmark` (the COCO-C / Flickr-C builder), :mod:`.av_plans` (how audio-video queries are corrupted) and
-  :mod:`.av_builder` (the audio-video builder);
+- :mod:`.av_plans` (how audio-video queries are corrupted) and :mod:`.card` (dataset cards; a built folder's
+  ``README.md`` makes it loadable with ``datasets.load_dataset(folder, config)``);
+- :mod:`.benchmark` (the COCO-C / Flickr-C builder) and :mod:`.av_builder` (the audio-video builder);
 - :mod:`.loading`: the one loading module (lazy columns, config loading, processor calls, retrieval splits);
 - :mod:`.pairs` (any image-text set: a JSONL/CSV of pairs or a folder with sidecar captions, through
   :class:`~.pairs.RecordsBuilder`), :mod:`.realworld` (Nocaps, Fashion-Gen, CUHK-/ICFG-PEDES from their raw files)
   and :mod:`.composed` (FIQ-O/-D, CIRR-O/-D composed queries);
-- :mod:`.card` (dataset cards), then :mod:`.hub` (publishing).
+- :mod:`.card` (dataset cards), then :mod:`.hub` (publishing; ``push_benchmark(..., dry_run=True)`` writes the commit plan).
 """
 
 import warnings

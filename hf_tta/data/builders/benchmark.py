@@ -28,19 +28,19 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tqdm.auto import tqdm
-
-from ..corruptions.base import derive_seed
+from ...logging import tqdm
+from ..corruptions.base import MissingResourceError, derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import corrupt_image
 from ..corruptions.text import (
     REDRAWN_TEXT_CORRUPTIONS,
     TEXT_CORRUPTION_LEVELS,
-    check_text_resources,
     corrupt_text,
     corrupt_texts,
+    missing_text_resources,
 )
 from .base import BUILD_INFO, SPLIT, build_versions, built_configs, encode_image, is_built
+from .card import local_card
 from .karpathy import KarpathyImage, SourceReport, karpathy_images, read_karpathy_json, scan_sources
 from .specs import (
     EXTRA_COLUMNS,
@@ -49,6 +49,7 @@ from .specs import (
     benchmark_spec,
     default_configs,
     image_features,
+    order_configs,
     parse_config_name,
     text_features,
 )
@@ -209,6 +210,8 @@ class BenchmarkBuilder:
         }
         self.num_proc, self.check_decode, self.show_progress = num_proc, check_decode, show_progress
         self.report: SourceReport | None = None
+        self.left_out: dict[str, list[str]] = {}  # configs a build(skip_missing=True) could not build
+        self.missing_resources: dict[str, str] = {}
         self._records: list[KarpathyImage] | None = None
 
     # ---------------------------------------------------------------------------------------- sources
@@ -302,6 +305,11 @@ class BenchmarkBuilder:
         tmp = self.output_dir / (BUILD_INFO + ".tmp")
         tmp.write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
         os.replace(tmp, self.output_dir / BUILD_INFO)
+        # the card, whose YAML `configs` make the folder loadable with datasets.load_dataset(folder, config)
+        card = local_card(self.spec, str(self.output_dir), info, order_configs(info["configs"]))
+        tmp = self.output_dir / "README.md.tmp"
+        tmp.write_text(card, encoding="utf-8")
+        os.replace(tmp, self.output_dir / "README.md")
 
     def _config_meta(self, config: str) -> dict:
         path = self.config_dir(config) / "hf_tta_config.json"
@@ -320,25 +328,38 @@ class BenchmarkBuilder:
             )
 
     # ---------------------------------------------------------------------------------------- preflight
-    def check_resources(self, configs: Iterable[str]) -> None:
-        """Fail fast, before hours of work, when a text corruption lacks WordNet, nlpaug or a seq2seq model."""
-        needed: set[str] = set()
+    def check_resources(self, configs: Iterable[str], skip_missing: bool = False) -> dict[str, list[str]]:
+        """Fail fast, before hours of work, when text corruptions lack WordNet, nlpaug or a seq2seq model.
+
+        Every missing resource is found (``self.missing_resources``: ``{corruption: why}``), not only the first.
+        Raises ``MissingResourceError`` naming them all, unless ``skip_missing``: then returns ``{config: its
+        missing corruptions}`` for the configs that cannot be built (``text-diverse`` when its pool needs one).
+        """
+        needs: dict[str, set[str]] = {}
         for c in configs:
             spec = parse_config_name(c)
-            if spec.modality != "text":
-                continue
-            if spec.corruption == "diverse":
-                needed.update(n for n, _ in self.text_pool)
-            else:
-                needed.add(spec.corruption)
-        check_text_resources(needed, self.text_kwargs["wordnet"], self.text_kwargs["models"], self.text_kwargs["device"])
+            if spec.modality == "text":
+                needs[c] = {n for n, _ in self.text_pool} if spec.corruption == "diverse" else {spec.corruption}
+        kw = self.text_kwargs
+        missing = missing_text_resources(set().union(*needs.values()), kw["wordnet"], kw["models"], kw["device"])
+        self.missing_resources = missing
+        if missing and not skip_missing:
+            lines = "\n".join(f"- {n}: {why}" for n, why in missing.items())
+            raise MissingResourceError(f"{len(missing)} text corruptions lack their resources ({', '.join(missing)}):\n{lines}")
+        return {c: sorted(n & missing.keys()) for c, n in needs.items() if n & missing.keys()}
 
     # ---------------------------------------------------------------------------------------- build
-    def build(self, configs: Iterable[str] | None = None, overwrite: bool = False) -> dict[str, Any]:
+    def build(self, configs: Iterable[str] | None = None, overwrite: bool = False, skip_missing: bool = False) -> dict[str, Any]:
         """Build the configs (default: :func:`default_configs`); complete ones are skipped unless ``overwrite``.
 
+        Args:
+            skip_missing: build what can be built when text corruptions lack their resources (WordNet, nlpaug, a
+                seq2seq checkpoint): the configs that need them are left out, listed in ``self.left_out``
+                (``{config: missing corruptions}``) and ``self.missing_resources``; by default the build stops
+                before any work, naming every missing resource.
+
         Returns:
-            ``{config: Dataset}`` for every requested config.
+            ``{config: Dataset}`` for every requested config (that was not left out).
         """
         configs = list(default_configs() if configs is None else configs)
         for c in configs:
@@ -347,8 +368,11 @@ class BenchmarkBuilder:
         self._check_resume()
         self.prepare()
         todo = [c for c in configs if overwrite or not self.is_complete(c)]
-        if todo:
-            self.check_resources(todo)
+        self.left_out = self.check_resources(todo, skip_missing) if todo else {}
+        if self.left_out:
+            logger.warning("Left out %d configs whose text corruptions lack resources: %s", len(self.left_out), ", ".join(self.left_out))
+            todo = [c for c in todo if c not in self.left_out]
+            configs = [c for c in configs if c not in self.left_out]
         self._write_info()
         skipped = len(configs) - len(todo)
         if skipped:

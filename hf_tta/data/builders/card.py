@@ -103,6 +103,24 @@ def card_metadata(spec: BenchmarkSpec, num_rows: int | None = None) -> dict[str,
     }
 
 
+def local_card(
+    spec: BenchmarkSpec, folder: str, build_info: dict, configs: Sequence[str], data_files: str = "{config}/data-*.arrow"
+) -> str:
+    """``README.md`` of a built folder: the card, with YAML ``configs`` whose ``data_files`` are each config's Arrow
+    files (``<config>/data-*.arrow``, what ``save_to_disk`` wrote), so that the folder is a dataset repository
+    layout: ``datasets.load_dataset(folder, config)`` reads it without a copy of the data. ``data_files="{config}/
+    test-*"`` gives the card of the Hub repository (``push_to_hub``'s parquet shards)."""
+    from huggingface_hub import DatasetCardData
+
+    num_rows = max((m.get("num_rows", 0) for m in build_info.get("configs", {}).values()), default=None)
+    entries = [
+        {"config_name": c, "data_files": [{"split": "test", "path": data_files.format(config=c)}], **({"default": True} if c == "clean" else {})}
+        for c in configs
+    ]
+    data = DatasetCardData(**card_metadata(spec, num_rows), configs=entries)
+    return f"---\n{data.to_yaml()}\n---\n\n{card_text(spec, folder, build_info, configs)}"
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "(" + ", ".join(_fmt(x) for x in v) + ")"

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tqdm.auto import tqdm
+from ...logging import tqdm
 
 
 @dataclass

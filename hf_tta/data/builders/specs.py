@@ -330,6 +330,7 @@ def av_features(config: str):
 
 
 __all__ = [
+    "order_configs",
     "AUDIOSET_D_CONFIGS",
     "AUDIOSET_O_CONFIGS",
     "AV_BENCHMARKS",
@@ -351,3 +352,12 @@ __all__ = [
     "text_features",
     "text_severities",
 ]
+
+
+def order_configs(configs: Iterable[str]) -> list[str]:
+    """clean first, then image, then text configs (the order of the card and of the Hub viewer)."""
+    def key(c: str):
+        spec = parse_config_name(c)
+        return ({None: 0, "image": 1, "text": 2}[spec.modality], spec.corruption == "diverse", c)
+
+    return sorted(configs, key=key)

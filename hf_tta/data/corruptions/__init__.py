@@ -46,6 +46,7 @@ from .text import (
     check_text_resources,
     corrupt_text,
     corrupt_texts,
+    missing_text_resources,
 )
 from .wordnet import load_wordnet
 
@@ -71,6 +72,7 @@ __all__ = [
     "TEXT_SEVERITIES",
     "WORD_CORRUPTIONS",
     "check_text_resources",
+    "missing_text_resources",
     "clear_text_model_cache",
     "corrupt_image",
     "corrupt_image_diverse",

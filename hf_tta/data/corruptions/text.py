@@ -427,6 +427,20 @@ def check_text_resources(
         sentence_generators(n, models, device)
 
 
+def missing_text_resources(
+    names, wordnet: Any = None, models: Mapping[str, Any] | None = None, device: Any = None
+) -> dict[str, str]:
+    """``{corruption: why}`` for every one of ``names`` whose resources do not load (:func:`check_text_resources`
+    corruption by corruption, so that all of them are named, not only the first)."""
+    missing = {}
+    for name in sorted(set(names)):
+        try:
+            check_text_resources({name}, wordnet, models, device)
+        except MissingResourceError as err:
+            missing[name] = str(err)
+    return missing
+
+
 __all__ = [
     "CHAR_CORRUPTIONS",
     "MAX_TEXT_SEVERITY",
@@ -442,5 +456,6 @@ __all__ = [
     "check_text_resources",
     "corrupt_text",
     "corrupt_texts",
+    "missing_text_resources",
     "text_corruption_requirements",
 ]
