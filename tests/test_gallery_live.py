@@ -525,3 +525,53 @@ def test_sharded_gallery_changes_equal_one_process(tmp_path):
         torch.testing.assert_close(got["values"], v, rtol=0, atol=1e-5)
         torch.testing.assert_close(got["rows"], ref.emb, rtol=0, atol=1e-6)
         torch.testing.assert_close(got["mean"], ref.emb.mean(0), rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ the wrapper
+@pytest.mark.parametrize("objective", ["titan", "eata", "rest"])
+def test_wrapper_adapts_on_a_backend_changed_by_another_thread(objective):
+    """A user's loop with today's wrapper: each step catches the objective state up with the gallery's changes
+    (follow_gallery_changes) and runs under backend.reading(), while another thread adds, removes and replaces
+    captions: no error, every answer's ids exist in its version, per-item state matches the gallery's size."""
+    from hf_tta import TTAConfig, TTAWrapper
+    from hf_tta.objectives.base import follow_gallery_changes
+    from tiny_models import make_model
+
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image", steps=1))
+    gen = torch.Generator().manual_seed(1)
+    captions = {"input_ids": torch.randint(3, 99, (70, 8), generator=gen), "attention_mask": torch.ones(70, 8, dtype=torch.long)}
+    emb = tta.encode_gallery(captions, show_progress=False).embeddings
+    backend = ChunkedGallery(emb[:50], "text", k=8)
+    spare, errors, done = emb[50:], [], threading.Event()
+
+    def mutate():
+        try:
+            for j in range(0, 20, 4):
+                backend.add([1000 + j, 1001 + j], spare[j : j + 2])
+                backend.remove([j, j + 1])
+                backend.replace([1000 + j], spare[j + 2 : j + 3])
+                time.sleep(0.01)
+        except Exception as err:  # pragma: no cover
+            errors.append(err)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=mutate)
+    thread.start()
+    version, steps = 0, 0
+    while not done.is_set() or steps < 3:
+        batch = {"pixel_values": torch.randn(6, 3, 32, 32, generator=gen)}
+        with backend.reading():
+            version = follow_gallery_changes(backend, version, [(tta.objective, tta.state)])
+            out = tta.adapt_step(batch, backend)
+            ids = backend.to_ids(out.topk.indices)
+            assert set(ids.flatten().tolist()) <= set(backend.ids.tolist())
+            for key in ("match_counts", "model_probs"):
+                if tta.state.get(key) is not None and tta.state[key].numel():
+                    assert tta.state[key].numel() == len(backend)
+        steps += 1
+    thread.join()
+    assert not errors, errors
+    assert backend.version == 15 and len(backend) == 50
+    kept = [i for i in range(50) if i >= 20 or i % 4 >= 2]
+    assert backend.ids.tolist() == kept + [i for j in range(0, 20, 4) for i in (1000 + j, 1001 + j)]

@@ -192,8 +192,10 @@ class GalleryBackend(abc.ABC):
     def id_map(self) -> IdMap:
         """The :class:`~hf_tta.gallery.ids.IdMap` of the current version (ids ``0 .. N-1`` unless set)."""
         ids = self.__dict__.get("_id_map")
-        if ids is None or len(ids) != len(self):
+        if ids is None:
             ids = self.__dict__["_id_map"] = IdMap.range(len(self))
+        elif len(ids) != len(self):  # pragma: no cover - every change updates both under the write lock
+            raise RuntimeError(f"The gallery holds {len(self)} items but {len(ids)} ids: it was changed directly.")
         return ids
 
     def _set_id_map(self, ids: IdMap) -> None:

@@ -321,6 +321,22 @@ def same_gallery(state: ObjectiveState, key: str, gallery_emb: torch.Tensor) -> 
     return same_fingerprint(state, key, gallery_fingerprint(gallery_emb))
 
 
+def follow_gallery_changes(gallery, version: int, states) -> int | None:
+    """Bring objective states up to a live gallery's current version: each change since ``version``
+    (``gallery.changes_since``) goes to :meth:`Objective.on_gallery_change` of every ``(objective, state)`` pair in
+    ``states``, in order. Returns the gallery's version, or ``None`` when its change log no longer reaches back to
+    ``version`` (position-keyed state cannot be remapped then: reset it). Call it under ``gallery.reading()`` (a
+    backend), so that no change slips in between this and the step."""
+    changes = gallery.changes_since(version)
+    if changes is None:
+        return None
+    for change in changes:
+        for objective, state in states:
+            if objective is not None:
+                objective.on_gallery_change(change, state)
+    return changes[-1].version if changes else version
+
+
 def mark_gallery_changed(state: ObjectiveState, key: str, new_size: int) -> None:
     """After :meth:`Objective.on_gallery_change` remapped position-keyed state: ``state[key]`` records the new size
     instead of a fingerprint, so the next step adopts the changed gallery's fingerprint (:func:`adopt_fingerprint`)
