@@ -165,6 +165,15 @@ def test_refused_changes_leave_the_gallery_unchanged(kind, bad):
     assert_same(backend, ref, unit(3, seed=8), k=4)
 
 
+def test_a_change_inside_reading_is_refused_not_deadlocked():
+    backend, ref = start("chunked", n=8)
+    with backend.reading():
+        with pytest.raises(RuntimeError, match="inside backend.reading"):
+            backend.add([99], unit(1))
+    backend.add([99], unit(1))  # the lock is free again
+    assert backend.ids.tolist() == [*range(8), 99]
+
+
 @pytest.mark.parametrize("kind", ["chunked", "chunked_ids", "faiss_flat", "faiss_ivf", "faiss_ivf_ids"])
 def test_ids_survive_save_and_load(kind, tmp_path):
     backend, ref = start(kind)
