@@ -117,6 +117,29 @@ def test_add_remove_replace_equal_a_rebuilt_gallery(kind):
     assert backend.positions_of([ref.ids[5], 1003]).tolist() == [5, ref.ids.index(1003)]
 
 
+@pytest.mark.parametrize("kind", ["chunked", "faiss_flat", "faiss_ivf_ids"])
+def test_statistics_follow_changes_without_a_pass(kind, monkeypatch):
+    """Cached mean and fingerprint are updated from the rows that left and came (O(N + M D)), equal to a fresh pass;
+    the k-means is dropped and recomputed."""
+    from hf_tta.gallery.stats import compute_statistics, tensor_blocks
+
+    backend, ref = start(kind)
+    backend.statistics()
+    backend.kmeans(3, 10, 0)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass over the gallery")
+
+    monkeypatch.setattr(backend, "iter_blocks", no_pass)
+    changes(backend, ref)
+    got = backend.statistics()
+    fresh = compute_statistics(tensor_blocks(ref.emb), len(ref.ids), D)
+    torch.testing.assert_close(got.mean, fresh.mean, rtol=0, atol=1e-7)
+    torch.testing.assert_close(got.fingerprint, fresh.fingerprint, rtol=1e-12, atol=1e-9)
+    with pytest.raises(AssertionError, match="a pass"):
+        backend.kmeans(3, 10, 0)
+
+
 def test_chunked_never_writes_the_callers_tensor():
     emb = unit(20)
     keep = emb.clone()

@@ -41,7 +41,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .ids import ChangeLog, GalleryChange, IdMap, ReadWriteLock, as_id_array
-from .stats import BLOCK_ROWS, GalleryKMeans, GalleryStatistics, compute_statistics, gallery_kmeans
+from .stats import (
+    BLOCK_ROWS,
+    GalleryKMeans,
+    GalleryStatistics,
+    compute_statistics,
+    gallery_kmeans,
+    update_statistics,
+)
 
 STATS_FILE = "gallery_stats.safetensors"
 IDS_FILE = "gallery_ids.safetensors"
@@ -248,9 +255,27 @@ class GalleryBackend(abc.ABC):
         (:data:`~hf_tta.gallery.ids.CHANGE_LOG`): then position-keyed state must be rebuilt, not remapped."""
         return self.__dict__.setdefault("_change_log", ChangeLog()).since(version, self.version)
 
-    def _changed(self, kind: str, ids: np.ndarray, positions: np.ndarray, old_size: int) -> GalleryChange:
+    def _incremental(self) -> bool:
+        """Whether cached statistics can follow a change without a pass (one process, row sums kept)."""
+        stats = self._stats_cache().get("statistics")
+        return stats is not None and stats.row_sums is not None
+
+    def _old_rows(self, positions: np.ndarray) -> torch.Tensor | None:
+        """The stored rows about to leave (for :func:`update_statistics`), read before the change."""
+        return self.gather(torch.from_numpy(positions)).double().cpu() if self._incremental() else None
+
+    def _changed(
+        self, kind: str, ids: np.ndarray, positions: np.ndarray, old_size: int, old_rows: torch.Tensor | None = None
+    ) -> GalleryChange:
         self.__dict__["_version"] = self.version + 1
-        self._stats_cache().clear()  # mean, fingerprint and k-means were of the old gallery
+        cache = self._stats_cache()
+        stats = cache.get("statistics") if self._incremental() else None
+        cache.clear()  # k-means (and statistics without row sums) were of the old gallery: recomputed on next use
+        if stats is not None:  # mean and fingerprint follow the change: O(N + M D), no pass over the gallery
+            new_rows = None if kind == "remove" else self.gather(torch.from_numpy(np.asarray(positions))).double()
+            updated = update_statistics(stats, kind, torch.from_numpy(np.asarray(positions)), old_rows, new_rows)
+            if updated is not None:
+                cache["statistics"] = updated
         return self.__dict__.setdefault("_change_log", ChangeLog()).record(GalleryChange(
             kind=kind,
             ids=torch.from_numpy(ids.copy()),
@@ -288,10 +313,10 @@ class GalleryBackend(abc.ABC):
             self._check_change("remove")
             keep = np.ones(len(old), dtype=bool)
             keep[pos] = False
-            n = len(self)
+            n, rows = len(self), self._old_rows(pos)
             self._remove(pos, keep, arr)
             self._set_id_map(old.removed(keep))
-            return self._changed("remove", arr, pos, n)
+            return self._changed("remove", arr, pos, n, rows)
 
     def replace(self, ids, embeddings: torch.Tensor) -> GalleryChange:
         """New embeddings ``(M, D)`` for the existing items ``ids`` (same ids, same positions)."""
@@ -302,8 +327,9 @@ class GalleryBackend(abc.ABC):
             pos = self.id_map.positions(arr, "replace")
             rows = self._check_rows(embeddings, arr.size)
             self._check_change("replace")
+            old_rows = self._old_rows(pos)
             self._replace(pos, arr, rows)
-            return self._changed("replace", arr, pos, len(self))
+            return self._changed("replace", arr, pos, len(self), old_rows)
 
     def save_ids(self, directory: str | os.PathLike) -> None:
         """Write the external ids to ``directory/gallery_ids.safetensors`` (ids ``0 .. N-1``: no file, a stale one is
@@ -354,7 +380,10 @@ class GalleryBackend(abc.ABC):
         with self.reading():
             cache = self._stats_cache()
             if "statistics" not in cache:
-                cache["statistics"] = compute_statistics(self._stat_blocks(), len(self), self.dim, self._reduce)
+                one_process = type(self)._reduce is GalleryBackend._reduce  # a shard's row sums are not the gallery's
+                cache["statistics"] = compute_statistics(
+                    self._stat_blocks(), len(self), self.dim, self._reduce, keep_rows=one_process
+                )
             return cache["statistics"]
 
     def kmeans(self, k: int, iters: int = 50, seed: int = 0) -> GalleryKMeans:
