@@ -521,19 +521,25 @@ def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
     try:
         emb = unit(30)
         local = emb[:12] if rank == 0 else emb[12:]  # shard 0 is the smaller one: new items go to its end
-        gal = ShardedGallery(ChunkedGallery(local, "text", k=5, chunk_size=4))
-        out = {"ids0": gal.ids}
-        add = gal.add([100, 101], unit(2, seed=1))
-        out["add_positions"] = add.positions
-        gal.remove([2, 20, 100])
-        gal.replace([0, 25], unit(2, seed=2))
-        try:
-            gal.remove([0, 1, *range(3, 12), 101])  # all of shard 0
-        except ValueError as err:
-            out["refused"] = torch.tensor([int("empty shard 0" in str(err))])
-        res = gal.search_ids(unit(4, seed=3), 6)
-        out.update(ids=gal.ids, values=res.values, indices=res.indices, mean=gal.statistics().mean,
-                   rows=gal.gather(torch.arange(len(gal))), sizes=torch.tensor(gal.sizes))
+        out = {}
+        shards = {  # an IVF shard's labels 0 .. n_r - 1 are relabelled to global ids at the first change
+            "chunked": ChunkedGallery(local, "text", k=5, chunk_size=4),
+            "ivf": FaissGallery.build(local, "text", index="ivf", nlist=2, nprobe=2, k=5),
+        }
+        for name, shard in shards.items():
+            gal = ShardedGallery(shard)
+            out[f"{name}.ids0"] = gal.ids
+            out[f"{name}.add_positions"] = gal.add([100, 101], unit(2, seed=1)).positions
+            gal.remove([2, 20, 100])
+            gal.replace([0, 25], unit(2, seed=2))
+            try:
+                gal.remove([0, 1, *range(3, 12), 101])  # all of shard 0
+            except ValueError as err:
+                out[f"{name}.refused"] = torch.tensor([int("empty shard 0" in str(err))])
+            res = gal.search_ids(unit(4, seed=3), 6)
+            got = dict(ids=gal.ids, values=res.values, indices=res.indices, mean=gal.statistics().mean,
+                       rows=gal.gather(torch.arange(len(gal))), sizes=torch.tensor(gal.sizes))
+            out.update({f"{name}.{k}": v for k, v in got.items()})
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
@@ -548,8 +554,9 @@ def test_sharded_gallery_changes_equal_one_process(tmp_path):
     ref.remove([2, 20, 100])
     ref.replace([0, 25], unit(2, seed=2))
     v, i = ref.topk(unit(4, seed=3), 6)
-    for r in (0, 1):
-        got = load_file(os.path.join(tmp_path, f"rank{r}.safetensors"))
+    for r, name in [(0, "chunked"), (1, "chunked"), (0, "ivf"), (1, "ivf")]:
+        saved = load_file(os.path.join(tmp_path, f"rank{r}.safetensors"))
+        got = {k[len(name) + 1 :]: v for k, v in saved.items() if k.startswith(name + ".")}
         assert got["ids0"].tolist() == list(range(30)) and got["add_positions"].tolist() == [12, 13]
         assert got["ids"].tolist() == ref.ids and got["sizes"].tolist() == [12, 17]
         assert got["refused"].tolist() == [1]

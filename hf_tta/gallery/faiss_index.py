@@ -334,6 +334,7 @@ class FaissGallery(GalleryBackend):
         plain, self._plain = self._plain, False  # labels are ids from now on (not positions)
         ivf = self._ivf(self.index)
         if ivf is not None:
+            ids = np.ascontiguousarray(self.id_map.ids)
             relabel = plain and not self.id_map.is_range()  # labels 0 .. N-1 but other ids (a shard): relabel once
             vectors = self.index.reconstruct_n(0, len(self)) if relabel else None
             if relabel:
@@ -341,7 +342,7 @@ class FaissGallery(GalleryBackend):
             if ivf.direct_map.type != faiss.DirectMap.Hashtable:
                 ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
             if relabel:
-                self.index.add_with_ids(vectors, np.ascontiguousarray(self.id_map.ids))
+                self.index.add_with_ids(vectors, ids)
             return
         if self._id_wrapped():
             return
