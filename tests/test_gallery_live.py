@@ -148,6 +148,11 @@ def test_chunked_never_writes_the_callers_tensor():
     gal.remove([1, 2])
     gal.add([50], unit(1, seed=4))
     assert torch.equal(emb, keep)
+    moved = gal.to("cpu")
+    assert moved.ids.tolist() == gal.ids.tolist() and moved.version == gal.version
+    before = moved.embeddings.clone()
+    gal.replace([0], unit(1, seed=5))  # an in-place change of one copy leaves the other as it was
+    assert torch.equal(moved.embeddings, before)
 
 
 def test_hnsw_adds_but_refuses_removal():

@@ -140,7 +140,9 @@ class ChunkedGallery(GalleryBackend):
                 "A memory-mapped ChunkedGallery stays on the CPU: its blocks are moved to the queries' device."
             )
         with self.reading():
-            moved = ChunkedGallery(self.embeddings.to(device), self.modality, self.k, self.chunk_size)
+            # an owned buffer changes in place later: the moved gallery gets its own rows, even on the same device
+            rows = self.embeddings.to(device, copy=self._owned)
+            moved = ChunkedGallery(rows, self.modality, self.k, self.chunk_size)
             moved._set_id_map(self.id_map)
             moved.__dict__["_version"] = self.version
             moved._stats_cache().update(self._stats_cache())  # the statistics do not depend on the device
