@@ -94,6 +94,17 @@ def test_faiss_approximate_recall_tolerance(index, min_recall):
     assert recall >= min_recall, recall
 
 
+@pytest.mark.parametrize("index", ["chunked", "flat", "ivf", "hnsw"])
+def test_unchanged_backend_ids_are_positions(index):
+    """A backend built without ids names its items 0 .. N-1 (version 0), so search_ids answers as search does; the
+    live-index operations are in tests/test_gallery_live.py."""
+    g, q = unit(200, 16, 10), unit(4, 16, 11)
+    gal = ChunkedGallery(g, "text") if index == "chunked" else FaissGallery.build(g, "text", index=index, nlist=4)
+    assert torch.equal(gal.ids, torch.arange(200)) and gal.version == 0 and gal.changes_since(0) == []
+    res, by_id = gal.search(q, 5), gal.search_ids(q, 5)
+    assert torch.equal(res.indices, by_id.indices) and by_id.version == 0
+
+
 def test_faiss_rejects_wrong_metric():
     import faiss
 

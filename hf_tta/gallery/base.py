@@ -16,6 +16,16 @@ objective is declared by ``Objective.gallery_access``:
   labels), kept as a dense ``N``-vector keyed by global index into which the candidates' values are scattered (the
   objective gets ``ObjectiveInputs.candidate_ids``); a softmax over the gallery is taken over ``C``;
 * ``"full"``: needs every item's score at every step; refused with a top-k backend (no built-in objective).
+
+A live index: every backend gives each item a stable external id (:attr:`GalleryBackend.ids`; ``0 .. N-1`` when built
+without ids) and changes in place with :meth:`~GalleryBackend.add`, :meth:`~GalleryBackend.remove` and
+:meth:`~GalleryBackend.replace` (no other item is re-encoded or re-indexed), each returning a
+:class:`~hf_tta.gallery.ids.GalleryChange` for position-keyed state (``Objective.on_gallery_change``). ``search`` and
+``gather`` keep addressing positions (what the wrapper and per-item state use); :meth:`~GalleryBackend.search_ids`
+answers in external ids. A readers-writer lock makes every search, gather and statistics pass see one version: a
+change waits for the running reads and holds new ones back; ``with backend.reading():`` pins one version across
+several calls (the wrapper's search, gather and scoring of one step). Every change bumps :attr:`~GalleryBackend.version`
+and drops the cached statistics (mean, fingerprint, k-means), so they are recomputed for the new gallery.
 """
 
 from __future__ import annotations
@@ -26,12 +36,22 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .stats import BLOCK_ROWS, GalleryKMeans, GalleryStatistics, compute_statistics, gallery_kmeans
+from .ids import ChangeLog, GalleryChange, IdMap, ReadWriteLock, as_id_array
+from .stats import (
+    BLOCK_ROWS,
+    GalleryKMeans,
+    GalleryStatistics,
+    compute_statistics,
+    gallery_kmeans,
+    update_statistics,
+)
 
 STATS_FILE = "gallery_stats.safetensors"
+IDS_FILE = "gallery_ids.safetensors"
 _KMEANS_KEY = re.compile(r"^kmeans\.k(\d+)\.iters(\d+)\.seed(-?\d+)\.(centroids|labels|counts)$")
 
 
@@ -41,11 +61,14 @@ class TopKScores:
 
     Args:
         values (`torch.Tensor` of shape `(B, k)`): their scores (descending along each row).
-        indices (`torch.Tensor` of shape `(B, k)`): their global gallery indices (``int64``).
+        indices (`torch.Tensor` of shape `(B, k)`): their global gallery indices (``int64``), or their external ids
+            (:meth:`GalleryBackend.search_ids`).
+        version (`int`, *optional*): the gallery version the answer was computed on (:meth:`GalleryBackend.search_ids`).
     """
 
     values: torch.Tensor
     indices: torch.Tensor
+    version: int | None = None
 
     def __post_init__(self):
         if self.values.shape != self.indices.shape or self.values.dim() != 2:
@@ -62,7 +85,7 @@ class TopKScores:
         return self.values.shape[1]
 
     def to(self, device) -> "TopKScores":
-        return TopKScores(self.values.to(device), self.indices.to(device))
+        return TopKScores(self.values.to(device), self.indices.to(device), self.version)
 
     @staticmethod
     def cat(parts: list["TopKScores"]) -> "TopKScores":
@@ -143,6 +166,189 @@ class GalleryBackend(abc.ABC):
         if embeddings.shape[0] == 0:
             raise ValueError("The gallery is empty.")
 
+    # ---------------------------------------------------------------------------------------- live index
+    # Subclasses implement the storage side of a change (called under the write lock, after every check passed, so a
+    # change that fails its checks leaves the backend untouched): ``_add(ids, rows)`` appends rows at positions
+    # ``N ..`` (or inserts them and returns where: a shard's end); ``_remove(positions, keep, ids)`` deletes positions
+    # (``keep``: bool mask over the old positions, order kept); ``_replace(positions, ids, rows)`` overwrites rows in
+    # place. ``_check_change(kind)`` refuses a change the storage cannot make (a memory-mapped file, an HNSW graph's
+    # removal) before anything moves.
+    def _add(self, ids: np.ndarray, rows: torch.Tensor) -> int | None:
+        raise NotImplementedError(f"{type(self).__name__} cannot add items.")
+
+    def _remove(self, positions: np.ndarray, keep: np.ndarray, ids: np.ndarray) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot remove items.")
+
+    def _replace(self, positions: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot replace items.")
+
+    def _check_change(self, kind: str) -> None:
+        """Raise (one line) when this backend cannot make a change of ``kind`` now."""
+
+    def _lock(self) -> ReadWriteLock:
+        lock = self.__dict__.get("_rw_lock")
+        if lock is None:
+            lock = self.__dict__.setdefault("_rw_lock", ReadWriteLock())
+        return lock
+
+    def reading(self):
+        """``with backend.reading(): ...``: the gallery does not change inside (several calls see one version)."""
+        return self._lock().read()
+
+    @property
+    def id_map(self) -> IdMap:
+        """The :class:`~hf_tta.gallery.ids.IdMap` of the current version (ids ``0 .. N-1`` unless set)."""
+        ids = self.__dict__.get("_id_map")
+        if ids is None:
+            ids = self.__dict__["_id_map"] = IdMap.range(len(self))
+        elif len(ids) != len(self):  # pragma: no cover - every change updates both under the write lock
+            raise RuntimeError(f"The gallery holds {len(self)} items but {len(ids)} ids: it was changed directly.")
+        return ids
+
+    def _set_id_map(self, ids: IdMap) -> None:
+        if len(ids) != len(self):
+            raise ValueError(f"{len(ids)} ids for a gallery of {len(self)} items.")
+        self.__dict__["_id_map"] = ids
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The external id of every position, ``(N,)`` ``int64`` (a copy)."""
+        return torch.from_numpy(self.id_map.ids.copy())
+
+    @property
+    def version(self) -> int:
+        """How many changes this backend has made (0 when built or loaded; not saved)."""
+        return self.__dict__.get("_version", 0)
+
+    def positions_of(self, ids) -> torch.Tensor:
+        """Current positions of the external ``ids`` (an unknown id is refused)."""
+        with self.reading():
+            return torch.from_numpy(self.id_map.positions(ids, "look up"))
+
+    def to_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """External ids of ``positions`` (any shape), on ``positions``' device."""
+        return torch.from_numpy(self.id_map.ids[positions.cpu().numpy()]).to(positions.device)
+
+    @torch.no_grad()
+    def search_ids(self, queries: torch.Tensor, k: int) -> TopKScores:
+        """:meth:`search` answered in external ids, computed on one version (``TopKScores.version``)."""
+        with self.reading():
+            res = self.search(queries, k)
+            return TopKScores(res.values, self.to_ids(res.indices), self.version)
+
+    def _check_rows(self, embeddings, count: int) -> torch.Tensor:
+        if not isinstance(embeddings, torch.Tensor):
+            raise TypeError(f"Embeddings must be a tensor, got {type(embeddings).__name__}.")
+        if not embeddings.is_floating_point() or embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
+            raise ValueError(
+                f"Embeddings must be a floating-point (M, {self.dim}) tensor (this gallery's dimension), got "
+                f"{embeddings.dtype} of shape {tuple(embeddings.shape)}."
+            )
+        if embeddings.shape[0] != count:
+            raise ValueError(f"{count} ids for {embeddings.shape[0]} embeddings: pass one id per row.")
+        if not torch.isfinite(embeddings).all():
+            raise ValueError("The new embeddings contain NaN or inf values.")
+        return embeddings.detach()
+
+    def changes_since(self, version: int) -> list[GalleryChange] | None:
+        """The changes after ``version`` in order (``[]`` when current), or ``None`` when older than the log kept
+        (:data:`~hf_tta.gallery.ids.CHANGE_LOG`): then position-keyed state must be rebuilt, not remapped."""
+        return self.__dict__.setdefault("_change_log", ChangeLog()).since(version, self.version)
+
+    def _incremental(self) -> bool:
+        """Whether cached statistics can follow a change without a pass (one process, row sums kept)."""
+        stats = self._stats_cache().get("statistics")
+        return stats is not None and stats.row_sums is not None
+
+    def _old_rows(self, positions: np.ndarray) -> torch.Tensor | None:
+        """The stored rows about to leave (for :func:`update_statistics`), read before the change."""
+        return self.gather(torch.from_numpy(positions)).double().cpu() if self._incremental() else None
+
+    def _changed(
+        self, kind: str, ids: np.ndarray, positions: np.ndarray, old_size: int, old_rows: torch.Tensor | None = None
+    ) -> GalleryChange:
+        self.__dict__["_version"] = self.version + 1
+        cache = self._stats_cache()
+        stats = cache.get("statistics") if self._incremental() else None
+        cache.clear()  # k-means (and statistics without row sums) were of the old gallery: recomputed on next use
+        if stats is not None:  # mean and fingerprint follow the change: O(N + M D), no pass over the gallery
+            new_rows = None if kind == "remove" else self.gather(torch.from_numpy(np.asarray(positions))).double()
+            updated = update_statistics(stats, kind, torch.from_numpy(np.asarray(positions)), old_rows, new_rows)
+            if updated is not None:
+                cache["statistics"] = updated
+        return self.__dict__.setdefault("_change_log", ChangeLog()).record(GalleryChange(
+            kind=kind,
+            ids=torch.from_numpy(ids.copy()),
+            positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)),
+            old_size=old_size,
+            new_size=len(self),
+            version=self.version,
+        ))
+
+    def add(self, ids, embeddings: torch.Tensor) -> GalleryChange:
+        """Append items with new external ``ids`` ``(M,)`` and their cached embeddings ``(M, D)`` (L2-normalised, by
+        the same source model) at positions ``N .. N+M-1``. A known or repeated id, or a wrong shape, is refused and
+        nothing changes."""
+        with self._lock().write():
+            old = self.id_map
+            new = old.check_new(ids)
+            rows = self._check_rows(embeddings, new.size)
+            self._check_change("add")
+            n = len(self)
+            at = self._add(new, rows)
+            at = n if at is None else at
+            self._set_id_map(old.added(new, at))
+            return self._changed("add", new, np.arange(at, at + new.size), n)
+
+    def remove(self, ids) -> GalleryChange:
+        """Delete the items ``ids``; the others keep their order (positions after a removed one move down)."""
+        with self._lock().write():
+            old = self.id_map
+            arr = as_id_array(ids)
+            if arr.size == 0:
+                raise ValueError("No ids given: remove at least one item.")
+            pos = old.positions(arr, "remove")
+            if pos.size >= len(old):
+                raise ValueError("Cannot remove every item: a gallery keeps at least one (build a new one instead).")
+            self._check_change("remove")
+            keep = np.ones(len(old), dtype=bool)
+            keep[pos] = False
+            n, rows = len(self), self._old_rows(pos)
+            self._remove(pos, keep, arr)
+            self._set_id_map(old.removed(keep))
+            return self._changed("remove", arr, pos, n, rows)
+
+    def replace(self, ids, embeddings: torch.Tensor) -> GalleryChange:
+        """New embeddings ``(M, D)`` for the existing items ``ids`` (same ids, same positions)."""
+        with self._lock().write():
+            arr = as_id_array(ids)
+            if arr.size == 0:
+                raise ValueError("No ids given: replace at least one item.")
+            pos = self.id_map.positions(arr, "replace")
+            rows = self._check_rows(embeddings, arr.size)
+            self._check_change("replace")
+            old_rows = self._old_rows(pos)
+            self._replace(pos, arr, rows)
+            return self._changed("replace", arr, pos, len(self), old_rows)
+
+    def save_ids(self, directory: str | os.PathLike) -> None:
+        """Write the external ids to ``directory/gallery_ids.safetensors`` (ids ``0 .. N-1``: no file, a stale one is
+        removed, so a gallery that never changed saves exactly as before)."""
+        path = os.path.join(directory, IDS_FILE)
+        if not self.id_map.is_range():
+            save_file({"ids": torch.from_numpy(self.id_map.ids.copy())}, path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def load_ids(self, directory: str | os.PathLike) -> None:
+        """Read ``directory/gallery_ids.safetensors`` when it exists (checked against the gallery's size)."""
+        path = os.path.join(directory, IDS_FILE)
+        if os.path.exists(path):
+            ids = load_file(path)["ids"]
+            if ids.shape != (len(self),):
+                raise ValueError(f"{path} holds {ids.shape[0]} ids for a gallery of {len(self)} items.")
+            self._set_id_map(IdMap(ids))
+
     # ---------------------------------------------------------------------------------------- whole-gallery statistics
     def iter_blocks(self, rows: int = BLOCK_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
         """``(start, block)``: the cached embeddings in gallery order, ``rows`` items at a time, as float32 on
@@ -171,22 +377,27 @@ class GalleryBackend(abc.ABC):
 
     def statistics(self) -> GalleryStatistics:
         """Mean embedding and fingerprint of the whole gallery: one streamed pass, computed on first use and cached."""
-        cache = self._stats_cache()
-        if "statistics" not in cache:
-            cache["statistics"] = compute_statistics(self._stat_blocks(), len(self), self.dim, self._reduce)
-        return cache["statistics"]
+        with self.reading():
+            cache = self._stats_cache()
+            if "statistics" not in cache:
+                one_process = type(self)._reduce is GalleryBackend._reduce  # a shard's row sums are not the gallery's
+                cache["statistics"] = compute_statistics(
+                    self._stat_blocks(), len(self), self.dim, self._reduce, keep_rows=one_process
+                )
+            return cache["statistics"]
 
     def kmeans(self, k: int, iters: int = 50, seed: int = 0) -> GalleryKMeans:
         """Spherical k-means of the whole gallery (``k`` clusters, at most ``iters`` Lloyd iterations, k-means++ seeded
         with ``seed``): the algorithm of REST's dense path (:func:`hf_tta.objectives.rest.spherical_kmeans`), streamed
         in blocks; computed on first use per ``(k, iters, seed)`` and cached."""
         key = (int(k), int(iters), int(seed))
-        cache = self._stats_cache().setdefault("kmeans", {})
-        if key not in cache:
-            cache[key] = gallery_kmeans(
-                self._stat_blocks(), len(self), self._row, k, iters, seed, self._reduce, self._gather_vector
-            )
-        return cache[key]
+        with self.reading():
+            cache = self._stats_cache().setdefault("kmeans", {})
+            if key not in cache:
+                cache[key] = gallery_kmeans(
+                    self._stat_blocks(), len(self), self._row, k, iters, seed, self._reduce, self._gather_vector
+                )
+            return cache[key]
 
     def statistics_tensors(self) -> dict[str, torch.Tensor]:
         """The cached statistics as named tensors (what ``save`` writes to ``gallery_stats.safetensors``)."""

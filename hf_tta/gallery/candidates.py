@@ -38,14 +38,15 @@ def candidate_items(
     ``candidate_extras`` (REST's centroids) follow the embeddings as extra rows."""
     k = max(gallery.k, getattr(objective, "gallery_k", 0) or 0)
     qd = q.detach().float()
-    found = [gallery.search_tokens(qd, k).flatten()]
-    for obj, state in searchers:
-        extra = obj.search_vectors(qd, state)
-        if extra is not None:
-            found.append(gallery.search_tokens(extra, k).flatten())
-    ids = torch.unique(torch.cat([f.to(q.device) for f in found]))
-    emb = gallery.gather(ids).to(q.device)
-    extras = objective.candidate_extras(gallery, seed)
+    with gallery.reading():  # one version of a live gallery for the searches, the gathered rows and the extras
+        found = [gallery.search_tokens(qd, k).flatten()]
+        for obj, state in searchers:
+            extra = obj.search_vectors(qd, state)
+            if extra is not None:
+                found.append(gallery.search_tokens(extra, k).flatten())
+        ids = torch.unique(torch.cat([f.to(q.device) for f in found]))
+        emb = gallery.gather(ids).to(q.device)
+        extras = objective.candidate_extras(gallery, seed)
     if extras is not None:
         emb = torch.cat([emb, extras.to(emb)])
     return ids, emb

@@ -3,6 +3,11 @@
 The embeddings are held in memory in any float dtype (``float16`` halves the footprint: 10^7 x 512 items take 10 GB)
 or read block by block from a memory-mapped safetensors file (:meth:`ChunkedGallery.load` with ``mmap=True``). Each
 block is cast to float32 before scoring, so the search is exact for the stored values.
+
+A live index (:meth:`~hf_tta.gallery.GalleryBackend.add` / ``remove`` / ``replace``): the rows live in a buffer with
+spare capacity (grown by an eighth when full, so appending one item at a time costs amortised ``O(D)``); a removal
+moves only the rows after the first removed one; a replacement overwrites its rows. The caller's tensor is never
+written: the first change copies it. A memory-mapped gallery is read-only (load it with ``mmap=False`` to change it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .base import GalleryBackend, TopKScores, check_k, merge_topk
+from .ids import IdMap
 from .stats import BLOCK_ROWS
 
 EMBEDDINGS_FILE = "gallery.safetensors"
@@ -34,20 +40,30 @@ class ChunkedGallery(GalleryBackend):
         k (`int`): neighbours per query (candidate set and returned width). Default 100.
         chunk_size (`int`): items scored per block; memory of a block is ``B x chunk_size`` scores plus the block cast
             to float32. Default 65,536.
+        ids (*optional*): the external id of each row ``(N,)`` (distinct integers); default ``0 .. N-1``.
     """
 
     exact = True
 
-    def __init__(self, embeddings: torch.Tensor, modality: str, k: int = 100, chunk_size: int = 65536):
+    def __init__(self, embeddings: torch.Tensor, modality: str, k: int = 100, chunk_size: int = 65536, ids=None):
         self.check_embeddings(embeddings)
         if not embeddings.is_floating_point():
             raise TypeError(f"Gallery embeddings must be floating point, got {embeddings.dtype}.")
-        self.embeddings = embeddings.detach()
+        self._buf = embeddings.detach()
+        self._owned = False  # the caller's tensor: copied before the first change
         self.modality = modality
         self.k = check_k(k)
         self.chunk_size = check_k(chunk_size)
         self._file: str | None = None
         self._n, self._dim = embeddings.shape
+        if ids is not None:
+            self._set_id_map(IdMap(ids))
+
+    @property
+    def embeddings(self) -> torch.Tensor | None:
+        """The ``(N, D)`` rows of the current version (a view: copy it to keep it across changes); ``None`` when
+        memory-mapped."""
+        return None if self._file is not None else self._buf[: self._n]
 
     # ---------------------------------------------------------------------------------------- construction
     @classmethod
@@ -73,14 +89,16 @@ class ChunkedGallery(GalleryBackend):
         """``gallery.safetensors`` (the embeddings), ``gallery.json`` (modality, k, chunk size) and, when computed,
         ``gallery_stats.safetensors`` (:meth:`statistics` and :meth:`kmeans`, so they are not recomputed after ``load``)."""
         os.makedirs(directory, exist_ok=True)
-        if self._file is None:
-            save_file({_KEY: self.embeddings.cpu().contiguous()}, os.path.join(directory, EMBEDDINGS_FILE))
-        elif os.path.abspath(self._file) != os.path.abspath(os.path.join(directory, EMBEDDINGS_FILE)):
-            save_file({_KEY: self._read(0, self._n)}, os.path.join(directory, EMBEDDINGS_FILE))
-        manifest = {"backend": "chunked", "modality": self.modality, "k": self.k, "chunk_size": self.chunk_size}
-        with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
-            json.dump(manifest, fh, indent=2)
-        self.save_statistics(directory)
+        with self.reading():
+            if self._file is None:
+                save_file({_KEY: self.embeddings.cpu().contiguous()}, os.path.join(directory, EMBEDDINGS_FILE))
+            elif os.path.abspath(self._file) != os.path.abspath(os.path.join(directory, EMBEDDINGS_FILE)):
+                save_file({_KEY: self._read(0, self._n)}, os.path.join(directory, EMBEDDINGS_FILE))
+            manifest = {"backend": "chunked", "modality": self.modality, "k": self.k, "chunk_size": self.chunk_size}
+            with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
+                json.dump(manifest, fh, indent=2)
+            self.save_ids(directory)
+            self.save_statistics(directory)
 
     @classmethod
     def load(
@@ -99,7 +117,8 @@ class ChunkedGallery(GalleryBackend):
             store = _memmap_safetensors(path, _KEY)
             self = cls(torch.from_numpy(np.array(store[:1])), manifest["modality"], **kwargs)  # validated on one row
             self._file, (self._n, self._dim) = path, store.shape
-            self._memmap, self.embeddings = store, None
+            self._memmap, self._buf = store, None
+        self.load_ids(directory)
         self.load_statistics(directory)
         return self
 
@@ -120,21 +139,61 @@ class ChunkedGallery(GalleryBackend):
             raise ValueError(
                 "A memory-mapped ChunkedGallery stays on the CPU: its blocks are moved to the queries' device."
             )
-        moved = ChunkedGallery(self.embeddings.to(device), self.modality, self.k, self.chunk_size)
-        moved._stats_cache().update(self._stats_cache())  # the statistics do not depend on the device
-        return moved
+        with self.reading():
+            # an owned buffer changes in place later: the moved gallery gets its own rows, even on the same device
+            rows = self.embeddings.to(device, copy=self._owned)
+            moved = ChunkedGallery(rows, self.modality, self.k, self.chunk_size)
+            moved._set_id_map(self.id_map)
+            moved.__dict__["_version"] = self.version
+            moved._stats_cache().update(self._stats_cache())  # the statistics do not depend on the device
+            return moved
 
     def _read(self, start: int, end: int) -> torch.Tensor:
         if self._file is None:
-            return self.embeddings[start:end]
+            return self._buf[start:end]
         return torch.from_numpy(np.array(self._memmap[start:end]))  # a writable copy of the block
 
+    # ---------------------------------------------------------------------------------------- live index
+    def _check_change(self, kind: str) -> None:
+        if self._file is not None:
+            raise ValueError(f"A memory-mapped ChunkedGallery is read-only: load it with mmap=False to {kind} items.")
+
+    def _own(self, rows: int) -> None:
+        """Make the buffer ours (a copy of the caller's tensor) with room for ``rows`` rows."""
+        if self._owned and self._buf.shape[0] >= rows:
+            return
+        cap = rows if rows <= self._n else rows + max(self._n // 8, 1024)
+        buf = torch.empty(cap, self._dim, dtype=self._buf.dtype, device=self._buf.device)
+        buf[: self._n] = self._buf[: self._n]
+        self._buf, self._owned = buf, True
+
+    def _add(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        self._own(self._n + rows.shape[0])
+        self._buf[self._n : self._n + rows.shape[0]] = rows.to(self._buf.device, self._buf.dtype)
+        self._n += rows.shape[0]
+
+    def _remove(self, positions: np.ndarray, keep: np.ndarray, ids: np.ndarray) -> None:
+        self._own(self._n)
+        first, new_n = int(positions.min()), int(keep.sum())
+        tail = torch.from_numpy(keep[first:]).to(self._buf.device)
+        self._buf[first:new_n] = self._buf[first : self._n][tail]
+        self._n = new_n
+
+    def _replace(self, positions: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        self._own(self._n)
+        self._buf[torch.from_numpy(positions).to(self._buf.device)] = rows.to(self._buf.device, self._buf.dtype)
+
+    # ---------------------------------------------------------------------------------------- search
     def iter_blocks(self, rows: int = BLOCK_ROWS):
         for start in range(0, self._n, rows):
             yield start, self._read(start, min(start + rows, self._n)).to(self.device, torch.float32)
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
+        with self.reading():
+            return self._search(queries, k)
+
+    def _search(self, queries: torch.Tensor, k: int) -> TopKScores:
         k = min(check_k(k), self._n)
         q = queries.detach().float()
         best_v = best_i = None
@@ -151,8 +210,15 @@ class ChunkedGallery(GalleryBackend):
         return merge_topk(best_v, best_i, k)
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        with self.reading():
+            return self._gather(indices)
+
+    def _gather(self, indices: torch.Tensor) -> torch.Tensor:
+        spare = self._buf is not None and self._buf.shape[0] > self._n  # rows past N are not items
+        if spare and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self._n):
+            raise IndexError(f"Gallery positions must lie in [0, {self._n}), got {int(indices.min())}..{int(indices.max())}.")
         if self._file is None:
-            return self.embeddings[indices.to(self.embeddings.device)].float()
+            return self._buf[indices.to(self._buf.device)].float()
         rows = self._memmap[indices.cpu().numpy()]  # fancy indexing reads only these rows from the file
         return torch.from_numpy(rows).float()
 

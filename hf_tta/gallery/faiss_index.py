@@ -4,6 +4,16 @@ source-model gallery embeddings, saved and loaded beside a JSON manifest (``fais
 Requires ``faiss-cpu`` (``pip install "hf_tta[index]"``). With a GPU build of FAISS and queries on CUDA the index is
 copied to the GPU once (``faiss.index_cpu_to_gpu``); otherwise it searches on the CPU and the results are moved to the
 queries' device.
+
+A live index (:meth:`~hf_tta.gallery.GalleryBackend.add` / ``remove`` / ``replace``): the index's labels are the
+items' external ids. IVF indexes store them natively (``add_with_ids``, ``remove_ids``; the id -> list map becomes a
+hash table, ``faiss.DirectMap.Hashtable``, at the first change or when built with ids); other indexes are wrapped in
+``faiss.IndexIDMap2`` (labels and ``reconstruct`` by id): when built with ids, or at the first change of an index built
+without (its stored vectors are re-added once, no re-encoding; for HNSW that rebuilds the graph). HNSW cannot remove
+items (FAISS does not implement it): ``remove`` and ``replace`` are refused there. Positions (what ``search`` returns
+and ``gather`` takes) follow the backend-wide rules of :mod:`hf_tta.gallery.ids`, whatever FAISS's internal order; the
+id of each position is saved beside the index (``gallery_ids.safetensors``) once it differs from ``0 .. N-1``.
+A memory-mapped index (``load(mmap=True)``) is read-only.
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .base import GalleryBackend, TopKScores, check_k
+from .base import IDS_FILE, GalleryBackend, TopKScores, check_k
+from .ids import IdMap
 from .stats import BLOCK_ROWS
 
 INDEX_FILE = "gallery.faiss"
@@ -60,9 +71,15 @@ class FaissGallery(GalleryBackend):
         nprobe (`int`): inverted lists visited per query (IVF indexes). Default 32.
         ef_search (`int`): HNSW search breadth. Default 128.
         factory (`str`): the ``faiss.index_factory`` string the index was built from (kept in the manifest).
+        ids (*optional*): the external id of each position ``(N,)``; default: the index's labels in their order
+            (``0 .. N-1`` for an index built without ids). They must be the index's labels.
+        read_only (`bool`): refuse changes (a memory-mapped index).
     """
 
-    def __init__(self, index, modality: str, k: int = 100, nprobe: int = 32, ef_search: int = 128, factory: str = ""):
+    def __init__(
+        self, index, modality: str, k: int = 100, nprobe: int = 32, ef_search: int = 128, factory: str = "",
+        ids=None, read_only: bool = False,
+    ):
         faiss = _faiss()
         if index.ntotal == 0:
             raise ValueError("The FAISS index is empty: add the gallery embeddings first (FaissGallery.build).")
@@ -70,12 +87,33 @@ class FaissGallery(GalleryBackend):
             raise ValueError("The FAISS index must use METRIC_INNER_PRODUCT (cosine on normalised embeddings).")
         self.index, self.modality, self.factory = index, modality, factory
         self.k, self.nprobe, self.ef_search = check_k(k), check_k(nprobe), check_k(ef_search)
-        self.exact = factory in ("", "Flat") and isinstance(index, faiss.IndexFlat)
-        self._apply_search_params(index)
+        self.exact = factory in ("", "Flat") and isinstance(self._base(), faiss.IndexFlat)
+        self._read_only = read_only
+        self._apply_search_params(self._base())
+        if ids is None and self._id_wrapped():
+            labels = faiss.vector_to_array(index.id_map).astype(np.int64)
+            ids = None if np.array_equal(np.sort(labels), np.arange(labels.size)) else labels
+        if ids is not None:
+            self._set_id_map(IdMap(ids))
         ivf = self._ivf(index)
-        if ivf is not None:  # reconstruct() of an IVF index needs its id -> list map
-            ivf.make_direct_map()
+        # a plain index's labels are positions (until its first change): no id lookup per search
+        self._plain = not self._id_wrapped() and self.id_map.is_range()
+        if not self._plain and ivf is None and not self._id_wrapped():
+            raise ValueError("A FAISS index without ids has labels 0 .. N-1: pass ids to FaissGallery.build instead.")
+        if ivf is not None:  # reconstruct() of an IVF index needs its id -> list map (a hash table for arbitrary ids)
+            if self.id_map.is_range():
+                ivf.make_direct_map()
+            else:
+                ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
         self._gpu_index = None
+
+    def _id_wrapped(self) -> bool:
+        faiss = _faiss()
+        return isinstance(self.index, (faiss.IndexIDMap, faiss.IndexIDMap2))
+
+    def _base(self):
+        """The index inside an ``IndexIDMap2`` wrapper (the index itself otherwise)."""
+        return _faiss().downcast_index(self.index.index) if self._id_wrapped() else self.index
 
     @staticmethod
     def _ivf(index):
@@ -116,9 +154,13 @@ class FaissGallery(GalleryBackend):
             pq_m (`int`, *optional*): bytes per code for ``ivf_pq`` (default ``D // 8``).
             train_size (`int`, *optional*): vectors the quantisers are trained on: the first ``train_size`` items
                 (default ``min(N, 32 * nlist)``, at least 10,000 when available).
+            ids (*optional*): the external id of each item ``(N,)`` (the index's labels); default ``0 .. N-1``.
             kwargs: ``k``, ``nprobe``, ``ef_search`` of :class:`FaissGallery`.
         """
         faiss = _faiss()
+        ids = kwargs.pop("ids", None)
+        if ids is not None:
+            ids = IdMap(ids).ids  # distinct integers
         if isinstance(embeddings, torch.Tensor):
             if embeddings.dim() != 2 or embeddings.shape[0] == 0:
                 raise ValueError(f"FaissGallery.build needs (N, D) embeddings, got {tuple(embeddings.shape)}.")
@@ -150,20 +192,35 @@ class FaissGallery(GalleryBackend):
                 ivf.cp.seed = seed
             idx.train(sample)
             del sample
-        for block in pending:
-            idx.add(block)
-        for block in it:
-            idx.add(_as_numpy(block))
-        if idx.ntotal != num_items:
-            raise ValueError(f"The blocks hold {idx.ntotal} rows, expected num_items={num_items}.")
-        return cls(idx, modality, factory=factory, **kwargs)
+        if ids is not None:
+            if ids.size != num_items:
+                raise ValueError(f"{ids.size} ids for num_items={num_items} items: pass one id per item.")
+            if cls._ivf(idx) is None:
+                idx = faiss.IndexIDMap2(idx)
+            else:
+                cls._ivf(idx).set_direct_map_type(faiss.DirectMap.Hashtable)
+        added = 0
+        for block in (*pending, *map(_as_numpy, it)):
+            if ids is None:
+                idx.add(block)
+            elif added + len(block) <= ids.size:
+                idx.add_with_ids(block, ids[added : added + len(block)])
+            added += len(block)
+        if added != num_items:
+            raise ValueError(f"The blocks hold {added} rows, expected num_items={num_items}.")
+        return cls(idx, modality, factory=factory, ids=ids, **kwargs)
 
     def save(self, directory: str | os.PathLike) -> None:
         """``gallery.faiss`` (``faiss.write_index``), ``gallery.json`` (modality, factory, k, nprobe, ef_search) and,
         when computed, ``gallery_stats.safetensors`` (:meth:`statistics` and :meth:`kmeans`)."""
         faiss = _faiss()
         os.makedirs(directory, exist_ok=True)
+        with self.reading():
+            self._save(faiss, directory)
+
+    def _save(self, faiss, directory) -> None:
         faiss.write_index(self.index, os.path.join(directory, INDEX_FILE))
+        self.save_ids(directory)
         manifest = {
             "backend": "faiss",
             "modality": self.modality,
@@ -190,7 +247,12 @@ class FaissGallery(GalleryBackend):
         index = faiss.read_index(os.path.join(directory, INDEX_FILE), flags)
         kwargs = {k: manifest[k] for k in ("k", "nprobe", "ef_search")}
         kwargs.update(overrides)
-        self = cls(index, manifest["modality"], factory=manifest["factory"], **kwargs)
+        ids_path = os.path.join(directory, IDS_FILE)
+        if os.path.exists(ids_path):
+            from safetensors.torch import load_file
+
+            kwargs["ids"] = load_file(ids_path)["ids"]
+        self = cls(index, manifest["modality"], factory=manifest["factory"], read_only=mmap, **kwargs)
         self.load_statistics(directory)
         return self
 
@@ -219,26 +281,98 @@ class FaissGallery(GalleryBackend):
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
-        k = min(check_k(k), len(self))
-        values, indices = self._searcher(queries.device).search(_as_numpy(queries), k)
-        values, indices = torch.from_numpy(values), torch.from_numpy(indices)
-        # an approximate index can return fewer than k hits (-1): fill with the first hit, a duplicate that the
-        # wrapper's candidate union removes
-        missing = indices < 0
-        if missing.any():
-            indices = torch.where(missing, indices[:, :1], indices)
-            values = torch.where(missing, values[:, :1], values)
-        return TopKScores(values.to(queries.device), indices.to(queries.device))
+        with self.reading():
+            k = min(check_k(k), len(self))
+            values, labels = self._searcher(queries.device).search(_as_numpy(queries), k)
+            # an approximate index can return fewer than k hits (-1): fill with the first hit, a duplicate that the
+            # wrapper's candidate union removes
+            missing = labels < 0
+            if missing.any():
+                labels = np.where(missing, labels[:, :1], labels)
+                values = np.where(missing, values[:, :1], values)
+            positions = labels if self._labels_are_positions() else self._positions(labels)
+        return TopKScores(torch.from_numpy(values).to(queries.device), torch.from_numpy(positions).to(queries.device))
+
+    def _labels_are_positions(self) -> bool:
+        return self._plain
+
+    def _positions(self, labels: np.ndarray) -> np.ndarray:
+        pos, found = self.id_map.lookup(labels.reshape(-1))
+        if not found.all():  # pragma: no cover - the index and the id map are changed together under the write lock
+            raise RuntimeError("The FAISS index returned a label that is not a gallery id: the index was changed directly.")
+        return pos.reshape(labels.shape)
 
     def iter_blocks(self, rows: int = BLOCK_ROWS):
-        """The index's stored vectors in order (``reconstruct_n``: decoded for quantised indexes)."""
+        """The index's stored vectors in position order (decoded for quantised indexes)."""
         n = len(self)
         for start in range(0, n, rows):
-            yield start, torch.from_numpy(self.index.reconstruct_n(start, min(rows, n - start)))
+            yield start, self.gather(torch.arange(start, min(start + rows, n)))
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
-        ids = np.ascontiguousarray(indices.cpu().numpy().astype(np.int64))
-        return torch.from_numpy(self.index.reconstruct_batch(ids))
+        with self.reading():
+            pos = np.ascontiguousarray(indices.cpu().numpy().astype(np.int64))
+            if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
+                raise IndexError(f"Gallery positions must lie in [0, {len(self)}), got {pos.min()}..{pos.max()}.")
+            labels = pos if self._labels_are_positions() else np.ascontiguousarray(self.id_map.ids[pos])
+            return torch.from_numpy(self.index.reconstruct_batch(labels))
+
+    # ---------------------------------------------------------------------------------------- live index
+    def _check_change(self, kind: str) -> None:
+        faiss = _faiss()
+        if self._read_only:
+            raise ValueError(f"A memory-mapped FaissGallery is read-only: load it with mmap=False to {kind} items.")
+        if kind != "add" and isinstance(self._base(), faiss.IndexHNSW):
+            raise ValueError(
+                f"FAISS HNSW indexes cannot remove items, so cannot {kind} them: rebuild with FaissGallery.build, or use "
+                "the flat or ivf presets for a gallery that changes."
+            )
+
+    def _ensure_ids(self) -> None:
+        """Make the index's labels external ids: a hash-table direct map (IVF), or an ``IndexIDMap2`` wrapper holding
+        the current vectors under the current ids (other indexes, once)."""
+        faiss = _faiss()
+        plain, self._plain = self._plain, False  # labels are ids from now on (not positions)
+        ivf = self._ivf(self.index)
+        if ivf is not None:
+            ids = np.ascontiguousarray(self.id_map.ids)
+            relabel = plain and not self.id_map.is_range()  # labels 0 .. N-1 but other ids (a shard): relabel once
+            vectors = self.index.reconstruct_n(0, len(self)) if relabel else None
+            if relabel:
+                self.index.reset()
+            if ivf.direct_map.type != faiss.DirectMap.Hashtable:
+                ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+            if relabel:
+                self.index.add_with_ids(vectors, ids)
+            return
+        if self._id_wrapped():
+            return
+        n = len(self)
+        vectors = self.index.reconstruct_n(0, n)  # labels are positions 0 .. N-1 in a plain index
+        empty = faiss.clone_index(self.index)
+        empty.reset()
+        wrapped = faiss.IndexIDMap2(empty)
+        wrapped.add_with_ids(vectors, np.ascontiguousarray(self.id_map.ids))
+        self._keep_alive = empty  # the wrapper does not own the inner index's Python object
+        self.index = wrapped
+        self._apply_search_params(self._base())
+
+    def _add(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        self._ensure_ids()
+        self.index.add_with_ids(_as_numpy(rows), ids)
+        self._gpu_index = None
+
+    def _remove(self, positions: np.ndarray, keep: np.ndarray, ids: np.ndarray) -> None:
+        self._ensure_ids()
+        removed = self.index.remove_ids(np.ascontiguousarray(ids))
+        if removed != ids.size:  # pragma: no cover - every id was checked against the id map first
+            raise RuntimeError(f"FAISS removed {removed} of {ids.size} items: the index and its ids disagree.")
+        self._gpu_index = None
+
+    def _replace(self, positions: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        self._ensure_ids()
+        self.index.remove_ids(np.ascontiguousarray(ids))
+        self.index.add_with_ids(_as_numpy(rows), np.ascontiguousarray(ids))
+        self._gpu_index = None
 
 
 def _as_numpy(x: torch.Tensor) -> np.ndarray:

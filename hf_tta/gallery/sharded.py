@@ -6,14 +6,22 @@ Every call is a collective: all processes must call :meth:`ShardedGallery.search
 whole-gallery :meth:`~GalleryBackend.statistics` / :meth:`~GalleryBackend.kmeans`, computed from every shard's blocks
 with all-reduced sums) with the same queries and indices, which is what the one-stream distributed wrapper (:class:`hf_tta.DistributedTTAWrapper`) does
 (its query embeddings are all-gathered, so every process holds the global batch).
+
+A live index: :meth:`~GalleryBackend.add`, ``remove`` and ``replace`` are collectives too (every process calls them
+with the same ids and embeddings). Every process keeps the global id map; each shard's backend holds its items under
+their global ids. New items go to the smallest shard (the lowest rank on ties), at the end of that shard, so the
+later shards' positions move up (``GalleryChange.insert_at``); a removal or replacement is done by the shards owning the
+ids. A removal that would empty a shard is refused (rebuild the sharded gallery instead).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .base import GalleryBackend, TopKScores, check_k, merge_topk
+from .ids import IdMap
 
 
 class ShardedGallery(GalleryBackend):
@@ -47,9 +55,58 @@ class ShardedGallery(GalleryBackend):
         dist.all_reduce(dims, group=group)
         if (dims != local.dim).any():
             raise ValueError(f"The shards disagree on the embedding dimension: {dims.tolist()}.")
-        self.sizes = sizes.tolist()
+        self._set_sizes(sizes.tolist())
+        self._init_ids()
+
+    def _set_sizes(self, sizes: list[int]) -> None:
+        self.sizes = sizes
         self.offset = sum(self.sizes[: self.rank])
         self._n = sum(self.sizes)
+
+    def _init_ids(self) -> None:
+        """The global ids: the shards' ids in rank order; shards that all kept the default ids ``0 .. n_r - 1`` get
+        ``offset .. offset + n_r - 1`` (their global positions)."""
+        default = torch.tensor([int(self.local.id_map.is_range())], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(default, op=dist.ReduceOp.MIN, group=self.group)
+        if bool(default.item()):
+            self.local._set_id_map(IdMap(np.arange(self.offset, self.offset + len(self.local), dtype=np.int64)))
+            self._set_id_map(IdMap.range(self._n))
+            return
+        mine = self.local.ids.to(self._comm_device())
+        self._set_id_map(IdMap(self._gather_vector(mine).cpu()))
+
+    # ---------------------------------------------------------------------------------------- live index (collectives)
+    def _check_change(self, kind: str) -> None:
+        self.local._check_change(kind)
+
+    def _owned(self, positions: np.ndarray) -> np.ndarray:
+        return (positions >= self.offset) & (positions < self.offset + len(self.local))
+
+    def _add(self, ids: np.ndarray, rows: torch.Tensor) -> int:
+        target = int(np.argmin(self.sizes))
+        at = sum(self.sizes[: target + 1])
+        if self.rank == target:
+            self.local.add(ids, rows)
+        sizes = list(self.sizes)
+        sizes[target] += ids.size
+        self._set_sizes(sizes)
+        return at
+
+    def _remove(self, positions: np.ndarray, keep: np.ndarray, ids: np.ndarray) -> None:
+        bounds = np.cumsum([0, *self.sizes])
+        counts = np.bincount(np.searchsorted(bounds, positions, side="right") - 1, minlength=self.world)
+        full = np.nonzero(counts >= np.asarray(self.sizes))[0]
+        if full.size:  # checked on every process alike (the same global state), before anything moves
+            raise ValueError(f"Removing these ids would empty shard {int(full[0])}: rebuild the ShardedGallery instead.")
+        mine = self._owned(positions)
+        if mine.any():
+            self.local.remove(ids[mine])
+        self._set_sizes([int(n - c) for n, c in zip(self.sizes, counts)])
+
+    def _replace(self, positions: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        mine = self._owned(positions)
+        if mine.any():
+            self.local.replace(ids[mine], rows[torch.from_numpy(mine).to(rows.device)])
 
     def __len__(self) -> int:
         return self._n
@@ -71,6 +128,10 @@ class ShardedGallery(GalleryBackend):
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
+        with self.reading():
+            return self._search(queries, k)
+
+    def _search(self, queries: torch.Tensor, k: int) -> TopKScores:
         k = min(check_k(k), self._n)
         dev = self._comm_device()
         res = self.local.search(queries, min(k, len(self.local)))
@@ -109,6 +170,10 @@ class ShardedGallery(GalleryBackend):
 
     @torch.no_grad()
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        with self.reading():
+            return self._gather(indices)
+
+    def _gather(self, indices: torch.Tensor) -> torch.Tensor:
         dev = self._comm_device()
         ids = indices.to(dev)
         own = (ids >= self.offset) & (ids < self.offset + len(self.local))

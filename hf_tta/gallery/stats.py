@@ -36,10 +36,16 @@ class GalleryStatistics:
         mean (`torch.Tensor` of shape `(D,)`): the mean embedding (float32, accumulated in float64).
         fingerprint (`torch.Tensor` of shape `(3,)`): ``(N, sum, position-weighted sum)`` in float64, as
             :func:`hf_tta.objectives.base.gallery_fingerprint` computes it on a dense gallery (equal to ~1e-12).
+        total (`torch.Tensor` of shape `(D,)`, *optional*): the float64 sum of the rows, and
+        row_sums (`torch.Tensor` of shape `(N,)`, *optional*): each row's float64 sum: kept (in one process, not saved)
+            so that a live gallery's change updates mean and fingerprint in ``O(N + M D)``
+            (:func:`update_statistics`) instead of a new pass over the ``N x D`` embeddings.
     """
 
     mean: torch.Tensor
     fingerprint: torch.Tensor
+    total: torch.Tensor | None = None
+    row_sums: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,22 +78,60 @@ def tensor_blocks(x: torch.Tensor, rows: int = BLOCK_ROWS) -> Blocks:
     return blocks
 
 
-def compute_statistics(blocks: Blocks, num_items: int, dim: int, reduce=_identity) -> GalleryStatistics:
+def compute_statistics(
+    blocks: Blocks, num_items: int, dim: int, reduce=_identity, keep_rows: bool = False
+) -> GalleryStatistics:
     """Mean and fingerprint in one pass. ``blocks`` yields ``(global start, block)``; ``reduce`` sums a tensor over
-    processes (a sharded gallery), the identity otherwise."""
+    processes (a sharded gallery), the identity otherwise. ``keep_rows`` keeps the sum and the row sums (one process)."""
     total = torch.zeros(dim, dtype=torch.float64)
     fp = torch.zeros(2, dtype=torch.float64)
+    kept = []
     for start, block in blocks():
         block = block.double()  # one cast for both sums (twice as fast as two float64-accumulating sums)
         total += block.sum(0).cpu()
         rows = block.sum(1).cpu()
         pos = torch.arange(start + 1, start + 1 + rows.numel(), dtype=torch.float64)
         fp += torch.stack([rows.sum(), (rows * pos).sum()])
+        if keep_rows:
+            kept.append(rows)
     total, fp = reduce(total), reduce(fp)
     return GalleryStatistics(
         mean=(total / num_items).float(),
         fingerprint=torch.cat([torch.tensor([float(num_items)], dtype=torch.float64), fp]),
+        total=total if keep_rows else None,
+        row_sums=(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.float64)) if keep_rows else None,
     )
+
+
+def update_statistics(
+    stats: GalleryStatistics, kind: str, positions: torch.Tensor, old_rows: torch.Tensor | None,
+    new_rows: torch.Tensor | None,
+) -> GalleryStatistics | None:
+    """Mean and fingerprint after a live gallery's change, from those before (with ``total`` and ``row_sums``) and the
+    rows that left (``old_rows``: removed or replaced) and came (``new_rows``: added or replaced, as stored), without a
+    pass over the gallery. ``positions``: as in :class:`~hf_tta.gallery.ids.GalleryChange`. ``None`` when ``stats``
+    does not keep the row sums (then recompute)."""
+    if stats.total is None or stats.row_sums is None:
+        return None
+    rs, total, pos = stats.row_sums, stats.total.clone(), positions.cpu()
+    if kind == "add":
+        new = new_rows.double().cpu()
+        at = int(pos[0])
+        rs = torch.cat([rs[:at], new.sum(1), rs[at:]])
+        total += new.sum(0)
+    elif kind == "remove":
+        keep = torch.ones(rs.numel(), dtype=torch.bool)
+        keep[pos] = False
+        rs = rs[keep]
+        total -= old_rows.double().cpu().sum(0)
+    else:
+        new, old = new_rows.double().cpu(), old_rows.double().cpu()
+        rs = rs.index_copy(0, pos, new.sum(1))
+        total += new.sum(0) - old.sum(0)
+    n = rs.numel()
+    weights = torch.arange(1, n + 1, dtype=torch.float64)
+    fp = torch.stack([torch.tensor(float(n), dtype=torch.float64), rs.sum(), (rs * weights).sum()])
+    return GalleryStatistics(mean=(total / n).float(), fingerprint=fp, total=total, row_sums=rs)
 
 
 def _weighted_draw(weights: torch.Tensor, generator: torch.Generator) -> int:

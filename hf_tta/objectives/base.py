@@ -206,6 +206,12 @@ class Objective:
         ``backend.kmeans(...)``), so that the source model's scores (gradient decoupling) include them too."""
         return None
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """A live gallery changed (:class:`hf_tta.gallery.GalleryChange`: items added, removed or replaced): bring the
+        gallery-derived entries of ``state`` to the new gallery, replacing entries (never writing tensors in place).
+        Position-keyed state is remapped (:meth:`GalleryChange.remap_vector`), statistics of the whole gallery are
+        dropped so the next step recomputes them. The default keeps nothing derived from the gallery."""
+
 
 OBJECTIVES: dict[str, type[Objective]] = {}
 
@@ -313,6 +319,41 @@ def gallery_fingerprint(gallery_emb: torch.Tensor) -> torch.Tensor:
 def same_gallery(state: ObjectiveState, key: str, gallery_emb: torch.Tensor) -> bool:
     """Whether ``state[key]`` holds the fingerprint of ``gallery_emb``."""
     return same_fingerprint(state, key, gallery_fingerprint(gallery_emb))
+
+
+def follow_gallery_changes(gallery, version: int, states) -> int | None:
+    """Bring objective states up to a live gallery's current version: each change since ``version``
+    (``gallery.changes_since``) goes to :meth:`Objective.on_gallery_change` of every ``(objective, state)`` pair in
+    ``states``, in order. Returns the gallery's version, or ``None`` when its change log no longer reaches back to
+    ``version`` (position-keyed state cannot be remapped then: reset it). Call it under ``gallery.reading()`` (a
+    backend), so that no change slips in between this and the step."""
+    changes = gallery.changes_since(version)
+    if changes is None:
+        return None
+    for change in changes:
+        for objective, state in states:
+            if objective is not None:
+                objective.on_gallery_change(change, state)
+    return changes[-1].version if changes else version
+
+
+def mark_gallery_changed(state: ObjectiveState, key: str, new_size: int) -> None:
+    """After :meth:`Objective.on_gallery_change` remapped position-keyed state: ``state[key]`` records the new size
+    instead of a fingerprint, so the next step adopts the changed gallery's fingerprint (:func:`adopt_fingerprint`)
+    instead of starting the state again."""
+    state[key] = torch.tensor([float(new_size)], dtype=torch.float64, device=state[key].device)
+
+
+def adopt_fingerprint(state: ObjectiveState, key: str, fingerprint: torch.Tensor, num_items: int) -> bool:
+    """Whether ``state`` belongs to the gallery of ``fingerprint``: the same fingerprint, or a gallery change remapped
+    to ``num_items`` items (:func:`mark_gallery_changed`; the fingerprint is then recorded)."""
+    if same_fingerprint(state, key, fingerprint):
+        return True
+    old = state.get(key)
+    if old is not None and old.numel() == 1 and int(old.item()) == num_items:
+        state[key] = fingerprint
+        return True
+    return False
 
 
 def same_fingerprint(state: ObjectiveState, key: str, fingerprint: torch.Tensor) -> bool:

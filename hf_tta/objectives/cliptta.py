@@ -263,6 +263,18 @@ class ClipTTA(Objective):
         _, m_scores = inputs.reencode(lambda _: select_rows(pick)(memory))
         return m_scores
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """The memory keys its queries by the pseudo-label's gallery position: keys follow their items, and the memory
+        queries whose pseudo-label was removed leave the memory (a replaced item keeps its queries: same id)."""
+        labels = state["memory_label"]
+        if labels.numel() == 0:
+            return
+        new = change.remap(labels)
+        keep = new >= 0
+        for key in [k for k in state if k.startswith(MEMORY_PREFIX)]:
+            state[key] = state[key][keep.to(state[key].device)]
+        state["memory_label"], state["memory_confidence"] = new[keep], state["memory_confidence"][keep]
+
     def ood_mask(self, scores: torch.Tensor) -> torch.Tensor:
         """``True`` for the queries the last threshold calls in-distribution (open set)."""
         c = self.config

@@ -116,6 +116,12 @@ class DistributionNormalization(Objective):
             state["gallery_fingerprint"] = key
         return state["gallery_mean"]
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """The gallery mean is recomputed at the next step (of the whole new gallery, or a new seeded sample); the
+        query mean is of the queries and stays."""
+        state["gallery_mean"] = state["gallery_mean"][:0]
+        state["gallery_fingerprint"] = state["gallery_fingerprint"][:0]
+
     def _next_query_sum(self, zq: torch.Tensor, state: ObjectiveState) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(query_sum, query_count)`` after this batch, or ``None`` when the batch does not count."""
         count = int(state["query_count"])

@@ -136,6 +136,17 @@ class EATA(Objective):
             "fisher_updates": torch.zeros((), dtype=torch.long, device=device),
         }
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """The running softmax average follows its items: removed items' entries go, added and replaced items start at
+        0 (the average is not renormalised: it is compared by cosine, Eq. 6)."""
+        probs = state["model_probs"]
+        if probs.numel() == 0:
+            return
+        probs = change.remap_vector(probs)
+        if change.kind == "replace":
+            probs = probs.index_fill(0, change.positions.to(probs.device), 0.0)
+        state["model_probs"] = probs
+
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
         logits = inputs.scores / c.tau

@@ -229,6 +229,13 @@ class REST(Objective):
         )
         return state
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """The dense path's k-means (labels keyed by position) is dropped and recomputed at the next step; a top-k
+        backend drops its own cached k-means when it changes."""
+        state["kmeans_labels"] = state["kmeans_labels"][:0]
+        state["kmeans_scale"] = state["kmeans_scale"][:0]
+        state["kmeans_fingerprint"] = state["kmeans_fingerprint"][:0]
+
     def clusters(self, inputs: ObjectiveInputs, state: ObjectiveState) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached gallery k-means (computed on first use and whenever the gallery changes)."""
         k = self.config.num_clusters

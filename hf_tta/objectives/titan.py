@@ -53,9 +53,10 @@ from .base import (
     ObjectiveConfig,
     ObjectiveInputs,
     ObjectiveState,
+    adopt_fingerprint,
     config_field,
+    mark_gallery_changed,
     register_objective,
-    same_fingerprint,
 )
 
 
@@ -203,11 +204,23 @@ class TITAN(Objective):
             state["confounders"] = tensors["confounders"].float()
         return state
 
+    def on_gallery_change(self, change, state: ObjectiveState) -> None:
+        """Match counts follow their items: removed items' counts go, added items start at 0, and a replaced item
+        starts again at 0 (it is another item now); the past queries (the bank) stay."""
+        counts = state["match_counts"]
+        if counts.numel() == 0:
+            return
+        counts = change.remap_vector(counts)
+        if change.kind == "replace":
+            counts = counts.index_fill(0, change.positions.to(counts.device), 0)
+        state["match_counts"] = counts
+        mark_gallery_changed(state, "gallery_fingerprint", change.new_size)
+
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
         scores, zq, zg = inputs.scores, inputs.query_emb, inputs.gallery_emb
         key = inputs.gallery_key()
-        if not same_fingerprint(state, "gallery_fingerprint", key):  # a new gallery: hub counts and bank start again
+        if not adopt_fingerprint(state, "gallery_fingerprint", key, inputs.num_items):  # a new gallery: start again
             state["match_counts"] = torch.zeros(inputs.num_items, dtype=torch.long, device=zg.device)
             state["query_bank"] = state["query_bank"][:0]
             state["gallery_fingerprint"] = key
