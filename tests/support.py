@@ -159,3 +159,28 @@ def check_resume(
             a, b = whole.safety, resumed.safety
             assert (a.agreement_ema, a.kept_in_row, a.rollbacks_in_row) == (b.agreement_ema, b.kept_in_row, b.rollbacks_in_row)
             assert a.last_good.equals(b.last_good)
+
+
+# ------------------------------------------------------------------------------------- processors
+def word_level_clip_tokenizer(texts: Sequence[str] = ()):
+    """A word-level tokenizer with CLIP's special ids (bos 0, pad 1, eos 2) that survives save/load, knowing the words
+    of ``texts`` and of the library's tokenizer check (other words become ``<unk>``).
+
+    (``CLIPTokenizer(vocab=..., merges=[])`` does not: transformers 5 saves a 5-token BPE, under which every caption
+    becomes the same ids, and ``hf_tta.models.check_tokenizer`` refuses such a processor.)"""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_tta.models.text_processor import SAMPLE_TEXTS
+
+    words = sorted({w for t in (*texts, *SAMPLE_TEXTS) for w in t.lower().split()})
+    vocab = {"<|startoftext|>": 0, "<pad>": 1, "<|endoftext|>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer, tok.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=32,
+    )

@@ -57,7 +57,7 @@ def test_adapt_step_with_checkpointing_gives_the_same_parameters(name):
         out = tta.adapt_step(batch("image", 8), gallery)
         assert out.num_updates == 2
         params.append({n: p.detach().clone() for n, p in tta.params.items()})
-    assert any(not torch.equal(p, TTAWrapper(make_model(name), TTAConfig(steps=1))._source[n]) for n, p in params[0].items())
+    assert any(not torch.equal(p, TTAWrapper(make_model(name), TTAConfig(steps=1)).source_parameters()[n]) for n, p in params[0].items())
     for n in params[0]:
         torch.testing.assert_close(params[1][n], params[0][n], atol=1e-6, rtol=0)
 

@@ -15,6 +15,7 @@ import torch
 
 from hf_tta import cli
 from hf_tta.benchmarks import AVTask, GridRunner, RunSettings, av_dataset_configs, build_av_grid, direction_name
+from support import word_level_clip_tokenizer
 from tiny_av_models import (
     XCLIP_FRAMES,
     cav_mae_adapter,
@@ -65,29 +66,6 @@ def bench(tmp_path_factory) -> Path:
     return root / "bench"
 
 
-def _clip_tokenizer():
-    """A word-level tokenizer with CLIP's special ids (bos 0, pad 1, eos 2) that survives save/load.
-
-    (``CLIPTokenizer(vocab=..., merges=[])`` does not: transformers 5 saves a 5-token BPE, under which every caption
-    becomes the same ids; ``HubTask`` now refuses such a processor, see tests/test_text_processor.py.)"""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    from hf_tta.models.text_processor import SAMPLE_TEXTS
-
-    words = sorted({w for t in (*TEXTS, *SAMPLE_TEXTS) for w in t.lower().split()})
-    vocab = {"<|startoftext|>": 0, "<pad>": 1, "<|endoftext|>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer, tok.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 2)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>",
-        model_max_length=32,
-    )
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny CLAP, X-CLIP and CLIP checkpoints with their processors, as `save_pretrained` folders."""
@@ -109,8 +87,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, model, processor in (
         ("clap", tiny_clap(), ClapProcessor(feature_extractor=fe, tokenizer=RobertaTokenizer(vocab=roberta, merges=[], model_max_length=32))),
-        ("xclip", tiny_xclip(), XCLIPProcessor(image_processor=VideoMAEImageProcessor(**frames), tokenizer=_clip_tokenizer())),
-        ("clip", tiny_clip(), CLIPProcessor(image_processor=CLIPImageProcessor(**frames), tokenizer=_clip_tokenizer())),
+        ("xclip", tiny_xclip(), XCLIPProcessor(image_processor=VideoMAEImageProcessor(**frames), tokenizer=word_level_clip_tokenizer(TEXTS))),
+        ("clip", tiny_clip(), CLIPProcessor(image_processor=CLIPImageProcessor(**frames), tokenizer=word_level_clip_tokenizer(TEXTS))),
     ):
         model.save_pretrained(root / name)
         processor.save_pretrained(root / name)

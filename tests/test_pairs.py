@@ -110,14 +110,12 @@ def test_groups_make_items_relevant_to_each_others_captions(tmp_path):
 
 
 def clip_folder(root: Path) -> Path:
-    from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTokenizer
+    from transformers import CLIPImageProcessor, CLIPProcessor
 
+    from support import word_level_clip_tokenizer
     from tiny_models import make_model
 
-    vocab = {"<|startoftext|>": 0, "<pad>": 1, "<|endoftext|>": 2}
-    for suffix in ("", "</w>"):
-        vocab.update({c + suffix: len(vocab) for c in string.ascii_lowercase + ",."})
-    tok = CLIPTokenizer(vocab=vocab, merges=[], pad_token="<pad>", model_max_length=32)
+    tok = word_level_clip_tokenizer(CAPS)
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}), tokenizer=tok)
     make_model("clip").save_pretrained(root)
     proc.save_pretrained(root)
