@@ -11,7 +11,7 @@ list them, the source model first for every condition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
@@ -213,7 +213,8 @@ def jobs_for(
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on."""
+    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on; ``row`` is the
+    name it was parsed from (per-row config overrides and held wrappers are keyed by it)."""
 
     objective: str
     gd: bool = False
@@ -222,6 +223,7 @@ class RowSpec:
     all_params: bool = False
     dn: bool = False
     key: bool = False
+    row: str = field(default="", compare=False)
 
 
 def row_spec(row: str) -> RowSpec:
@@ -240,7 +242,7 @@ def row_spec(row: str) -> RowSpec:
         raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
     if "key" in options and "route" in options:
         raise ValueError(f"Row {row!r}: +key routes by the true shift, +route by the unsupervised router; pick one.")
-    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options})
+    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options}, row=row)
 
 
 def row_objective(row: str) -> tuple[str, bool]:
