@@ -142,7 +142,7 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
         refs = [None if s == "clean" else clean.get(d) for d, s in columns]
         body = []
         for obj in objectives:
-            values, stds, status, seeds = [], [], [], set()
+            values, stds, status, seeds, col_seeds = [], [], [], set(), set()
             for col in columns:
                 rs = cells.get((obj, col), [])
                 ok = [r for r in rs if "error" not in r and metric in r]
@@ -152,11 +152,13 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                     stds.append(sd)
                     status.append("ok")
                     seeds.update(r.get("seed", 0) for r in ok)
+                    col_seeds.add(frozenset(r.get("seed", 0) for r in ok))
                 else:
                     values.append(None)
                     stds.append(None)
                     status.append("missing" if not rs else "error")
-            complete = all(v is not None for v in values)
+            # an average over columns of different seeds would mix seed sets (e.g. a 2-seed column with 3-seed ones)
+            complete = all(v is not None for v in values) and len(col_seeds) <= 1
             avg = float(np.mean(values)) if complete and values else None
             avg_std = None
             if complete and len(seeds) > 1:  # std over seeds of the per-seed averages
@@ -171,7 +173,7 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                 continue
             b["won_back"] = [won_back(m, s_, c) for m, s_, c in zip(b["values"], source["values"], refs)]
             shift_cols = [i for i, c in enumerate(refs) if c is not None]
-            if shift_cols and all(b["values"][i] is not None and source["values"][i] is not None for i in shift_cols):
+            if shift_cols and b["avg"] is not None and all(source["values"][i] is not None for i in shift_cols):
                 mean = lambda vs: float(np.mean([vs[i] for i in shift_cols]))  # noqa: E731
                 b["won_back_mean"] = won_back(mean(b["values"]), mean(source["values"]), mean(refs))
             if shift_cols:  # where methods can act: the share won back per band of the source's kept recall
