@@ -44,3 +44,19 @@ def test_rule_picks_the_stream_closest_to_half_within_the_band_from_source_rows_
         choose_representatives(rows[2:], families)
     with pytest.raises(ValueError, match="family"):
         choose_representatives(rows, {**families, "d1": "D"})
+
+
+def test_default_grid_is_the_rule_applied_to_the_committed_source_sweep():
+    """The default grid's streams are what the rule picks from the committed source rows (16 corruptions x severities
+    1-5, seed 0); no method's row is read."""
+    import json
+    from pathlib import Path
+
+    from hf_tta.benchmarks.grid import DEFAULT_IMAGE_CONDITIONS
+
+    path = Path(__file__).resolve().parent.parent / "model_cards/results/source-severity-sweep/rows.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    assert {r["objective"] for r in rows} == {"source"}
+    assert len({(r["shift"], r["severity"]) for r in rows if r["shift"] != "clean"}) == 16 * 5
+    chosen = choose_representatives(rows)
+    assert tuple((c["corruption"], c["severity"]) for c in chosen.values()) == DEFAULT_IMAGE_CONDITIONS

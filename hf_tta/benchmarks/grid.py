@@ -39,13 +39,21 @@ SWITCH_EVERY = 128
 DEGENERATE_BATCHES = 200
 QUERY_MODALITY = {"i2t": "image", "t2i": "text", **{d: q for d, (q, _) in AV_DIRECTIONS.items()}}
 GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_DIRECTIONS.items()}}
-#: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
-#: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
-DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
+#: The default grid's image streams, ``(corruption, severity)``: one per ImageNet-C family, picked by the rule of
+#: :func:`hf_tta.benchmarks.bands.choose_representatives` (where the source model keeps between a quarter and three
+#: quarters of its clean R@1, closest to half; ties to the lower severity) from the source model's rows only
+#: (``model_cards/results/source-severity-sweep/``, seed 0; a test re-applies the rule to those rows). Sized to run
+#: in a few minutes on 2 CPU cores.
+DEFAULT_IMAGE_CONDITIONS: tuple[tuple[str, int], ...] = (("shot_noise", 5), ("motion_blur", 4), ("snow", 2), ("contrast", 1))
+DEFAULT_IMAGE_CORRUPTIONS = tuple(c for c, _ in DEFAULT_IMAGE_CONDITIONS)
+#: The image severities of the full grid (``--full``): severity 3, where methods can be told apart, and 5.
+FULL_IMAGE_SEVERITIES = (3, 5)
 DEFAULT_OBJECTIVES = ("tent", "tcr", "rest")
-#: The shifts the switching stream cycles through: the default grid's image corruptions; for text, one character-level
-#: and one word-level corruption of each kind (insertion/replacement-like, order/deletion-like) that run offline.
-SWITCH_IMAGE_CORRUPTIONS = DEFAULT_IMAGE_CORRUPTIONS
+#: The shifts the switching stream cycles through: for images the first corruption of each ImageNet-C family (the
+#: default grid's before issue 25, kept so the switching stream stays the one its committed rows measured); for text,
+#: one character-level and one word-level corruption of each kind (insertion/replacement-like, order/deletion-like)
+#: that run offline.
+SWITCH_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
 SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_deletion")
 #: The supervised ceilings (not methods): the oracle objective on the TTA methods' parameters (the query tower's
 #: LayerNorms) and on every parameter of the query tower.
@@ -169,16 +177,19 @@ def build_grid(
     seeds: Sequence[int] = (0,),
     switch: bool = False,
     degenerate: bool = False,
+    image_conditions: Sequence[tuple[str, int]] | None = None,
 ) -> list[Job]:
     """All (condition, objective, seed) jobs, the source model first for every condition. The clean stream's source
     row is always run (the reference of the won-back share); ``clean=True`` adapts on it too; ``switch`` and
-    ``degenerate`` add the :data:`ROBUSTNESS_SHIFTS` streams."""
+    ``degenerate`` add the :data:`ROBUSTNESS_SHIFTS` streams. ``image_conditions`` (``(corruption, severity)``
+    pairs, e.g. :data:`DEFAULT_IMAGE_CONDITIONS`) replaces the product of ``image_corruptions`` and ``severities``."""
     conds: list[Condition] = []
     references: list[Condition] = []
     for d in directions:
         (conds if clean else references).append(Condition(d, "clean"))
         if d == "i2t":
-            conds += [Condition(d, c, s) for s in severities for c in image_corruptions]
+            pairs = image_conditions if image_conditions is not None else [(c, s) for s in severities for c in image_corruptions]
+            conds += [Condition(d, c, s) for c, s in pairs]
         else:
             from ..data.corruptions import TEXT_SEVERITIES
 
