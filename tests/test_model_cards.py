@@ -101,6 +101,34 @@ def test_card_table_is_recomputed_from_its_rows(card, line, spec):
     assert got[1:] == expected[1:], f"{card}:{line + 1} differs from its rows ({spec})"
 
 
+def sweep_table(rows: list[dict]) -> list[str]:
+    """The card's table of the source model's R@1 per corruption and severity (kept share of clean in brackets),
+    the stream the default grid's rule picks in bold."""
+    from hf_tta.benchmarks.bands import choose_representatives, source_recall
+    from hf_tta.benchmarks.report import abbreviation
+    from hf_tta.data.corruptions import IMAGE_CORRUPTION_CATEGORIES
+
+    clean, recall = source_recall(rows)
+    picked = {(c["corruption"], c["severity"]) for c in choose_representatives(rows).values()}
+    lines = ["| Corruption (family) | 1 | 2 | 3 | 4 | 5 |", "|---|---|---|---|---|---|"]
+    for name, family in IMAGE_CORRUPTION_CATEGORIES.items():
+        cells = []
+        for sev in range(1, 6):
+            r1 = recall[(name, sev)]
+            cell = f"{r1:.1f} ({100 * r1 / clean:.0f} %)"
+            cells.append(f"**{cell}**" if (name, sev) in picked else cell)
+        lines.append(f"| {abbreviation(name)} ({family}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+SWEEP = CARDS / "results/source-severity-sweep/rows.jsonl"
+
+
+def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
+    text = (CARDS / "emoji-benchmark-results.md").read_text()
+    assert "\n".join(sweep_table(load_rows(SWEEP))) in text
+
+
 def write(card: Path) -> None:
     """Rewrite every marked table of ``card`` from its rows (the card's own title kept)."""
     lines = card.read_text().split("\n")
