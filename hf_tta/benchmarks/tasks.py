@@ -42,6 +42,11 @@ class Task:
         it), or ``None`` where the task does not record it."""
         return None
 
+    def stream_key(self, cond: Condition) -> str:
+        """A name of the query stream that names one stream only (``cond.key`` unless the task can draw the same
+        condition from different pools, as the emoji task's text diverse stream)."""
+        return cond.key
+
     def gallery_key(self, cond: Condition) -> str:
         return cond.direction
 
@@ -130,11 +135,19 @@ class EmojiTask(Task):
             return None
         suffix = "safetensors" if cond.direction == "i2t" else "json"
         k = f"-k{self.render_factor:g}" if self.render_factor is not None else ""
-        return self.cache_dir / f"queries-{len(self.bench)}-seed{seed}{k}-{cond.key.replace('/', '__')}.{suffix}"
+        return self.cache_dir / f"queries-{len(self.bench)}-seed{seed}{k}-{self.stream_key(cond).replace('/', '__')}.{suffix}"
+
+    def stream_key(self, cond: Condition) -> str:
+        """``cond.key``, and for the text diverse stream the corruptions it draws from (``t2i/diverse`` drew from 4 in
+        one results folder and from 10 in another: two streams under one name)."""
+        if cond.direction == "t2i" and cond.shift == "diverse":
+            names = list(dict.fromkeys(name for name, _ in self._diverse_pool(cond)))
+            return f"{cond.key}/{len(names)}-" + "+".join(names)
+        return cond.key
 
     def queries(self, cond: Condition, seed: int | None = None):
         seed = self.seed if seed is None else int(seed)
-        key = (cond.key, seed)
+        key = (self.stream_key(cond), seed)
         if key in self._cache:
             return self._cache[key]
         path = self._cache_file(cond, seed)

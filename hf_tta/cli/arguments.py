@@ -139,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "t2v (text->video), v2a (video->audio), a2v (audio->video); long forms such as video->audio or video2audio work too. "
                    "Video queries run the dataset's video_* configs, audio queries its audio_* configs, text queries (and VGGSound) clean. "
                    "c2i: composed queries (reference image + text) -> target images, on a FIQ / CIRR build (the default there).")
-    g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per category: gaussian_noise, defocus_blur, snow, contrast). "
+    g.add_argument("--corruptions", default="default", help="Image corruptions for i2t: comma list, 'all' (16) or 'default' (one per ImageNet-C family, each at the severity where the source model keeps about half its clean recall; see `hf-tta list`). "
                    "Audio/video: the dataset's configs to run (e.g. video_noise_blur,video_diverse; default: all of the query modality's); "
                    "a direction whose query modality has none of them runs clean.")
-    g.add_argument("--severities", default="5", help="Image severities: comma list of 1..5, 'all' or 'max'.")
+    g.add_argument("--severities", default=None, help="Image severities: comma list of 1..5, 'all' or 'max' (default: "
+                   "5; the default corruptions run each at its chosen severity; --full: 3,5).")
     g.add_argument("--text-corruptions", default="offline", help="Text corruptions for t2i: comma list or 'offline' (every char/word corruption that runs here).")
     g.add_argument("--text-severities", default="7", help="Text severities (char/word 1..7; sentence-level ones have only 1).")
     g.add_argument("--style", dest="style", action="store_true", default=True, help="Add the unseen Noto style (emoji only; default on).")
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--degenerate", action="store_true", help="Add the degenerate stream: --degenerate-batches batches of one "
                    "constant query, then the clean stream, scored on the clean part (a safe method matches the source model).")
     g.add_argument("--degenerate-batches", type=_positive_int, default=200, help="Constant batches before the clean part (default 200).")
-    g.add_argument("--full", action="store_true", help="The full severity-5 grid: all 16 image corruptions, both directions with the offline text corruptions, clean, style and diverse shifts, every objective and the two oracle ceilings (unless --objectives is given).")
+    g.add_argument("--full", action="store_true", help="The full grid: all 16 image corruptions at severities 3 and 5, both directions with the offline text corruptions, clean, style and diverse shifts, every objective and the two oracle ceilings (unless --objectives is given).")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="Queries per online batch (TCR: 64).")
     g.add_argument("--objective-config", "--objective_config", default=None,
                    help="JSON of the objective's overrides (TTAConfig.objective_config, e.g. '{\"tau\": 0.01}' with one objective), "

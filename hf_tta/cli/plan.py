@@ -98,8 +98,9 @@ def make_task(args):
 def resolve_grid(args) -> tuple[list, dict]:
     """The jobs of ``hf-tta run`` and notes on what was left out."""
     from ..benchmarks.grid import (
-        DEFAULT_IMAGE_CORRUPTIONS,
+        DEFAULT_IMAGE_CONDITIONS,
         DEFAULT_OBJECTIVES,
+        FULL_IMAGE_SEVERITIES,
         build_grid,
         image_corruption_names,
         offline_text_corruptions,
@@ -113,17 +114,20 @@ def resolve_grid(args) -> tuple[list, dict]:
     notes: dict = {}
     emoji = args.model is None
     directions = args.direction or (["i2t", "t2i"] if args.full else ["i2t"])
+    pairs = None  # (corruption, severity) streams of the default grid
     if args.full:
         corruptions = list(image_corruption_names())
-        severities = [5]
+        severities = list(FULL_IMAGE_SEVERITIES) if args.severities is None else _ints(args.severities, IMAGE_SEVERITIES, "--severities")
         objectives = full_grid_rows() if args.objectives is None else _objectives(args.objectives)
         diverse, clean, style = True, True, emoji
     else:
+        if args.corruptions == "default" and args.severities is None:
+            pairs = [tuple(p) for p in DEFAULT_IMAGE_CONDITIONS]
         corruptions = (
-            list(DEFAULT_IMAGE_CORRUPTIONS) if args.corruptions == "default"
+            [c for c, _ in DEFAULT_IMAGE_CONDITIONS] if args.corruptions == "default"
             else list(image_corruption_names()) if args.corruptions == "all" else comma_list(args.corruptions)
         )
-        severities = _ints(args.severities, IMAGE_SEVERITIES, "--severities")
+        severities = _ints(args.severities or "5", IMAGE_SEVERITIES, "--severities")
         objectives = list(DEFAULT_OBJECTIVES) if args.objectives is None else _objectives(args.objectives)
         diverse, clean, style = args.diverse, args.clean, args.style and emoji
     unknown = [c for c in corruptions if c not in image_corruption_names()]
@@ -151,6 +155,7 @@ def resolve_grid(args) -> tuple[list, dict]:
     jobs = build_grid(
         objectives, directions, corruptions, severities, text_corruptions, text_severities, style=style,
         diverse=diverse, clean=clean, seeds=run_seeds(args), switch=args.switch, degenerate=args.degenerate,
+        image_conditions=pairs,
     )
     return jobs, notes
 

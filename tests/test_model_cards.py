@@ -1,0 +1,145 @@
+"""Every result table of the model cards is recomputed from the committed rows it cites.
+
+A table in a card is preceded by a marker naming its rows::
+
+    <!-- rows: results/v2-full-i2t/rows.jsonl seeds=0,1,2 group=i2t-severity-5 -->
+
+(paths relative to ``model_cards/``; several files are merged as ``hf-tta merge`` does; ``seeds`` filters;
+``objectives`` keeps these rows in this order; ``group`` picks the table of :func:`hf_tta.benchmarks.build_tables`). The test rebuilds the table from those rows with the
+report's code and compares it line for line with the card (the card may retitle a table: its bold first line is not
+compared). ``python tests/test_model_cards.py --write`` rewrites the marked tables from the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_tta.benchmarks.report import build_tables, format_table, merge_rows
+
+CARDS = Path(__file__).resolve().parent.parent / "model_cards"
+MARKER = re.compile(r"^<!-- rows: (?P<spec>.*?) -->$")
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The rows of a ``results.json`` or of a ``rows.jsonl`` progress file (its header line skipped)."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
+    else:
+        rows = json.loads(path.read_text())["rows"]
+    return [r for r in rows if "error" not in r]
+
+
+def parse_marker(spec: str) -> tuple[list[Path], dict[str, str]]:
+    files, options = [], {}
+    for token in spec.split():
+        if "=" in token:
+            key, value = token.split("=", 1)
+            options[key] = value
+        else:
+            files.append(CARDS / token)
+    return files, options
+
+
+def expected_table(spec: str) -> list[str]:
+    files, options = parse_marker(spec)
+    missing = [str(f) for f in files if not f.is_file()]
+    assert not missing, f"the card cites rows that are not committed: {missing}"
+    rows = merge_rows([r for f in files for r in load_rows(f)])
+    if "seeds" in options:
+        seeds = {int(s) for s in options["seeds"].split(",")}
+        rows = [r for r in rows if int(r.get("seed", 0)) in seeds]
+    if "objectives" in options:  # these rows only, in this order (after the source model)
+        order = ["source", *options["objectives"].split(",")]
+        rows = sorted((r for r in rows if r["objective"] in order), key=lambda r: order.index(r["objective"]))
+    tables = {t["group"]: t for t in build_tables(rows)}
+    assert options["group"] in tables, f"no table {options['group']!r} in {spec}; tables: {list(tables)}"
+    return format_table(tables[options["group"]]).split("\n")
+
+
+def _block_end(lines: list[str], start: int) -> int:
+    """The end of a format_table block whose title is ``lines[start]``."""
+    part = ("|", "Share of lost", "†")
+    j = start + 1
+    while j < len(lines):
+        if lines[j] == "":
+            if j + 1 < len(lines) and lines[j + 1].startswith(part):
+                j += 1
+                continue
+            break
+        if not lines[j].startswith(part):
+            break
+        j += 1
+    return j
+
+
+def marked_tables(card: Path) -> list[tuple[int, str]]:
+    """(line index of the table's title, marker spec) of every marked table of a card."""
+    lines = card.read_text().split("\n")
+    return [(i + 1, m["spec"]) for i, line in enumerate(lines) if (m := MARKER.match(line))]
+
+
+CASES = [(card.name, line, spec) for card in sorted(CARDS.glob("*.md")) for line, spec in marked_tables(card)]
+
+
+def test_the_results_card_marks_its_main_tables():
+    names = {c[0] for c in CASES}
+    assert "emoji-benchmark-results.md" in names
+    assert sum(c[0] == "emoji-benchmark-results.md" for c in CASES) >= 10
+
+
+@pytest.mark.parametrize("card, line, spec", CASES, ids=[f"{c}:{n}" for c, n, _ in CASES])
+def test_card_table_is_recomputed_from_its_rows(card, line, spec):
+    lines = (CARDS / card).read_text().split("\n")
+    assert lines[line].startswith("**"), f"{card}:{line + 1}: a marker must precede the table's bold title"
+    expected = expected_table(spec)
+    got = lines[line : _block_end(lines, line)]
+    assert got[1:] == expected[1:], f"{card}:{line + 1} differs from its rows ({spec})"
+
+
+def sweep_table(rows: list[dict]) -> list[str]:
+    """The card's table of the source model's R@1 per corruption and severity (kept share of clean in brackets),
+    the stream the default grid's rule picks in bold."""
+    from hf_tta.benchmarks.bands import choose_representatives, source_recall
+    from hf_tta.benchmarks.report import abbreviation
+    from hf_tta.data.corruptions import IMAGE_CORRUPTION_CATEGORIES
+
+    clean, recall = source_recall(rows)
+    picked = {(c["corruption"], c["severity"]) for c in choose_representatives(rows).values()}
+    lines = ["| Corruption (family) | 1 | 2 | 3 | 4 | 5 |", "|---|---|---|---|---|---|"]
+    for name, family in IMAGE_CORRUPTION_CATEGORIES.items():
+        cells = []
+        for sev in range(1, 6):
+            r1 = recall[(name, sev)]
+            cell = f"{r1:.1f} ({100 * r1 / clean:.0f} %)"
+            cells.append(f"**{cell}**" if (name, sev) in picked else cell)
+        lines.append(f"| {abbreviation(name)} ({family}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+SWEEP = CARDS / "results/source-severity-sweep/rows.jsonl"
+
+
+def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
+    text = (CARDS / "emoji-benchmark-results.md").read_text()
+    assert "\n".join(sweep_table(load_rows(SWEEP))) in text
+
+
+def write(card: Path) -> None:
+    """Rewrite every marked table of ``card`` from its rows (the card's own title kept)."""
+    lines = card.read_text().split("\n")
+    for line, spec in reversed(marked_tables(card)):
+        expected = expected_table(spec)
+        lines[line : _block_end(lines, line)] = [lines[line], *expected[1:]]
+    card.write_text("\n".join(lines))
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    for path in sorted(CARDS.glob("*.md")):
+        if marked_tables(path):
+            write(path)
+            print("rewrote", path)
