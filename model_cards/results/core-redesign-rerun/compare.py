@@ -17,6 +17,7 @@ for r in new:
     key = (r["objective"], r["shift"], r.get("severity"), r["seed"])
     ref = find(i10, *key) if "+" in r["objective"] else (find(full, *key) or find(i10, *key))
     if ref is None:
-        print(key, "no committed row"); continue
+        print(key, "no committed row")
+        continue
     same = ref["hits"] == r["hits"]
     print(key, "R@1 new", r["R@1"], "committed", ref["R@1"], "hits identical:", same, "safety", r.get("safety"), "domains", r.get("domains"))
