@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .ids import ChangeLog, GalleryChange, IdMap, ReadWriteLock, as_id_array
+from .ids import ChangeLog, GalleryChange, IdMap, ReadWriteLock, as_id_array, check_new_rows
 from .stats import (
     BLOCK_ROWS,
     GalleryKMeans,
@@ -237,18 +237,7 @@ class GalleryBackend(abc.ABC):
             return TopKScores(res.values, self.to_ids(res.indices), self.version)
 
     def _check_rows(self, embeddings, count: int) -> torch.Tensor:
-        if not isinstance(embeddings, torch.Tensor):
-            raise TypeError(f"Embeddings must be a tensor, got {type(embeddings).__name__}.")
-        if not embeddings.is_floating_point() or embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
-            raise ValueError(
-                f"Embeddings must be a floating-point (M, {self.dim}) tensor (this gallery's dimension), got "
-                f"{embeddings.dtype} of shape {tuple(embeddings.shape)}."
-            )
-        if embeddings.shape[0] != count:
-            raise ValueError(f"{count} ids for {embeddings.shape[0]} embeddings: pass one id per row.")
-        if not torch.isfinite(embeddings).all():
-            raise ValueError("The new embeddings contain NaN or inf values.")
-        return embeddings.detach()
+        return check_new_rows(embeddings, count, (self.dim,))
 
     def changes_since(self, version: int) -> list[GalleryChange] | None:
         """The changes after ``version`` in order (``[]`` when current), or ``None`` when older than the log kept

@@ -271,3 +271,20 @@ class ReadWriteLock:
             with self._cond:
                 self._writer = None
                 self._cond.notify_all()
+
+
+def check_new_rows(embeddings, count: int, item_shape: tuple[int, ...]) -> torch.Tensor:
+    """New gallery rows for ``count`` ids: a finite floating-point ``(count, *item_shape)`` tensor (detached), or a
+    one-line error naming what is wrong."""
+    if not isinstance(embeddings, torch.Tensor):
+        raise TypeError(f"Embeddings must be a tensor, got {type(embeddings).__name__}.")
+    if not embeddings.is_floating_point() or tuple(embeddings.shape[1:]) != tuple(item_shape) or embeddings.dim() < 2:
+        raise ValueError(
+            f"Embeddings must be a floating-point (M, {', '.join(map(str, item_shape))}) tensor (this gallery's item "
+            f"shape and dimension), got {embeddings.dtype} of shape {tuple(embeddings.shape)}."
+        )
+    if embeddings.shape[0] != count:
+        raise ValueError(f"{count} ids for {embeddings.shape[0]} embeddings: pass one id per row.")
+    if not torch.isfinite(embeddings).all():
+        raise ValueError("The new embeddings contain NaN or inf values.")
+    return embeddings.detach()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .cache import GalleryCache
-from .ids import ChangeLog, GalleryChange, IdMap, as_id_array
+from .ids import ChangeLog, GalleryChange, IdMap, as_id_array, check_new_rows
 
 logger = logging.getLogger(__name__)
 
@@ -121,18 +121,7 @@ class LiveGallery:
 
     # ---------------------------------------------------------------------------------------- changes
     def _rows(self, embeddings, count: int, emb: torch.Tensor) -> torch.Tensor:
-        if not isinstance(embeddings, torch.Tensor):
-            raise TypeError(f"Embeddings must be a tensor, got {type(embeddings).__name__}.")
-        want = tuple(emb.shape[1:])
-        if not embeddings.is_floating_point() or tuple(embeddings.shape[1:]) != want:
-            raise ValueError(
-                f"Embeddings must be a floating-point (M, {', '.join(map(str, want))}) tensor (this gallery's item shape), "
-                f"got {embeddings.dtype} of shape {tuple(embeddings.shape)}."
-            )
-        if embeddings.shape[0] != count:
-            raise ValueError(f"{count} ids for {embeddings.shape[0]} embeddings: pass one id per row.")
-        if not torch.isfinite(embeddings).all():
-            raise ValueError("The new embeddings contain NaN or inf values.")
+        embeddings = check_new_rows(embeddings, count, tuple(emb.shape[1:]))
         if embeddings.dtype != emb.dtype or embeddings.device != emb.device:
             logger.info("New gallery embeddings cast from %s on %s to %s on %s.", embeddings.dtype, embeddings.device,
                         emb.dtype, emb.device)
