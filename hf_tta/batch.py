@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -13,7 +15,9 @@ from .gallery.cache import GalleryCache
 from .gallery.candidates import check_gallery_access
 from .metrics.recall import relevance_to_index
 from .models.base import ModelAdapter
-from .objectives.base import Objective
+from .objectives.base import Objective, follow_gallery_changes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,36 @@ def chunks(inputs: Mapping[str, torch.Tensor], size: int) -> Iterator[dict[str, 
     n = batch_size(inputs)
     for start in range(0, n, size):
         yield {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+#: Below this many queries a batch's statistics are too noisy for the objectives that use them (TCR's uniformity and
+#: gap, the entropy filters of EATA / SAR / DeYO, DN's query mean); the safety layer judges no batch under its own
+#: ``min_queries`` (8 by default).
+MIN_BATCH_QUERIES = 8
+#: The objectives whose small-batch warning was shown (once per process; clear it to warn again).
+warned_small_batches: set[str] = set()
+
+
+def check_step_context(objective: Objective) -> None:
+    """``adapt_step`` under ``torch.inference_mode`` cannot adapt: refused in one line."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "adapt_step was called under torch.inference_mode(), which no enable_grad() can undo: "
+            "call it outside inference_mode (torch.no_grad() is fine)."
+        )
+
+
+def warn_small_batch(n: int, objective: Objective, safety_min: int | None) -> None:
+    """Warn once per objective when a batch is smaller than its batch statistics need, naming what to do instead."""
+    floor = safety_min if safety_min is not None else MIN_BATCH_QUERIES
+    if n >= floor or objective.name in warned_small_batches:
+        return
+    warned_small_batches.add(objective.name)
+    logger.warning(
+        "adapt_step got %d queries (%r's batch statistics and the safety layer want at least %d): buffer queries into "
+        "larger batches, or answer single queries with TTAConfig(scoring='before_update') and adapt on buffered batches "
+        "(this warning is shown once).", n, objective.name, floor,
+    )
 
 
 def check_inputs(adapter: ModelAdapter, modality: str, inputs: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
@@ -111,3 +145,26 @@ def label_mask(labels: Any, objective: Objective, n: int, gallery: GalleryCache 
     mask = torch.zeros(n, len(gallery) + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, torch.where(idx >= 0, idx, len(gallery)), True)  # padding (-1) goes to a dropped column
     return mask[:, :-1]
+
+
+@contextmanager
+def pinned(gallery: Any, seen: dict[int, int], states: Sequence[tuple[Objective | None, dict]]) -> Iterator[None]:
+    """Hold a top-k backend at one version for the whole step (its readers' lock: a concurrent ``add`` / ``remove`` /
+    ``replace`` waits), after bringing the objectives' position-keyed states up to that version
+    (:func:`~hf_tta.objectives.base.follow_gallery_changes`). ``seen`` maps each backend to the version the states
+    last saw. When the backend's change log no longer reaches back, the states start again (logged). Other galleries
+    pass through."""
+    if not isinstance(gallery, GalleryBackend):
+        yield
+        return
+    with gallery.reading():
+        last = seen.get(id(gallery))
+        if last is not None and last != gallery.version and follow_gallery_changes(gallery, last, states) is None:
+            logger.warning("The gallery changed more than its change log holds since the last step: objective state restarts.")
+            for objective, state in states:
+                if objective is not None:
+                    fresh = objective.init_state(next(iter(state.values())).device if state else "cpu")
+                    state.clear()
+                    state.update(fresh)
+        seen[id(gallery)] = gallery.version
+        yield

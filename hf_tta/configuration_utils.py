@@ -13,6 +13,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import types
 import typing
 from typing import Any, TypeVar
@@ -64,8 +65,16 @@ class ConfigMixin:
         return path
 
     @classmethod
-    def from_pretrained(cls: type[T], directory: str | os.PathLike) -> T:
+    def from_pretrained(
+        cls: type[T], directory: str | os.PathLike, *, revision: str | None = None, token: str | None = None, api=None
+    ) -> T:
+        """Read the config from a local folder, or from a Hub repository id (``owner/name``, through
+        ``huggingface_hub``; offline it reads the cache) as :meth:`hf_tta.TTAWrapper.from_pretrained` does."""
         path = os.path.join(directory, cls.config_file_name)
+        if not os.path.isdir(directory) and re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", str(directory)):
+            from huggingface_hub import HfApi
+
+            path = (api or HfApi(token=token)).hf_hub_download(str(directory), cls.config_file_name, revision=revision)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"No {cls.config_file_name} in {directory!r}: was it written by save_pretrained()?")
         with open(path, encoding="utf-8") as fh:

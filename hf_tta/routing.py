@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .batch import Batch, batch_size
+from .batch import Batch, batch_size, pinned
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
@@ -260,8 +260,14 @@ class RoutedTTAWrapper(TTAWrapper):
 
         ``domain``: a str/int key for the whole batch, a sequence (or 1-D integer tensor) of one key per query, or
         ``None`` to let the router decide per query. Each domain's sub-batch runs :meth:`TTAWrapper.adapt_step` with
-        that domain's state in the model; a new domain starts from the source model.
+        that domain's state in the model; a new domain starts from the source model. A live top-k backend stays at one
+        version for the whole batch; the domains' position-keyed objective state is not remapped when it changes (the
+        objectives see another gallery fingerprint and start their state again).
         """
+        with pinned(gallery, self._gallery_versions, []):
+            return self._routed_step(queries, gallery, labels, domain)
+
+    def _routed_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, domain: Any) -> RoutedTTAOutput:
         batch = self._prepare(queries, gallery, labels)
         queries, gallery, mask, n = batch.queries, batch.gallery, batch.labels, batch.size
         slots, new_keys = self._route(queries, domain, update=True)
@@ -277,7 +283,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 if self.objective.requires_grad and idx.numel() < self.routing.min_domain_batch:
                     out = self._score_frozen(sub, gallery)
                 else:
-                    out = TTAWrapper.adapt_step(self, sub, gallery, labels=sub_labels)
+                    out = TTAWrapper._adapt_step(self, sub, gallery, sub_labels)
             finally:
                 self._in_domain_step = False
             outputs.append((self._domains[slot], idx, out))

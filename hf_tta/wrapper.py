@@ -20,8 +20,8 @@ from peft import LNTuningConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from . import batch as batching
 from . import checkpoint
-from .batch import Batch, batch_size, check_gallery, check_inputs, chunks, label_mask
 from .checkpoint_hub import CheckpointMixin
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
@@ -78,6 +78,7 @@ class TTAWrapper(CheckpointMixin):
             build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
         )
         self._tensor_gallery: tuple | None = None  # (tensor, its version, its GalleryCache): a raw gallery, wrapped once
+        self._gallery_versions: dict[int, int] = {}  # the version of each live backend the objective state follows
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
         self.peft_model: PeftModel | None = None
         self.params: dict[str, nn.Parameter] = {}
@@ -145,12 +146,11 @@ class TTAWrapper(CheckpointMixin):
         return opt
 
     def rebuild_optimizer(self) -> None:
-        """A fresh optimiser over the adapted parameters (what a reset and SAR's model recovery start from)."""
+        """A fresh optimiser over the adapted parameters (what a reset and SAR's recovery start from)."""
         self.optimizer = self._make_optimizer()
 
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The adapted parameters by name, then any other tensor the optimiser steps (ClipTTA's open-set threshold
-        alpha), named ``optimizer.extra.<i>``: what a rollback must restore, with its optimiser state."""
+        """The adapted parameters, then other tensors the optimiser steps (ClipTTA's alpha: ``optimizer.extra.<i>``)."""
         named = list(self.params.items())
         if self.optimizer is not None:
             seen = {id(p) for _, p in named}
@@ -163,8 +163,7 @@ class TTAWrapper(CheckpointMixin):
         """Whether the next batch takes the one-sync fast path (:mod:`hf_tta.loop`; ``TTAConfig.fast_step``)."""
         return self.loop.fast_applies(self.optimizer)
 
-    def source_parameters(self) -> dict[str, torch.Tensor]:
-        """The adapted parameters' source values by name (copies), what :meth:`reset` restores."""
+    def source_parameters(self) -> dict[str, torch.Tensor]:  # copies of the source values :meth:`reset` restores
         return {n: t.clone() for n, t in self._source_params.items()}
 
     device = property(lambda self: next(self.model.parameters()).device)
@@ -193,7 +192,7 @@ class TTAWrapper(CheckpointMixin):
                 of such dicts (e.g. a DataLoader over a large gallery).
             batch_size: chunk size for a dict input (default ``config.gallery_batch_size``).
         """
-        parts = list(chunks(inputs, batch_size or self.config.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
+        parts = list(batching.chunks(inputs, batch_size or self.config.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
         embs = []
         total = len(parts) if hasattr(parts, "__len__") else None
         show = show_progress if show_progress is not None else (total is None or total > 4)
@@ -207,8 +206,7 @@ class TTAWrapper(CheckpointMixin):
 
     # ------------------------------------------------------------------------------------------ checks
     def _check_inputs(self, inputs: Mapping[str, Any], modality: str) -> dict[str, torch.Tensor]:
-        """One batch of ``modality`` inputs checked at the boundary (:func:`hf_tta.batch.check_inputs`)."""
-        return check_inputs(self.adapter, modality, inputs, self.device)
+        return batching.check_inputs(self.adapter, modality, inputs, self.device)
 
     def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
         """A dense gallery, or a top-k backend (:func:`hf_tta.batch.check_gallery`); a raw tensor is wrapped once."""
@@ -223,7 +221,7 @@ class TTAWrapper(CheckpointMixin):
                 gallery = GalleryCache(gallery, self.gallery_modality)
                 self._tensor_gallery = (tensor, tensor._version, gallery)
         roles = {"objective": self.objective, "score_transform": self.score_transform}
-        return check_gallery(gallery, self.gallery_modality, self.query_modality, self.device, roles)
+        return batching.check_gallery(gallery, self.gallery_modality, self.query_modality, self.device, roles)
 
     # ------------------------------------------------------------------------------------------ embed and score
     def _embed_queries(self, queries: dict) -> torch.Tensor:
@@ -253,7 +251,7 @@ class TTAWrapper(CheckpointMixin):
         ids, emb = candidate_items(q, gallery, self.objective, searchers, self.config.seed)
         return ids, GalleryCache(emb, gallery.modality)
 
-    def _inputs(self, batch: Batch, step: int, source_cache: list[torch.Tensor] | None = None) -> ObjectiveInputs:
+    def _inputs(self, batch: batching.Batch, step: int, source_cache: list[torch.Tensor] | None = None) -> ObjectiveInputs:
         """The objective's view of ``batch`` at the current parameters. ``source_cache`` (one list per batch) holds
         the source model's scores once computed, so that they are computed once per batch (dense gallery)."""
         queries, gallery = batch.queries, batch.gallery
@@ -285,7 +283,7 @@ class TTAWrapper(CheckpointMixin):
         )
 
     @torch.no_grad()
-    def _view(self, batch: Batch, step: int, source: bool = False) -> ObjectiveInputs:
+    def _view(self, batch: batching.Batch, step: int, source: bool = False) -> ObjectiveInputs:
         """A no-grad view of ``batch`` (the source model's with ``source``), detached."""
         with self.disabled() if source else contextlib.nullcontext():
             inputs = self._inputs(batch, step)
@@ -315,12 +313,16 @@ class TTAWrapper(CheckpointMixin):
         (:mod:`hf_tta.loop`). A step with nothing selected, or with a non-finite loss or gradient, updates nothing and
         is listed in ``TTAOutput.skipped``. ``labels`` (each query's relevant gallery items: a ``(B, N)`` bool mask or
         a list of index lists) is for supervised objectives only (``oracle``, the benchmark's ceilings) and refused
-        otherwise. With ``config.scoring="before_update"`` the current model answers before the batch adapts it.
+        otherwise. With ``config.scoring="before_update"`` the current model answers before the batch adapts it. A
+        live top-k backend stays at one version for the step (:func:`hf_tta.batch.pinned`).
         """
+        with batching.pinned(gallery, self._gallery_versions, [(self.objective, self.state), (self.score_transform, self.transform_state)]):
+            return self._adapt_step(queries, gallery, labels)
+
+    def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> TTAOutput:
         batch = self._prepare(queries, gallery, labels)
         if self.safety is not None and self.safety.last_good is None:
             self.safety.remember(self)
-        # the source model's view: one no-grad forward, shared with objectives that need the source scores
         source = self._view(batch, self.config.steps - 1, source=True) if self.safety is not None else None
         decision = self.safety.before(source) if self.safety is not None else KEEP
         result = None
@@ -350,18 +352,15 @@ class TTAWrapper(CheckpointMixin):
             self.reset()
         return out
 
-    def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> Batch:
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "adapt_step was called under torch.inference_mode(), which no enable_grad() can undo: "
-                "call it outside inference_mode (torch.no_grad() is fine)."
-            )
+    def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
+        batching.check_step_context(self.objective)
         gallery = self._check_gallery(gallery)
         queries = self._check_inputs(queries, self.query_modality)
-        n = batch_size(queries)
-        return Batch(queries, gallery, label_mask(labels, self.objective, n, gallery, self.device), n)
+        n = batching.batch_size(queries)
+        batching.warn_small_batch(n, self.objective, self.safety.config.min_queries if self.safety is not None else None)
+        return batching.Batch(queries, gallery, batching.label_mask(labels, self.objective, n, gallery, self.device), n)
 
-    def _score_only(self, batch: Batch, source: ObjectiveInputs | None) -> tuple[ObjectiveInputs, LoopResult]:
+    def _score_only(self, batch: batching.Batch, source: ObjectiveInputs | None) -> tuple[ObjectiveInputs, LoopResult]:
         """A training-free objective: nothing is adapted, so the source view of a dense gallery is this forward."""
         with torch.no_grad():
             shared = source is not None and source.candidate_ids is None
@@ -370,7 +369,7 @@ class TTAWrapper(CheckpointMixin):
         scores = (res.scores if res.scores is not None else inputs.scores).detach()
         return inputs, LoopResult(inputs, scores, None, 0, res.n_selected, logs=float_logs(res.logs))
 
-    def _reported_view(self, batch: Batch, result: LoopResult) -> tuple[ObjectiveInputs, torch.Tensor]:
+    def _reported_view(self, batch: batching.Batch, result: LoopResult) -> tuple[ObjectiveInputs, torch.Tensor]:
         """The last step's forward (TCR's protocol), or for an objective with ``score_after_update`` (ClipTTA's own
         protocol) a fresh forward after the last update."""
         if getattr(self.objective, "score_after_update", False):
@@ -393,7 +392,7 @@ class TTAWrapper(CheckpointMixin):
             self.safety.remember(self)
 
     def _report(
-        self, batch: Batch, inputs: ObjectiveInputs, scores: torch.Tensor, result: LoopResult | None, decision: SafetyDecision
+        self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, result: LoopResult | None, decision: SafetyDecision
     ) -> TTAOutput:
         """Scores through the score transform (a degenerate batch leaves its state untouched), and the batch's record."""
         scores = self._transform_scores(inputs, scores, update_state=decision.action != "skip_degenerate")
@@ -494,6 +493,5 @@ class TTAWrapper(CheckpointMixin):
         return self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
 
     def __repr__(self) -> str:
-        return (f"TTAWrapper({self.adapter.describe()}, objective={self.config.objective!r}, {self.query_modality}->"
-                f"{self.gallery_modality}, adapted_tensors={len(self.params)}, batches={self.batch_index})")
+        return f"TTAWrapper({self.adapter.describe()}, {self.config.objective!r}, {self.query_modality}->{self.gallery_modality})"
 

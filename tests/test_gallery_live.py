@@ -572,11 +572,10 @@ def test_sharded_gallery_changes_equal_one_process(tmp_path):
 # ------------------------------------------------------------------------------------------------ the wrapper
 @pytest.mark.parametrize("objective", ["titan", "eata", "rest"])
 def test_wrapper_adapts_on_a_backend_changed_by_another_thread(objective):
-    """A user's loop with today's wrapper: each step catches the objective state up with the gallery's changes
-    (follow_gallery_changes) and runs under backend.reading(), while another thread adds, removes and replaces
-    captions: no error, every answer's ids exist in its version, per-item state matches the gallery's size."""
+    """The wrapper catches the objective state up with the gallery's changes at each step and holds the backend at one
+    version for the step, while another thread adds, removes and replaces captions: no error, every answer's ids exist
+    in its version, per-item state matches the gallery's size."""
     from hf_tta import TTAConfig, TTAWrapper
-    from hf_tta.objectives.base import follow_gallery_changes
     from tiny_models import make_model
 
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image", steps=1))
@@ -600,11 +599,10 @@ def test_wrapper_adapts_on_a_backend_changed_by_another_thread(objective):
 
     thread = threading.Thread(target=mutate)
     thread.start()
-    version, steps = 0, 0
+    steps = 0
     while not done.is_set() or steps < 3:
         batch = {"pixel_values": torch.randn(6, 3, 32, 32, generator=gen)}
-        with backend.reading():
-            version = follow_gallery_changes(backend, version, [(tta.objective, tta.state)])
+        with backend.reading():  # the user's read of the answer's ids at the step's version (nested in the wrapper's)
             out = tta.adapt_step(batch, backend)
             ids = backend.to_ids(out.topk.indices)
             assert set(ids.flatten().tolist()) <= set(backend.ids.tolist())

@@ -86,6 +86,7 @@ def marked_tables(card: Path) -> list[tuple[int, str]]:
 CASES = [(card.name, line, spec) for card in sorted(CARDS.glob("*.md")) for line, spec in marked_tables(card)]
 
 
+@pytest.mark.slow
 def test_the_results_card_marks_its_main_tables():
     names = {c[0] for c in CASES}
     assert "emoji-benchmark-results.md" in names
@@ -93,6 +94,7 @@ def test_the_results_card_marks_its_main_tables():
 
 
 @pytest.mark.parametrize("card, line, spec", CASES, ids=[f"{c}:{n}" for c, n, _ in CASES])
+@pytest.mark.slow
 def test_card_table_is_recomputed_from_its_rows(card, line, spec):
     lines = (CARDS / card).read_text().split("\n")
     assert lines[line].startswith("**"), f"{card}:{line + 1}: a marker must precede the table's bold title"
@@ -124,6 +126,7 @@ def sweep_table(rows: list[dict]) -> list[str]:
 SWEEP = CARDS / "results/source-severity-sweep/rows.jsonl"
 
 
+@pytest.mark.slow
 def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
     text = (CARDS / "emoji-benchmark-results.md").read_text()
     assert "\n".join(sweep_table(load_rows(SWEEP))) in text

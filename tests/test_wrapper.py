@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -360,6 +362,7 @@ def test_adapt_stream_concatenates_rows():
     assert scores.shape == (12, 9) and tta.batch_index == 3
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 def test_cuda_adapt_step_and_device_check():
     tta = TTAWrapper(make_model("clip").cuda(), TTAConfig(query_modality="image", autocast_dtype="bf16"))
@@ -424,3 +427,35 @@ def test_gradient_checkpointing_gives_the_same_adaptation():
         assert torch.allclose(plain.adapt_step(x, gp).scores, ckpt.adapt_step(x, gc).scores, atol=1e-6)
     assert all(torch.allclose(plain.params[n], ckpt.params[n], atol=1e-6) for n in plain.params)
     assert any(m.training for m in ckpt.model.modules())  # the query tower's layers are marked for checkpointing
+
+
+def test_objective_state_follows_a_live_backend_between_steps():
+    """TITAN's match counts and query bank are keyed by gallery position: after ``gallery.remove`` the wrapper brings
+    them to the new version (the counts lose the removed item's entry, the bank stays) instead of starting again."""
+    from hf_tta import ChunkedGallery
+    from support import dense_gallery
+
+    gallery = ChunkedGallery(dense_gallery(n=30).embeddings, "text", k=8)
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="titan", query_modality="image",
+                                                    objective_config={"query_bank_size": 64, "hub_threshold": 0}))
+    tta.adapt_step(batch("image", 8, seed=1), gallery)
+    counts, bank = tta.state["match_counts"].clone(), tta.state["query_bank"].shape[0]
+    assert counts.numel() == 30 and bank > 0
+    gallery.remove([int(counts.argmax())])  # the most matched item goes
+    tta.adapt_step(batch("image", 8, seed=2), gallery)
+    assert tta.state["match_counts"].numel() == 29
+    assert tta.state["query_bank"].shape[0] > bank  # kept and extended, not started again
+
+
+def test_a_batch_too_small_for_batch_statistics_warns_once_naming_the_option(caplog):
+    import hf_tta.batch as batching
+
+    batching.warned_small_batches.discard("tcr")
+    tta = _tta("clip", "image")
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    with caplog.at_level(logging.WARNING, logger="hf_tta"):
+        tta.adapt_step(batch("image", 3, seed=2), g)
+        tta.adapt_step(batch("image", 2, seed=3), g)
+        tta.adapt_step(batch("image", 8, seed=4), g)
+    small = [r for r in caplog.records if "batch statistics" in r.getMessage()]
+    assert len(small) == 1 and "scoring='before_update'" in small[0].getMessage()

@@ -85,3 +85,22 @@ def test_local_folder_wins_and_bad_ids_are_refused(tmp_path, adapted, monkeypatc
         tta.push_to_hub("not a repo id", api=NoHub())
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         TTAWrapper.from_pretrained(_source_model(), "no/such-folder/here", api=NoHub())
+
+
+def test_ttaconfig_from_pretrained_takes_a_hub_id_like_the_wrapper(tmp_path, adapted):
+    tta, _ = adapted
+    hub = FakeHub(tmp_path / "hub")
+    tta.push_to_hub("me/clip-tent", api=hub.api())
+    cfg = TTAConfig.from_pretrained("me/clip-tent", api=hub.api())
+    assert cfg == tta.resolved_config()
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        TTAConfig.from_pretrained(tmp_path / "no-such-folder")
+
+
+def test_a_gallery_encoded_under_inference_mode_is_usable(adapted):
+    tta, _ = adapted
+    with torch.inference_mode():
+        g = tta.encode_gallery(batch("text", 9, seed=1))
+    assert not g.embeddings.is_inference()
+    out = tta.adapt_step(batch("image", 5, seed=40), g)  # autograd through the scores: no inference-tensor error
+    assert out.num_updates > 0

@@ -35,6 +35,9 @@ class GalleryCache:
                 f"Gallery embeddings must be a floating-point (N, D) or (N, Q, D) tensor, got {self.embeddings.dtype} "
                 f"of shape {tuple(self.embeddings.shape)}: use encode_gallery()."
             )
+        if self.embeddings.is_inference():  # encoded under torch.inference_mode: a normal tensor autograd can use
+            with torch.inference_mode(False):
+                self.embeddings = self.embeddings.clone()
         self.embeddings = self.embeddings.detach()
         if not torch.isfinite(self.embeddings).all():  # checked once here, not at every step
             raise ValueError("The gallery embeddings contain NaN or inf values.")
