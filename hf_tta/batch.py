@@ -96,8 +96,38 @@ def check_inputs(adapter: ModelAdapter, modality: str, inputs: Mapping[str, Any]
     return selected
 
 
+def wrap_tensor(tensor: torch.Tensor, held: tuple | None, modality: str, dtype: torch.dtype) -> tuple[GalleryCache, tuple]:
+    """A raw gallery tensor as a :class:`~hf_tta.GalleryCache` (cast once to the model's dtype, NaN-checked once);
+    ``held`` is the last call's ``(tensor, its version, cache)``: the same unmodified tensor is not wrapped again."""
+    if held is not None and held[0] is tensor and held[1] == tensor._version:
+        return held[2], held
+    cache = GalleryCache(tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor, modality)
+    return cache, (tensor, tensor._version, cache)
+
+
+def encoder_id(adapter: ModelAdapter, modality: str) -> str:
+    """Which model and tower encode ``modality``: the model's class and config hash, and a digest of the values of the
+    parameters only that tower uses (a sum and a sum of squares each: one pass), the same before and after PEFT wraps
+    the query tower's layers."""
+    import hashlib
+
+    from .checkpoint import config_hash
+
+    digest = hashlib.sha256(f"{type(adapter.model).__name__}|{config_hash(adapter.model)}|{modality}".encode())
+    with torch.no_grad():
+        for name, p in adapter.model.named_parameters():
+            if "ln_tuning_layers" in name:  # PEFT's adapted copies; the source values stay in base_layer
+                continue
+            name = name.replace(".base_layer.", ".")
+            if adapter.tower_of(name.rsplit(".", 1)[0]) == {modality}:
+                x = p.detach().double()
+                digest.update(f"{name}:{x.sum().item():.12e}:{x.square().sum().item():.12e}".encode())
+    return digest.hexdigest()[:16]
+
+
 def check_gallery(
-    gallery: Any, modality: str, query_modality: str, device: torch.device, objectives: Mapping[str, Objective | None]
+    gallery: Any, modality: str, query_modality: str, device: torch.device, objectives: Mapping[str, Objective | None],
+    encoder: str | None = None,
 ) -> GalleryCache | GalleryBackend:
     """A dense :class:`~hf_tta.GalleryCache` on the model's device, or a top-k backend whose objectives need only the
     batch's candidates (see :mod:`hf_tta.gallery.base`), holding ``modality`` items."""
@@ -116,6 +146,11 @@ def check_gallery(
         return gallery
     if len(gallery) == 0:
         raise ValueError("The gallery is empty.")
+    if gallery.encoder is not None and encoder is not None and gallery.encoder != encoder:
+        raise ValueError(
+            "This gallery was encoded by another model (or another checkpoint of this architecture): encode it with "
+            "this wrapper's encode_gallery(...)."
+        )
     if gallery.embeddings.device != device:
         raise ValueError(f"The gallery is on {gallery.embeddings.device} but the model is on {device}: use gallery.to(...).")
     return gallery

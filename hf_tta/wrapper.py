@@ -79,6 +79,7 @@ class TTAWrapper(CheckpointMixin):
         )
         self._tensor_gallery: tuple | None = None  # (tensor, its version, its GalleryCache): a raw gallery, wrapped once
         self._gallery_versions: dict[int, int] = {}  # the version of each live backend the objective state follows
+        self._encoder_id: str | None = None  # which model encoded this wrapper's galleries (encode_gallery)
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
         self.peft_model: PeftModel | None = None
         self.params: dict[str, nn.Parameter] = {}
@@ -202,7 +203,7 @@ class TTAWrapper(CheckpointMixin):
                 embs.append(self.adapter.encode(self.gallery_modality, chunk))
         if not embs:
             raise ValueError("The gallery is empty.")
-        return GalleryCache(torch.cat(embs), self.gallery_modality)
+        return GalleryCache(torch.cat(embs), self.gallery_modality, self._gallery_encoder())
 
     # ------------------------------------------------------------------------------------------ checks
     def _check_inputs(self, inputs: Mapping[str, Any], modality: str) -> dict[str, torch.Tensor]:
@@ -211,17 +212,16 @@ class TTAWrapper(CheckpointMixin):
     def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
         """A dense gallery, or a top-k backend (:func:`hf_tta.batch.check_gallery`); a raw tensor is wrapped once."""
         if isinstance(gallery, torch.Tensor):
-            held = self._tensor_gallery
-            if held is not None and held[0] is gallery and held[1] == gallery._version:
-                gallery = held[2]  # the same, unmodified tensor as the last batch: wrapped (and NaN-checked) once
-            else:
-                tensor, dtype = gallery, next(self.model.parameters()).dtype
-                if tensor.is_floating_point() and tensor.dtype != dtype:
-                    gallery = gallery.to(dtype)  # like the queries' features: cast once to the model's dtype
-                gallery = GalleryCache(gallery, self.gallery_modality)
-                self._tensor_gallery = (tensor, tensor._version, gallery)
+            gallery, self._tensor_gallery = batching.wrap_tensor(gallery, self._tensor_gallery, self.gallery_modality,
+                                                                 next(self.model.parameters()).dtype)
         roles = {"objective": self.objective, "score_transform": self.score_transform}
-        return batching.check_gallery(gallery, self.gallery_modality, self.query_modality, self.device, roles)
+        encoder = self._gallery_encoder() if isinstance(gallery, GalleryCache) and gallery.encoder is not None else None
+        return batching.check_gallery(gallery, self.gallery_modality, self.query_modality, self.device, roles, encoder)
+
+    def _gallery_encoder(self) -> str:  # computed once: the gallery tower never adapts
+        if self._encoder_id is None:
+            self._encoder_id = batching.encoder_id(self.adapter, self.gallery_modality)
+        return self._encoder_id
 
     # ------------------------------------------------------------------------------------------ embed and score
     def _embed_queries(self, queries: dict) -> torch.Tensor:

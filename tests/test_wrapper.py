@@ -459,3 +459,25 @@ def test_a_batch_too_small_for_batch_statistics_warns_once_naming_the_option(cap
         tta.adapt_step(batch("image", 8, seed=4), g)
     small = [r for r in caplog.records if "batch statistics" in r.getMessage()]
     assert len(small) == 1 and "scoring='before_update'" in small[0].getMessage()
+
+
+def test_a_gallery_encoded_by_another_model_of_the_same_size_is_refused():
+    """Two checkpoints of one architecture embed into the same dimension: a gallery from the other is garbage here."""
+    captions = batch("text", 10, seed=1)
+    mine = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image"))
+    torch.manual_seed(123)
+    other_model = make_model("clip")
+    with torch.no_grad():
+        for name, p in other_model.named_parameters():
+            if name.startswith("text_model.encoder.layers.0.mlp"):
+                p.add_(0.1)  # another fine-tune of the text tower
+    other = TTAWrapper(other_model, TTAConfig(objective="dn", query_modality="image"))
+    foreign = other.encode_gallery(captions)
+    before = {n: p.detach().clone() for n, p in mine.params.items()}
+    with pytest.raises(ValueError, match="encoded by another model") as err:
+        mine.adapt_step(batch("image", 8, seed=2), foreign)
+    assert "\n" not in str(err.value) and all(torch.equal(p, before[n]) for n, p in mine.params.items())
+    # the same source model behind another wrapper (another objective, PEFT or not) is the same encoder
+    same = TTAWrapper(make_model("clip"), TTAConfig(objective="dn", query_modality="image")).encode_gallery(captions)
+    assert mine.adapt_step(batch("image", 8, seed=2), same).num_updates > 0
+    assert mine.adapt_step(batch("image", 8, seed=3), foreign.embeddings).num_updates > 0  # a raw tensor: the user's call

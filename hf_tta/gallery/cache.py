@@ -21,10 +21,13 @@ class GalleryCache:
     Args:
         embeddings (`torch.Tensor`): ``(N, D)``, or ``(N, Q, D)`` for a multi-vector modality; L2-normalised.
         modality (`str`): the gallery modality.
+        encoder (`str`, *optional*): which model and tower encoded it (set by ``encode_gallery``); a wrapper refuses
+            a gallery that another model encoded.
     """
 
     embeddings: torch.Tensor
     modality: str
+    encoder: str | None = None
     single: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -51,4 +54,4 @@ class GalleryCache:
         return self.embeddings.shape[-1]
 
     def to(self, device) -> "GalleryCache":
-        return GalleryCache(self.embeddings.to(device), self.modality)
+        return GalleryCache(self.embeddings.to(device), self.modality, self.encoder)
