@@ -31,6 +31,7 @@ from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
 from .models.base import ModelAdapter, get_adapter, resolve_target_modules
 from .models.checkpointing import enable_gradient_checkpointing
+from .models.peft_interop import export_peft_adapter, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import KEEP, SafetyDecision, SafetyMonitor
@@ -64,8 +65,7 @@ class TTAWrapper(CheckpointMixin):
 
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None):
         self.config = cfg = config if config is not None else TTAConfig()
-        if isinstance(model, PeftModel):
-            raise ValueError("Pass the base model, not a PeftModel: TTAWrapper applies its own PEFT LN-tuning adapter.")
+        model = unwrap_peft(model)  # a LoRA-tuned PeftModel: its adapters merged, then LN-tuned on top (logged)
         self.adapter = get_adapter(model, modalities=(cfg.query_modality, cfg.gallery_modality))
         self.model = self.adapter.model
         self.adapter.check_modality(cfg.query_modality)
@@ -488,8 +488,11 @@ class TTAWrapper(CheckpointMixin):
         if param_names != list(self.params):
             raise ValueError("The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?")
 
-    def merge_and_unload(self) -> nn.Module:
-        """The model with the adapted parameters merged in (a plain transformers model again)."""
+    def export_peft_adapter(self, directory) -> str:
+        """The adapted state as a PEFT adapter folder: ``PeftModel.from_pretrained(source_model, directory)``."""
+        return export_peft_adapter(self.peft_model, directory)
+
+    def merge_and_unload(self) -> nn.Module:  # the adapted parameters merged in: a plain transformers model again
         return self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
 
     def __repr__(self) -> str:
