@@ -113,6 +113,7 @@ class OnlineRetriever:
         batch_size (`int`): adapt when this many queries are buffered.
         max_wait (`float`): or when the oldest buffered query has waited this many seconds (background mode).
         mode (`str`): ``"background"`` (a worker thread adapts) or ``"sync"`` (adapt inline; deterministic).
+        adapt (`bool`): ``False`` answers only (the same answer path, nothing buffered): the non-adapting baseline.
         on_publish (`callable`, *optional*): called with each new :class:`Published` state (in the adapting thread).
     """
 
@@ -124,6 +125,7 @@ class OnlineRetriever:
         max_wait: float = 0.05,
         mode: str = "background",
         on_publish: Callable[[Published], None] | None = None,
+        adapt: bool = True,
     ):
         if not isinstance(wrapper, TTAWrapper):
             raise TypeError(f"OnlineRetriever needs a TTAWrapper, got {type(wrapper).__name__}.")
@@ -143,7 +145,7 @@ class OnlineRetriever:
         self.wrapper, self.gallery = wrapper, gallery
         self.batch_size, self.max_wait, self.mode = batch_size, float(max_wait), mode
         self.routed = isinstance(wrapper, RoutedTTAWrapper)
-        self.on_publish = on_publish
+        self.on_publish, self.adapt = on_publish, bool(adapt)
         self._cond = threading.Condition()  # guards the buffer and the counters
         self._buffer: list[tuple[dict[str, torch.Tensor], list | None, float]] = []
         self._buffered = 0
@@ -156,7 +158,7 @@ class OnlineRetriever:
         self.last_skipped: list[str] = []
         self._published = self._publish_copy(0)
         self._worker: threading.Thread | None = None
-        if mode == "background":
+        if mode == "background" and self.adapt:
             self._worker = threading.Thread(target=self._run, name="hf_tta-online-adapt", daemon=True)
             self._worker.start()
 
@@ -187,6 +189,8 @@ class OnlineRetriever:
         result = SearchResult(values, ids, scores, state.version, snap.version if snap is not None else None)
         with self._cond:
             self.queries_answered += n
+            if not self.adapt:
+                return result
             self._buffer.append((queries, tenants, time.monotonic()))
             self._buffered += n
             self._cond.notify()
@@ -332,7 +336,7 @@ class OnlineRetriever:
         with self._cond:
             state = self._published
             out = {
-                "mode": self.mode, "batch_size": self.batch_size, "batches_adapted": self.batches_adapted,
+                "mode": self.mode, "adapt": self.adapt, "batch_size": self.batch_size, "batches_adapted": self.batches_adapted,
                 "queries_adapted": self.queries_adapted, "queries_answered": self.queries_answered,
                 "pending": self._buffered,
             }
