@@ -41,6 +41,7 @@ import contextlib
 import copy
 import hashlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ class OnlineRetriever:
         max_wait (`float`): or when the oldest buffered query has waited this many seconds (background mode).
         mode (`str`): ``"background"`` (a worker thread adapts) or ``"sync"`` (adapt inline; deterministic).
         adapt (`bool`): ``False`` answers only (the same answer path, nothing buffered): the non-adapting baseline.
+        worker_nice (`int`): raise the adapting thread's nice value by this much (Linux; its OpenMP threads, created
+            by it, inherit it), so that on a busy CPU answers are scheduled before backward passes. 0: leave it.
         on_publish (`callable`, *optional*): called with each new :class:`Published` state (in the adapting thread).
     """
 
@@ -126,6 +129,7 @@ class OnlineRetriever:
         mode: str = "background",
         on_publish: Callable[[Published], None] | None = None,
         adapt: bool = True,
+        worker_nice: int = 0,
     ):
         if not isinstance(wrapper, TTAWrapper):
             raise TypeError(f"OnlineRetriever needs a TTAWrapper, got {type(wrapper).__name__}.")
@@ -145,7 +149,7 @@ class OnlineRetriever:
         self.wrapper, self.gallery = wrapper, gallery
         self.batch_size, self.max_wait, self.mode = batch_size, float(max_wait), mode
         self.routed = isinstance(wrapper, RoutedTTAWrapper)
-        self.on_publish, self.adapt = on_publish, bool(adapt)
+        self.on_publish, self.adapt, self.worker_nice = on_publish, bool(adapt), int(worker_nice)
         self._cond = threading.Condition()  # guards the buffer and the counters
         self._buffer: list[tuple[dict[str, torch.Tensor], list | None, float]] = []
         self._buffered = 0
@@ -286,6 +290,12 @@ class OnlineRetriever:
         return Published(version, reader, state_fingerprint(reader), threading.Lock() if self.routed else None)
 
     def _run(self) -> None:
+        if self.worker_nice:
+            try:  # per thread on Linux: the native thread id is a "process" for setpriority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.worker_nice)
+                logger.info("Adapting thread runs at nice +%d.", self.worker_nice)
+            except (AttributeError, OSError) as err:
+                logger.warning("Could not lower the adapting thread's priority (%s); it runs at the process's.", err)
         while True:
             with self._cond:
                 while not self._stop:

@@ -70,6 +70,7 @@ class ServiceConfig:
     max_wait: float = 0.05
     mode: str = "background"
     checkpoint_every: float = 300.0
+    worker_nice: int = 10
 
 
 class Service:
@@ -111,7 +112,8 @@ class Service:
             self.gallery = LiveGallery(self.encode_items(wrapper, list(cfg.gallery_items)), wrapper.gallery_modality)
         self._encoder = frozen_copy(wrapper)  # never answers: its disabled() cannot touch an answer's model
         self.retriever = OnlineRetriever(
-            wrapper, self.gallery, batch_size=cfg.batch_size, max_wait=cfg.max_wait, mode=cfg.mode, adapt=cfg.adapt
+            wrapper, self.gallery, batch_size=cfg.batch_size, max_wait=cfg.max_wait, mode=cfg.mode, adapt=cfg.adapt,
+            worker_nice=cfg.worker_nice,
         )
         if self.state_dir is not None and cfg.checkpoint_every > 0:
             self._timer = threading.Thread(target=self._checkpoint_loop, name="hf_tta-serve-checkpoint", daemon=True)
@@ -292,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-wait", type=float, default=0.05)
     p.add_argument("--tenants", action="store_true", help="per-tenant adapters (X-Tenant header)")
+    p.add_argument("--worker-nice", type=int, default=10, help="nice increment of the adapting thread (0: none)")
     p.add_argument("--no-adapt", dest="adapt", action="store_false", help="answer only (the baseline)")
     args = p.parse_args(argv)
     import uvicorn
@@ -299,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     cfg = emoji_service_config(
         state_dir=args.state_dir, checkpoint_every=args.checkpoint_every, batch_size=args.batch_size,
-        max_wait=args.max_wait, tenants=args.tenants, adapt=args.adapt,
+        max_wait=args.max_wait, tenants=args.tenants, adapt=args.adapt, worker_nice=args.worker_nice,
     )
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
 

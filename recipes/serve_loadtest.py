@@ -55,8 +55,11 @@ def wait_ready(client, proc: subprocess.Popen, deadline: float) -> None:
     raise TimeoutError("the service was not ready in time")
 
 
-def run_load(port: int, payloads: list[str], order: np.ndarray, concurrency: int, deadline: float) -> tuple[list[dict], float]:
-    """Send ``payloads[order[i]]`` for every i from ``concurrency`` threads; one row per request."""
+def run_load(
+    port: int, payloads: list[str], order: np.ndarray, concurrency: int, deadline: float, rate: float = 0.0
+) -> tuple[list[dict], float]:
+    """Send ``payloads[order[i]]`` for every i from ``concurrency`` threads; one row per request. ``rate`` > 0: request
+    i is due at ``i / rate`` s (open loop) and its latency counts from then (waiting for a free client included)."""
     import httpx
 
     rows: list[dict] = []
@@ -71,6 +74,10 @@ def run_load(port: int, payloads: list[str], order: np.ndarray, concurrency: int
                     return
                 q = int(order[i])
                 t0 = time.perf_counter()
+                if rate > 0:
+                    due = start + i / rate
+                    time.sleep(max(0.0, due - t0))
+                    t0 = due
                 r = client.post("/search", json={"image": payloads[q], "k": 1})
                 latency = time.perf_counter() - t0
                 body = r.json() if r.status_code == 200 else {}
@@ -78,7 +85,7 @@ def run_load(port: int, payloads: list[str], order: np.ndarray, concurrency: int
                     rows.append({"i": i, "query": q, "status": r.status_code, "latency_ms": 1000 * latency,
                                  "version": body.get("version", -1), "top1": (body.get("ids") or [-1])[0]})
 
-    start = time.perf_counter()
+    start = time.perf_counter() + (0.05 if rate > 0 else 0.0)
     with ThreadPoolExecutor(concurrency) as pool:
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
@@ -89,14 +96,14 @@ def serve_and_load(label: str, adapt: bool, port: int, args, payloads, order, wa
     import httpx
 
     cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--checkpoint-every", "0",
-           "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait)] + ([] if adapt else ["--no-adapt"])
+           "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait), "--worker-nice", str(args.worker_nice)] + ([] if adapt else ["--no-adapt"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, env=env)
     try:
         with httpx.Client(base_url=f"http://{HOST}:{port}") as client:
             wait_ready(client, proc, time.monotonic() + args.max_seconds)
             run_load(port, payloads, warm, args.concurrency, time.monotonic() + args.max_seconds)
-            rows, wall = run_load(port, payloads, order, args.concurrency, time.monotonic() + args.max_seconds)
+            rows, wall = run_load(port, payloads, order, args.concurrency, time.monotonic() + args.max_seconds, args.rate)
             health = client.get("/health").json()
     finally:
         proc.send_signal(signal.SIGINT)
@@ -122,10 +129,12 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--warmup", type=int, default=32)
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s, open loop (0: closed loop, as fast as answered)")
     p.add_argument("--shift", default="defocus_blur")
     p.add_argument("--severity", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-wait", type=float, default=0.05)
+    p.add_argument("--worker-nice", type=int, default=10, help="passed to serve.py")
     p.add_argument("--port", type=int, default=8765, help="adaptation on uses PORT, off uses PORT+1")
     p.add_argument("--max-seconds", type=float, default=900, help="deadline per service (start + load)")
     p.add_argument("--seed", type=int, default=0)
@@ -151,7 +160,9 @@ def main(argv=None) -> None:
         stats[label] = {**summarise(rows, wall, bench.image_to_captions), "batches": health["batches_adapted"]}
         all_rows += rows
     on, off = stats["adaptation on"], stats["adaptation off"]
-    print(f"{args.requests} requests at concurrency {args.concurrency}, {args.shift} {args.severity}, batch {args.batch_size}")
+    print(f"{args.requests} requests at concurrency {args.concurrency}, {args.shift} {args.severity}, batch {args.batch_size}, "
+          f"max_wait {args.max_wait}, worker nice +{args.worker_nice}, "
+          f"{'rate %g/s' % args.rate if args.rate else 'closed loop'}")
     print("| service | requests | errors | p50 ms | p99 ms | queries/s | R@1 | batches adapted |")
     print("|---|---|---|---|---|---|---|---|")
     for label, s in stats.items():
