@@ -156,6 +156,7 @@ class OnlineRetriever:
         self._tenants: bool | None = None  # whether queries carry tenant keys (fixed by the first search)
         self._adapt_lock = threading.Lock()  # one adapt_step or checkpoint at a time
         self._stop = False
+        self._adapting = False  # a batch is taken and being adapted on (stats())
         self.error: BaseException | None = None
         self.batches_adapted = self.queries_adapted = self.queries_answered = 0
         self.last_action: str | None = None
@@ -267,23 +268,30 @@ class OnlineRetriever:
         whether a batch was adapted."""
         with self._adapt_lock:
             with self._cond:
+                self._adapting = True
                 n = self.batch_size if self._buffered >= self.batch_size else (0 if full else self._buffered)
             if not n:
+                self._adapting = False
                 return False
-            queries, keys = self._take(n)
-            cache = self.gallery.snapshot().cache if isinstance(self.gallery, LiveGallery) else self.gallery
-            kwargs = {"domain": keys} if self.routed else {}
-            out = self.wrapper.adapt_step(queries, cache, **kwargs)
-            published = self._publish_copy(self._published.version + 1)
-            with self._cond:  # the counters and the state they describe change together (stats())
-                self._published = published
-                self.batches_adapted += 1
-                self.queries_adapted += n
-                self.last_action = getattr(out, "safety_action", None)
-                self.last_skipped = list(out.skipped or [])
+            try:
+                queries, keys = self._take(n)
+                out = self._adapt_batch(queries, keys)
+                published = self._publish_copy(self._published.version + 1)
+                with self._cond:  # the counters and the state they describe change together (stats())
+                    self._published = published
+                    self.batches_adapted += 1
+                    self.queries_adapted += n
+                    self.last_action = getattr(out, "safety_action", None)
+                    self.last_skipped = list(out.skipped or [])
+            finally:
+                self._adapting = False
         if self.on_publish is not None:
             self.on_publish(published)
         return True
+
+    def _adapt_batch(self, queries: dict[str, torch.Tensor], keys: list | None) -> Any:
+        cache = self.gallery.snapshot().cache if isinstance(self.gallery, LiveGallery) else self.gallery
+        return self.wrapper.adapt_step(queries, cache, **({"domain": keys} if self.routed else {}))
 
     def _publish_copy(self, version: int) -> Published:
         reader = frozen_copy(self.wrapper)
@@ -348,7 +356,7 @@ class OnlineRetriever:
             out = {
                 "mode": self.mode, "adapt": self.adapt, "batch_size": self.batch_size, "batches_adapted": self.batches_adapted,
                 "queries_adapted": self.queries_adapted, "queries_answered": self.queries_answered,
-                "pending": self._buffered,
+                "pending": self._buffered, "adapting": self._adapting,
             }
         return {
             **out, "version": state.version, "fingerprint": state.fingerprint,

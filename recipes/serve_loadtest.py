@@ -1,10 +1,12 @@
 """Load test of recipes/serve.py on 127.0.0.1: the service with adaptation on against the same service with it off.
 
-Each service is started in its own process (``python recipes/serve.py --port P [--no-adapt]``, the emoji benchmark's
-shipped model, its 2,972 captions as the gallery), warmed up, then sent ``--requests`` image queries (one corruption
-of the emoji queries, in a seeded order) by ``--concurrency`` client threads, and stopped (SIGINT: graceful). The run
-is bounded: a fixed number of requests, a per-request timeout and a ``--max-seconds`` deadline per service. Nothing
-leaves the machine (the address is fixed to 127.0.0.1).
+Both services are started in their own processes (``python recipes/serve.py --port P [--no-adapt]``, the emoji
+benchmark's shipped model, its 2,972 captions as the gallery) and warmed up; then each is sent the same ``--requests``
+image queries (one corruption of the emoji queries, in a seeded order) by ``--concurrency`` client threads, in
+``--rounds`` alternating blocks (on, off, on, off, ...: load from other users of the machine hits both alike; after
+each block the adapting service finishes its backlog before the other block starts, so it never slows the baseline);
+then both are stopped (SIGINT: graceful). The run is bounded: a fixed number of requests, a per-request timeout and a
+``--max-seconds`` deadline. Nothing leaves the machine (the address is fixed to 127.0.0.1).
 
 Reports p50 / p99 latency, queries per second and R@1 (each answer's top-1 against the query's captions) per service,
 their ratios, and writes one row per request (``--rows``) so the table can be recomputed. The warm-up queries are
@@ -92,28 +94,55 @@ def run_load(
     return sorted(rows, key=lambda r: r["i"]), time.perf_counter() - start
 
 
-def serve_and_load(label: str, adapt: bool, port: int, args, payloads, order, warm) -> tuple[list[dict], float, dict]:
+def start_service(adapt: bool, port: int, args) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--checkpoint-every", "0",
+           "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait), "--worker-nice", str(args.worker_nice)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd + ([] if adapt else ["--no-adapt"]), env=env)
+
+
+def wait_idle(client, deadline: float) -> None:
+    """Until the service has adapted on every buffered query (its backlog must not slow the other service's block)."""
+    while time.monotonic() < deadline:
+        health = client.get("/health").json()
+        if not health["pending"] and not health["adapting"]:
+            return
+        time.sleep(0.05)
+
+
+def serve_and_load(args, payloads, order, warm) -> tuple[dict[str, list[dict]], dict[str, float], dict[str, dict]]:
+    """Both services up at once (the idle one takes no CPU); ``--rounds`` alternating blocks of the requests, adaptation
+    on first in each round, so that drifting load from other users of the machine hits both alike."""
     import httpx
 
-    cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--checkpoint-every", "0",
-           "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait), "--worker-nice", str(args.worker_nice)] + ([] if adapt else ["--no-adapt"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, env=env)
+    services = {"adaptation on": (True, args.port), "adaptation off": (False, args.port + 1)}
+    procs = {label: start_service(adapt, port, args) for label, (adapt, port) in services.items()}
+    rows: dict[str, list[dict]] = {label: [] for label in services}
+    walls = dict.fromkeys(services, 0.0)
+    health = {}
     try:
-        with httpx.Client(base_url=f"http://{HOST}:{port}") as client:
-            wait_ready(client, proc, time.monotonic() + args.max_seconds)
-            run_load(port, payloads, warm, args.concurrency, time.monotonic() + args.max_seconds)
-            rows, wall = run_load(port, payloads, order, args.concurrency, time.monotonic() + args.max_seconds, args.rate)
-            health = client.get("/health").json()
+        clients = {label: httpx.Client(base_url=f"http://{HOST}:{port}", timeout=30) for label, (_, port) in services.items()}
+        deadline = time.monotonic() + args.max_seconds
+        for label in services:
+            wait_ready(clients[label], procs[label], deadline)
+            run_load(services[label][1], payloads, warm, args.concurrency, deadline)
+            wait_idle(clients[label], deadline)
+        for block in np.array_split(np.arange(len(order)), args.rounds):
+            for label, (_, port) in services.items():
+                got, wall = run_load(port, payloads, order[block], args.concurrency, deadline, args.rate)
+                rows[label] += [{**r, "i": int(block[r["i"]]), "service": label} for r in got]
+                walls[label] += wall
+                wait_idle(clients[label], deadline)
+        health = {label: c.get("/health").json() for label, c in clients.items()}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for r in rows:
-        r["service"] = label
-    return rows, wall, health
+        for proc in procs.values():
+            proc.send_signal(signal.SIGINT)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return rows, walls, health
 
 
 def summarise(rows: list[dict], wall: float, captions_of: list[list[int]]) -> dict:
@@ -130,6 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--warmup", type=int, default=32)
     p.add_argument("--rate", type=float, default=0.0, help="requests/s, open loop (0: closed loop, as fast as answered)")
+    p.add_argument("--rounds", type=int, default=4, help="alternating blocks of requests per service")
     p.add_argument("--shift", default="defocus_blur")
     p.add_argument("--severity", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
@@ -140,8 +170,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", default=None, help="CSV of one row per request")
     args = p.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
-        p.error("--requests and --concurrency must be positive, --warmup >= 0")
+    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.requests:
+        p.error("--requests and --concurrency must be positive, --warmup >= 0, 1 <= --rounds <= --requests")
     from hf_tta.benchmarks import load_emoji_benchmark
     from hf_tta.benchmarks.emoji import query_images
     from hf_tta.benchmarks.source_model import weights_input_side
@@ -154,13 +184,12 @@ def main(argv=None) -> None:
     payloads = {}
     for q in np.unique(np.concatenate([warm, order])):
         payloads[int(q)] = encode_png(images[q])
-    stats, all_rows = {}, []
-    for k, (label, adapt) in enumerate((("adaptation on", True), ("adaptation off", False))):
-        rows, wall, health = serve_and_load(label, adapt, args.port + k, args, payloads, order, warm)
-        stats[label] = {**summarise(rows, wall, bench.image_to_captions), "batches": health["batches_adapted"]}
-        all_rows += rows
+    rows, walls, health = serve_and_load(args, payloads, order, warm)
+    stats = {label: {**summarise(rows[label], walls[label], bench.image_to_captions), "batches": health[label]["batches_adapted"]}
+             for label in rows}
+    all_rows = [r for label in rows for r in rows[label]]
     on, off = stats["adaptation on"], stats["adaptation off"]
-    print(f"{args.requests} requests at concurrency {args.concurrency}, {args.shift} {args.severity}, batch {args.batch_size}, "
+    print(f"{args.requests} requests per service in {args.rounds} alternating rounds at concurrency {args.concurrency}, {args.shift} {args.severity}, batch {args.batch_size}, "
           f"max_wait {args.max_wait}, worker nice +{args.worker_nice}, "
           f"{'rate %g/s' % args.rate if args.rate else 'closed loop'}")
     print("| service | requests | errors | p50 ms | p99 ms | queries/s | R@1 | batches adapted |")

@@ -7,6 +7,7 @@ import base64
 import importlib.util
 import io
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,27 @@ def test_adaptation_off_answers_only():
             assert client.post("/search", json={"image": png(i)}).json()["version"] == 0
         health = client.get("/health").json()
         assert health["batches_adapted"] == 0 and health["pending"] == 0 and health["queries_answered"] == 6
+
+
+def test_timer_checkpoint(tmp_path):
+    state = tmp_path / "state"
+    with TestClient(serve.create_app(service_config(state, checkpoint_every=0.05))) as client:
+        for i in range(4):
+            client.post("/search", json={"image": png(i)})
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["last_checkpoint"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health").json()["last_checkpoint"] is not None  # written by the timer, before shutdown
+        assert (state / "adapter" / "tta_config.json").exists()
+
+
+def test_loadtest_summary_by_hand():
+    spec = importlib.util.spec_from_file_location("serve_loadtest", REPO / "recipes" / "serve_loadtest.py")
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    rows = [{"status": 200, "latency_ms": float(ms), "query": q, "top1": t} for ms, q, t in [(10, 0, 5), (20, 1, 9), (30, 0, 7)]]
+    rows.append({"status": 500, "latency_ms": 1.0, "query": 0, "top1": -1})
+    s = lt.summarise(rows, wall=1.5, captions_of=[[5, 6], [8]])
+    assert s["n"] == 3 and s["errors"] == 1 and s["p50"] == 20.0 and s["qps"] == 2.0
+    assert abs(s["p99"] - (20 + 0.98 * 10)) < 1e-9  # linear interpolation between the 2nd and 3rd of 3
+    assert abs(s["r1"] - 100 / 3) < 1e-9  # only query 0 -> 5 is a hit
