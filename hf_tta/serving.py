@@ -194,6 +194,8 @@ class OnlineRetriever:
         result = SearchResult(values, ids, scores, state.version, snap.version if snap is not None else None)
         with self._cond:
             self.queries_answered += n
+            if self._tenants is None:  # fixed by the first answered search
+                self._tenants = tenants is not None
             if not self.adapt:
                 return result
             self._buffer.append((queries, tenants, time.monotonic()))
@@ -234,11 +236,8 @@ class OnlineRetriever:
             keys = list(tenant)
             if len(keys) != n or not all(isinstance(t, (str, int)) for t in keys):
                 raise ValueError(f"tenant: pass one str/int key, or one per query ({n}), got {tenant!r}.")
-        with self._cond:
-            if self._tenants is None:
-                self._tenants = keys is not None
-            elif self._tenants != (keys is not None):
-                raise ValueError("Every search of one retriever passes a tenant, or none does (the router decides).")
+        if self._tenants is not None and self._tenants != (keys is not None):
+            raise ValueError("Every search of one retriever passes a tenant, or none does (the router decides).")
         return keys
 
     # ------------------------------------------------------------------------------------------ adapting

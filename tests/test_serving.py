@@ -143,6 +143,10 @@ def test_tenants_route_to_domains():
     assert not torch.equal(*(torch.cat(list(ref.domain_parameters(k).values())) for k in ("a", "b")))
     with pytest.raises(ValueError, match="tenant, or none"):
         online.search(batch("image", 1), tenant=None)
+    fresh = OnlineRetriever(RoutedTTAWrapper(make_model("clip"), config()), gallery, batch_size=B, mode="sync")
+    with pytest.raises(ValueError):  # a refused first search fixes nothing
+        fresh.search({"pixel_values": torch.full((1, 3, 32, 32), float("nan"))}, tenant="a")
+    assert fresh.search(batch("image", 1)).version == 0 and fresh.stats()["pending"] == 1
 
 
 def test_live_gallery_answers_external_ids():
