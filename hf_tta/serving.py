@@ -1,0 +1,386 @@
+"""``OnlineRetriever``: answer queries now, adapt on them later, swap the adapted weights in between answers.
+
+Queries arrive one or a few at a time. :meth:`OnlineRetriever.search` answers them at once with one no-grad forward
+of the *current* model against the gallery (the wrapper's public ``embed_and_score``; a
+:class:`~hf_tta.gallery.live.LiveGallery` is read through one :meth:`~hf_tta.gallery.live.LiveGallery.snapshot` per
+answer, and the answer names its external ids), and buffers them. When ``batch_size`` queries have arrived, or the
+oldest buffered query has waited ``max_wait`` seconds, the buffered batch is adapted on with the wrapper's
+``adapt_step`` (per-domain for a :class:`~hf_tta.routing.RoutedTTAWrapper`, one tenant key per query).
+
+Consistency (no torn reads), by construction rather than by locking the answer path: the wrapper the user passed is
+adapted only by the worker; after each adapted batch the worker publishes a *frozen copy* of it (``copy.deepcopy``
+with every frozen tensor shared, so only the adapted parameters and the small objective/optimiser state are copied:
+for the tiny CLIP 12 of 90 tensors) and swaps the reference in one assignment. An answer reads the reference once and
+runs its whole forward on that copy, which nobody writes afterwards; so every answer is the scores of exactly one
+published version (:attr:`SearchResult.version`), answering never waits for a backward pass, and the adapting thread
+never waits for an answer. A copy that answers with per-domain parameters (a routed wrapper swaps a domain's
+parameters into its model) is used by one answer at a time (its own lock). Chosen over a readers-writer lock on one
+model: that would make answers wait for the whole ``adapt_step`` (3 forward+backward passes) or need a second copy
+anyway.
+
+``mode="sync"`` (tests, benchmarks): no thread; the batch adapts inline in the ``search`` call that fills it, so a
+stream searched in batches of ``batch_size`` gets exactly ``adapt_step``'s answers with
+``TTAConfig(scoring="before_update")`` (test) and the same final state. Differences from ``adapt_step`` to know:
+answers carry no score transform (DN's shifted queries; a warning is logged when one is configured) and a batch that
+the safety layer skips as degenerate was already answered by the current model (``adapt_step`` would answer it with
+the source model).
+
+Checkpoints: :meth:`OnlineRetriever.checkpoint` writes the wrapper's ``save_pretrained`` (atomic) between two adapted
+batches; queries still buffered are not in it (logged). A restarted process resumes with
+``TTAWrapper.from_pretrained(model, folder)`` and a new ``OnlineRetriever`` around it.
+
+    >>> online = OnlineRetriever(tta, gallery, batch_size=64, max_wait=0.05)  # doctest: +SKIP
+    >>> hits = online.search({"pixel_values": pixels}, k=10)  # doctest: +SKIP
+    >>> hits.ids, hits.version  # doctest: +SKIP
+    >>> online.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .gallery.cache import GalleryCache
+from .gallery.live import LiveGallery
+from .routing import RoutedTTAWrapper
+from .wrapper import TTAWrapper
+
+logger = logging.getLogger(__name__)
+
+MODES = ("background", "sync")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published state: ``version`` (0 = the state the retriever started from, +1 per adapted batch), the frozen
+    ``wrapper`` copy that answers with it, its ``fingerprint`` (sha256 of the adapted tensors, 16 hex digits) and the
+    lock of a copy that a routed answer writes (``None``: any number of answers at once)."""
+
+    version: int
+    wrapper: TTAWrapper
+    fingerprint: str
+    lock: threading.Lock | None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The answer to one :meth:`OnlineRetriever.search`: ``values`` and ``ids`` ``(B, k)`` (gallery positions, or a
+    LiveGallery's external ids), ``scores`` ``(B, N)`` against the gallery version ``gallery_version`` (``None``: a
+    fixed gallery), and the published state ``version`` that answered."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    scores: torch.Tensor
+    version: int
+    gallery_version: int | None
+
+
+def state_fingerprint(wrapper: TTAWrapper) -> str:
+    """A short sha256 of the adapted tensors (for a routed wrapper, every domain's), to tell states apart in logs."""
+    h = hashlib.sha256()
+    groups = [("", dict(wrapper.named_optimized_parameters()))]
+    if isinstance(wrapper, RoutedTTAWrapper):
+        groups += [(str(key), wrapper.domain_parameters(key)) for key in wrapper.domain_keys]
+    for prefix, tensors in groups:
+        for name in sorted(tensors):
+            h.update(f"{prefix}/{name}".encode())
+            h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def frozen_copy(wrapper: TTAWrapper) -> TTAWrapper:
+    """A copy of ``wrapper`` that shares every tensor that adaptation never changes (``requires_grad=False``
+    parameters and buffers) and owns the rest."""
+    shared = [t for t in (*wrapper.model.parameters(), *wrapper.model.buffers()) if not t.requires_grad]
+    return copy.deepcopy(wrapper, memo={id(t): t for t in shared})
+
+
+class OnlineRetriever:
+    """An online front end for a :class:`~hf_tta.TTAWrapper` (see :mod:`hf_tta.serving`).
+
+    Args:
+        wrapper (`TTAWrapper`): the wrapper to adapt (a :class:`~hf_tta.routing.RoutedTTAWrapper` for tenants); only the
+            retriever changes it from now on.
+        gallery (`GalleryCache`, `torch.Tensor` or `LiveGallery`): what queries are searched in.
+        batch_size (`int`): adapt when this many queries are buffered.
+        max_wait (`float`): or when the oldest buffered query has waited this many seconds (background mode).
+        mode (`str`): ``"background"`` (a worker thread adapts) or ``"sync"`` (adapt inline; deterministic).
+        adapt (`bool`): ``False`` answers only (the same answer path, nothing buffered): the non-adapting baseline.
+        worker_nice (`int`): raise the adapting thread's nice value by this much (Linux; its OpenMP threads, created
+            by it, inherit it), so that on a busy CPU answers are scheduled before backward passes. 0: leave it.
+        on_publish (`callable`, *optional*): called with each new :class:`Published` state (in the adapting thread).
+    """
+
+    def __init__(
+        self,
+        wrapper: TTAWrapper,
+        gallery: GalleryCache | torch.Tensor | LiveGallery,
+        batch_size: int = 64,
+        max_wait: float = 0.05,
+        mode: str = "background",
+        on_publish: Callable[[Published], None] | None = None,
+        adapt: bool = True,
+        worker_nice: int = 0,
+    ):
+        if not isinstance(wrapper, TTAWrapper):
+            raise TypeError(f"OnlineRetriever needs a TTAWrapper, got {type(wrapper).__name__}.")
+        if not isinstance(gallery, (GalleryCache, torch.Tensor, LiveGallery)):
+            raise TypeError(
+                f"OnlineRetriever searches a GalleryCache, an embedding tensor or a LiveGallery, not {type(gallery).__name__}: "
+                "for a changing gallery wrap its embeddings in hf_tta.gallery.live.LiveGallery."
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {MODES}.")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: pass a positive integer.")
+        if not max_wait > 0:
+            raise ValueError(f"max_wait={max_wait!r}: pass a positive number of seconds.")
+        if wrapper.score_transform is not None:
+            logger.warning("OnlineRetriever answers carry no score transform (%s): raw model scores.", wrapper.config.score_transform)
+        self.wrapper, self.gallery = wrapper, gallery
+        self.batch_size, self.max_wait, self.mode = batch_size, float(max_wait), mode
+        self.routed = isinstance(wrapper, RoutedTTAWrapper)
+        self.on_publish, self.adapt, self.worker_nice = on_publish, bool(adapt), int(worker_nice)
+        self._cond = threading.Condition()  # guards the buffer and the counters
+        self._buffer: list[tuple[dict[str, torch.Tensor], list | None, float]] = []
+        self._buffered = 0
+        self._tenants: bool | None = None  # whether queries carry tenant keys (fixed by the first search)
+        self._adapt_lock = threading.Lock()  # one adapt_step or checkpoint at a time
+        self._stop = False
+        self._adapting = False  # a batch is taken and being adapted on (stats())
+        self.error: BaseException | None = None
+        self.batches_adapted = self.queries_adapted = self.queries_answered = 0
+        self.last_action: str | None = None
+        self.last_skipped: list[str] = []
+        self._published = self._publish_copy(0)
+        self._worker: threading.Thread | None = None
+        if mode == "background" and self.adapt:
+            self._worker = threading.Thread(target=self._run, name="hf_tta-online-adapt", daemon=True)
+            self._worker.start()
+
+    # ------------------------------------------------------------------------------------------ answering
+    @property
+    def published(self) -> Published:
+        """The state answers use now."""
+        return self._published
+
+    def search(self, queries: Mapping[str, torch.Tensor], k: int = 10, tenant: Any = None) -> SearchResult:
+        """Answer ``queries`` (a processor's output for one or a few queries) with the current model, then buffer them
+        for adaptation. ``tenant``: a domain key for all of them, or one per query (a routed wrapper's ``domain``)."""
+        self._raise_worker_error()
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r}: pass a positive integer.")
+        queries, n = self._check_queries(queries)
+        tenants = self._check_tenants(tenant, n)
+        state = self._published  # one read: the whole answer uses this state
+        snap = self.gallery.snapshot() if isinstance(self.gallery, LiveGallery) else None
+        cache = snap.cache if snap is not None else self.gallery
+        kwargs = {"domain": tenants} if self.routed else {}
+        with state.lock if state.lock is not None else contextlib.nullcontext():
+            _, scores = state.wrapper.embed_and_score(queries, cache, **kwargs)
+        if snap is not None:
+            values, ids = snap.topk_ids(scores, k)
+        else:
+            values, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        result = SearchResult(values, ids, scores, state.version, snap.version if snap is not None else None)
+        with self._cond:
+            self.queries_answered += n
+            if self._tenants is None:  # fixed by the first answered search
+                self._tenants = tenants is not None
+            if not self.adapt:
+                return result
+            self._buffer.append((queries, tenants, time.monotonic()))
+            self._buffered += n
+            self._cond.notify()
+        if self.mode == "sync":
+            while self._adapt_next(full=True):
+                pass
+        return result
+
+    def _check_queries(self, queries: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        if not isinstance(queries, Mapping) or not queries or not all(torch.is_tensor(v) for v in queries.values()):
+            raise TypeError("search takes the processor's output: a non-empty dict of tensors (e.g. {'pixel_values': ...}).")
+        queries = {key: v.detach() for key, v in queries.items()}
+        sizes = {v.shape[0] if v.dim() else -1 for v in queries.values()}
+        if len(sizes) != 1 or min(sizes) < 1:
+            raise ValueError(f"Every query tensor needs the same leading batch size >= 1, got {sorted(sizes)}.")
+        with self._cond:
+            first = self._buffer[0][0] if self._buffer else None
+        if first is not None:  # buffered queries are concatenated into one batch
+            theirs = {key: tuple(v.shape[1:]) for key, v in first.items()}
+            ours = {key: tuple(v.shape[1:]) for key, v in queries.items()}
+            if theirs != ours:
+                raise ValueError(
+                    f"These queries have shapes {ours}, the buffered ones {theirs}: batched queries must share them "
+                    "(tokenize text with padding='max_length')."
+                )
+        return queries, sizes.pop()
+
+    def _check_tenants(self, tenant: Any, n: int) -> list | None:
+        if tenant is not None and not self.routed:
+            raise ValueError("tenant keys need per-domain adapters: wrap the model in hf_tta.routing.RoutedTTAWrapper.")
+        if tenant is None:
+            keys = None
+        elif isinstance(tenant, (str, int)):
+            keys = [tenant] * n
+        else:
+            keys = list(tenant)
+            if len(keys) != n or not all(isinstance(t, (str, int)) for t in keys):
+                raise ValueError(f"tenant: pass one str/int key, or one per query ({n}), got {tenant!r}.")
+        if self._tenants is not None and self._tenants != (keys is not None):
+            raise ValueError("Every search of one retriever passes a tenant, or none does (the router decides).")
+        return keys
+
+    # ------------------------------------------------------------------------------------------ adapting
+    def _take(self, n: int) -> tuple[dict[str, torch.Tensor], list | None]:
+        """Pop the ``n`` oldest buffered queries as one batch (splitting a search call's queries if needed)."""
+        parts, keys, need = [], [], n
+        with self._cond:
+            while need:
+                queries, tenants, t0 = self._buffer[0]
+                m = next(iter(queries.values())).shape[0]
+                if m <= need:
+                    self._buffer.pop(0)
+                    parts.append(queries)
+                    keys += tenants or []
+                    need -= m
+                else:
+                    parts.append({key: v[:need] for key, v in queries.items()})
+                    self._buffer[0] = ({key: v[need:] for key, v in queries.items()}, tenants and tenants[need:], t0)
+                    keys += (tenants or [])[:need]
+                    need = 0
+            self._buffered -= n
+        batch = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        return batch, (keys or None)
+
+    def _adapt_next(self, full: bool) -> bool:
+        """Adapt on the next ``batch_size`` buffered queries (``full=False``: or on fewer, all there are); returns
+        whether a batch was adapted."""
+        with self._adapt_lock:
+            with self._cond:
+                self._adapting = True
+                n = self.batch_size if self._buffered >= self.batch_size else (0 if full else self._buffered)
+            if not n:
+                self._adapting = False
+                return False
+            try:
+                queries, keys = self._take(n)
+                out = self._adapt_batch(queries, keys)
+                published = self._publish_copy(self._published.version + 1)
+                with self._cond:  # the counters and the state they describe change together (stats())
+                    self._published = published
+                    self.batches_adapted += 1
+                    self.queries_adapted += n
+                    self.last_action = getattr(out, "safety_action", None)
+                    self.last_skipped = list(out.skipped or [])
+            finally:
+                self._adapting = False
+        if self.on_publish is not None:
+            self.on_publish(published)
+        return True
+
+    def _adapt_batch(self, queries: dict[str, torch.Tensor], keys: list | None) -> Any:
+        cache = self.gallery.snapshot().cache if isinstance(self.gallery, LiveGallery) else self.gallery
+        return self.wrapper.adapt_step(queries, cache, **({"domain": keys} if self.routed else {}))
+
+    def _publish_copy(self, version: int) -> Published:
+        reader = frozen_copy(self.wrapper)
+        return Published(version, reader, state_fingerprint(reader), threading.Lock() if self.routed else None)
+
+    def _run(self) -> None:
+        if self.worker_nice:
+            try:  # per thread on Linux: the native thread id is a "process" for setpriority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.worker_nice)
+                logger.info("Adapting thread runs at nice +%d.", self.worker_nice)
+            except (AttributeError, OSError) as err:
+                logger.warning("Could not lower the adapting thread's priority (%s); it runs at the process's.", err)
+        while True:
+            with self._cond:
+                while not self._stop:
+                    if self._buffered >= self.batch_size:
+                        break
+                    if self._buffered:
+                        left = self._buffer[0][2] + self.max_wait - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                self._adapt_next(full=False)
+            except BaseException as exc:  # noqa: BLE001 - reported to the next caller, never swallowed
+                logger.exception("OnlineRetriever: adapting a batch failed; searches will raise until close()")
+                self.error = exc
+                return
+
+    def _raise_worker_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"The adapting worker failed: {self.error!r} (see the log); create a new OnlineRetriever.") from self.error
+
+    def flush(self) -> int:
+        """Adapt on every buffered query now (batches of ``batch_size``, then the rest); returns the batches adapted."""
+        self._raise_worker_error()
+        done = 0
+        while self._adapt_next(full=False):
+            done += 1
+        return done
+
+    # ------------------------------------------------------------------------------------------ state
+    def checkpoint(self, directory) -> int:
+        """Write the adapted state with the wrapper's ``save_pretrained`` (atomic), between two adapted batches.
+        Returns the number of buffered queries that are not in it (logged when any)."""
+        with self._adapt_lock:
+            self.wrapper.save_pretrained(directory)
+            pending = self._buffered
+        if pending:
+            logger.info("Checkpoint %s written; %d buffered queries not yet adapted are not in it.", directory, pending)
+        return pending
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for a health endpoint: batches and queries adapted, answered and pending, the safety counts and last
+        action of the published state, its version and fingerprint."""
+        with self._cond:
+            state = self._published
+            out = {
+                "mode": self.mode, "adapt": self.adapt, "batch_size": self.batch_size, "batches_adapted": self.batches_adapted,
+                "queries_adapted": self.queries_adapted, "queries_answered": self.queries_answered,
+                "pending": self._buffered, "adapting": self._adapting,
+            }
+        return {
+            **out, "version": state.version, "fingerprint": state.fingerprint,
+            "safety_counts": state.wrapper.safety_counts, "last_action": self.last_action,
+            "last_skipped": self.last_skipped, "worker_error": None if self.error is None else repr(self.error),
+        }
+
+    def close(self, flush: bool = False) -> None:
+        """Stop the worker (after the batch it is adapting); with ``flush`` adapt what is buffered first."""
+        if flush:
+            self.flush()
+        with self._cond:
+            self._stop = True
+            pending = self._buffered
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        if pending and not flush:
+            logger.info("OnlineRetriever closed with %d buffered queries not adapted on.", pending)
+
+    def __enter__(self) -> OnlineRetriever:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__: Sequence[str] = ["OnlineRetriever", "Published", "SearchResult", "frozen_copy", "state_fingerprint"]
