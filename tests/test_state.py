@@ -115,6 +115,29 @@ def _plain(model: str, query: str, objective: str = "tcr", **cfg):
     return make, [batch(query, 6, seed=100 + i) for i in range(5)], model
 
 
+#: Objectives with state, optimiser extras or a second pass (text queries; the state of each must survive the cut).
+OBJECTIVE_CASES = [
+    ("rest", {}, {"gradient_decoupling": True}),
+    ("tent", {}, {"score_transform": "dn", "score_transform_config": {"num_samples": 8}}),
+    ("tcr", {}, {"gradient_decoupling": True, "gd_per_tensor": True, "score_transform": "dn"}),
+    ("sar", {"selection": "paper", "margin_e0": 1.0}, {}),
+    ("cliptta", {"open_set": True}, {}),
+    ("eata", {"e_margin": 1.0, "d_margin": 1.01, "fisher_alpha": 10.0, "fisher_batches": 3}, {}),
+    ("titan", {"hub_threshold": 0, "query_bank_size": 8}, {}),
+    ("deyo", {"deyo_margin": 1.0, "plpd_threshold": -1.0}, {}),
+]
+
+
+def _objective(objective: str, ocfg: dict, wcfg: dict):
+    cfg = TTAConfig(objective=objective, objective_config=ocfg, query_modality="text", **wcfg)
+
+    def make():
+        tta = TTAWrapper(make_model("clip"), cfg)
+        return tta, tta.encode_gallery(batch("image", 12, seed=1))
+
+    return make, [batch("text", 6, seed=100 + i) for i in range(4)], "clip"
+
+
 def _safety(push_name: str):
     cfg = TTAConfig(objective=push_name, objective_config={"mode": "shift", "harm_batches": [2, 7]}, lr=0.5,
                     safety={"min_agreement": 0.5, "collapse_ratio": 0.0, "snapshot_every": 3})
@@ -164,6 +187,8 @@ CASES = (
     + [pytest.param("plain", ("clip", "image", "tcr", {"fast_step": True}), id="plain-fast-path")]
     + [pytest.param("plain", ("clip", "image", "tcr", {"score_transform": "dn", "gradient_decoupling": True}), id="plain-gd-dn")]
     + [pytest.param("plain", ("clip", "image", "tcr", {"scoring": "before_update"}), id="plain-before-update")]
+    + [pytest.param("objective", c, id=f"objective-{c[0]}" + ("-gd" if c[2].get("gradient_decoupling") else "")
+                    + ("-dn" if c[2].get("score_transform") else "")) for c in OBJECTIVE_CASES]
     + [pytest.param("safety", (), id="safety")]
     + [pytest.param("topk", (o,), id=f"topk-{o}") for o in ("rest", "eata", "titan", "cliptta", "dn")]
     + [pytest.param("routed", (k, s), id=f"routed-{'keys' if k else 'router'}{'-safety' if s else ''}")
@@ -177,6 +202,8 @@ def test_resume_equals_uninterrupted(kind, args, tmp_path, request):
     if kind == "plain":
         model, query, *rest = args
         make, stream, name = _plain(model, query, *rest[:1], **(rest[1] if len(rest) > 1 else {}))
+    elif kind == "objective":
+        make, stream, name = _objective(*args)
     elif kind == "safety":
         make, stream, name = _safety(request.getfixturevalue("push"))
     elif kind == "topk":
