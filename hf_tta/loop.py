@@ -33,6 +33,7 @@ from torch import nn
 
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .objectives.base import LossOutput, Objective, ObjectiveInputs
+from .outputs import float_logs
 from .state import STEP_UNDO, Adaptable, AdapterState
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class StepLoop:
             if self.objective.on_step_end(inputs, res, target.state):
                 recover()
                 opt = target.optimizer
-        return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, _floats(res.logs))
+        return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, float_logs(res.logs))
 
     def backward(self, res: LossOutput, inputs: ObjectiveInputs, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
         """``loss.backward()``, then gradient decoupling when configured, then the gradient-reduce hook."""
@@ -238,7 +239,7 @@ class StepLoop:
         skipped_list = [f"step {s}: {skipped[s]}" for s in sorted(skipped)]
         logs = {k[len("log.") :]: v for k, v in values.items() if k.startswith("log.")}
         loss = None if res.loss is None else values["loss"]
-        return LoopResult(inputs, scores, loss, self.steps - len(skipped_list), int(values["n_selected"]), skipped_list, _floats(logs))
+        return LoopResult(inputs, scores, loss, self.steps - len(skipped_list), int(values["n_selected"]), skipped_list, float_logs(logs))
 
 
 def skip_reason(res: LossOutput) -> str | None:
@@ -257,7 +258,3 @@ def grads_finite(params: Iterable[nn.Parameter]) -> bool:
     grads = [p.grad for p in params if p.grad is not None]
     return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
-
-def _floats(logs: dict) -> dict[str, float]:
-    """Objectives may log detached 0-d tensors; converted once, for the reported step."""
-    return {k: float(v) for k, v in logs.items()}
