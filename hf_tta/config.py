@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -14,6 +15,7 @@ from .preset import RECOMMENDED
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
 RESET_POLICIES = ("never", "episodic")
+TUNINGS = ("ln", "bias", "lora")  # hf_tta.tuning
 SCORING = ("after_update", "before_update")
 #: Config fields that say how to run, not what the adapted state means: a checkpoint loads across them (a checkpoint
 #: saved without the safety layer loads into a wrapper with it, whose monitors then start fresh).
@@ -144,6 +146,29 @@ class TTAConfig(ConfigMixin):
     exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Modules never to adapt (same semantics as target_modules)."}
     )
+    tuning: str = field(
+        default="ln",
+        metadata={
+            "help": "How the selected modules adapt (hf_tta.tuning): 'ln' = all their parameters (PEFT LN tuning; the "
+            "papers' choice on norm layers), 'bias' = their biases only (BitFit; default selection: every module of the "
+            "query tower with a bias), 'lora' = a rank-`lora_rank` LoRA update of each selected Linear/Conv."
+        },
+    )
+    lora_rank: int = field(default=4, metadata={"help": "LoRA rank r with tuning='lora' (lora_alpha = r: scale 1)."})
+    lr_multipliers: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Per-group learning rates: {regex: factor}, searched in each adapted parameter's name, first match "
+            "wins, others x1; e.g. {'pwconv': 0.1} moves the MLPs ten times slower than the norms."
+        },
+    )
+    anchor_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "L2-SP pull towards the source weights added to every step's loss: (anchor_weight / 2) * "
+            "sum ||theta - theta_source||^2 (for LoRA: ||delta W||_F^2); 0 = off (the papers' methods)."
+        },
+    )
     gallery_batch_size: int = field(default=256, metadata={"help": "Chunk size when encoding the gallery (no grad)."})
     autocast_dtype: str | None = field(
         default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
@@ -244,6 +269,17 @@ class TTAConfig(ConfigMixin):
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("gallery_batch_size", self.gallery_batch_size)
         check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
+        check_choice("tuning", self.tuning, TUNINGS)
+        check_positive_int("lora_rank", self.lora_rank)
+        check_positive("anchor_weight", self.anchor_weight, allow_zero=True)
+        if not isinstance(self.lr_multipliers, dict):
+            raise TypeError("`lr_multipliers` must be a dict {regex: factor}, e.g. {'pwconv': 0.1}.")
+        for pattern, factor in self.lr_multipliers.items():
+            check_positive(f"lr_multipliers[{pattern!r}]", factor)
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"`lr_multipliers` key {pattern!r} is not a regular expression ({err}).") from None
         check_choice("scoring", self.scoring, SCORING)
         check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,10 @@ from .state import STEP_UNDO, Adaptable, AdapterState
 logger = logging.getLogger(__name__)
 
 MakeInputs = Callable[[int], ObjectiveInputs]
+
+
+class Penalty(Protocol):
+    def value(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -72,6 +76,8 @@ class StepLoop:
         fast: use the one-sync fast path where it applies.
         gradient_decoupling: REST's gradient decoupling, or ``None``.
         reduce_gradients: called on the adapted parameters after each backward (the distributed all-reduce).
+        penalty: a term added to every step's loss (``penalty.value()``, e.g. :class:`hf_tta.tuning.Anchor`'s pull
+            towards the source weights), logged as ``anchor``.
     """
 
     def __init__(
@@ -81,8 +87,9 @@ class StepLoop:
         fast: bool = False,
         gradient_decoupling: GradientDecoupling | None = None,
         reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
+        penalty: Penalty | None = None,
     ):
-        self.objective, self.steps, self.fast = objective, steps, fast
+        self.objective, self.steps, self.fast, self.penalty = objective, steps, fast, penalty
         self.gradient_decoupling, self.reduce_gradients = gradient_decoupling, reduce_gradients
 
     def run(
@@ -114,7 +121,7 @@ class StepLoop:
         for step in range(self.steps):
             inputs = make_inputs(step)
             previous_state = dict(target.state)  # objectives replace state tensors, never write them in place
-            res = self.objective(inputs, target.state)
+            res = self.evaluate(inputs, target.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             last_loss = None if res.loss is None else float(res.loss.detach())
             reason = skip_reason(res)
@@ -146,6 +153,14 @@ class StepLoop:
                 opt = target.optimizer
         return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, float_logs(res.logs))
 
+    def evaluate(self, inputs: ObjectiveInputs, state: dict) -> LossOutput:
+        """The objective's output at the current parameters, with the penalty added to its loss."""
+        res = self.objective(inputs, state)
+        if self.penalty is not None and res.loss is not None:
+            value = self.penalty.value()
+            res = dataclasses.replace(res, loss=res.loss + value, logs={**res.logs, "anchor": value.detach()})
+        return res
+
     def backward(self, res: LossOutput, inputs: ObjectiveInputs, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
         """``loss.backward()``, then gradient decoupling when configured, then the gradient-reduce hook."""
         gd = self.gradient_decoupling
@@ -172,7 +187,7 @@ class StepLoop:
         def closure() -> torch.Tensor:
             target.optimizer.zero_grad(set_to_none=True)
             inputs = dataclasses.replace(make_inputs(step), in_closure=True)
-            res = self.objective(inputs, dict(target.state))
+            res = self.evaluate(inputs, dict(target.state))
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
             if loss is None:  # nothing selected: SAR's code still takes its zero-gradient base step
                 return torch.tensor(float("nan"))
@@ -197,7 +212,7 @@ class StepLoop:
         for step in range(self.steps):
             inputs = make_inputs(step)
             previous_state = dict(target.state)
-            res = self.objective(inputs, target.state)
+            res = self.evaluate(inputs, target.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             n_sel = res.n_selected
             if res.loss is None or not res.loss.requires_grad or (not torch.is_tensor(n_sel) and n_sel == 0):

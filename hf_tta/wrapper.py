@@ -1,6 +1,6 @@
 """``TTAWrapper``: a Hugging Face dual encoder adapted online on a stream of queries.
 
-Sets up what adapts (PEFT LN-tuning of the query tower), embeds and scores against a cached gallery, and orders
+Sets up what adapts (PEFT LN tuning, BitFit or LoRA of the query tower: :mod:`hf_tta.tuning`), embeds and scores against a cached gallery, and orders
 :meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps (:mod:`hf_tta.loop`), decision, report.
 What adaptation changes is one :class:`~hf_tta.state.AdapterState`; checkpoints are :mod:`hf_tta.checkpoint_hub`'s.
 """
@@ -10,18 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
-import warnings
 from functools import partial
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from peft import LNTuningConfig, PeftModel, get_peft_model
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import PeftModel
 from torch import nn
 
 from . import batch as batching
-from . import checkpoint
+from . import checkpoint, tuning
 from .checkpoint_hub import CheckpointMixin
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
@@ -29,8 +26,7 @@ from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_items, candidate_topk
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
-from .models.base import ModelAdapter, get_adapter, resolve_target_modules
-from .models.checkpointing import enable_gradient_checkpointing
+from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import export_peft_adapter, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
@@ -96,27 +92,13 @@ class TTAWrapper(CheckpointMixin):
         self.batch_index = 0
         self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
         gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
         self._capture_source()
+        anchor = tuning.Anchor(cfg.anchor_weight, self.model, self.params, self._source_params) if cfg.anchor_weight else None
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, penalty=anchor)
 
-    def _wrap_targets(self) -> None:
-        if any(isinstance(m, BaseTunerLayer) for m in self.model.modules()):
-            raise ValueError(
-                "This model already carries PEFT adapter layers (does another TTAWrapper wrap it?): pass a fresh "
-                "source model, or load a checkpoint into the existing wrapper with its load_state(path)."
-            )
-        cfg = self.config
-        self.target_modules = resolve_target_modules(self.adapter, self.query_modality, cfg.target_modules, cfg.exclude_modules)
-        pattern = "^(" + "|".join(re.escape(n) for n in self.target_modules) + ")$"
-        with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
-            warnings.filterwarnings("ignore", message="Unsupported layer type")
-            # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            self.peft_model = get_peft_model(self.model, LNTuningConfig(target_modules=pattern))
-        self.model.eval()
-        if self.config.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
-            enable_gradient_checkpointing(self.adapter, self.query_modality)
-        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+    def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
+        targets = tuning.wrap_targets(self.adapter, self.query_modality, self.config)
+        self.peft_model, self.params, self.target_modules = targets.peft_model, targets.params, targets.modules
         self.lr = self.config.lr if self.config.lr is not None else self.adapter.default_lr[self.query_modality]
         logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
 
@@ -137,13 +119,13 @@ class TTAWrapper(CheckpointMixin):
     def _make_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
-        opt = self.objective.make_optimizer(list(self.params.values()), self.lr, self.config.weight_decay)
-        if self.fast_step and type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1 and not opt.defaults["fused"]:
+        groups = tuning.param_groups(self.params, self.lr, self.config.lr_multipliers)
+        opt = self.objective.make_optimizer(groups, self.lr, self.config.weight_decay)
+        if self.fast_step and type(opt) is torch.optim.AdamW and not opt.defaults["fused"]:
             # the same update in one fused kernel, which can also skip a step on the device (``found_inf``)
-            group = opt.param_groups[0]
-            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")}
+            keys = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
             with contextlib.suppress(RuntimeError):  # a device without a fused kernel keeps the default AdamW
-                opt = torch.optim.AdamW(group["params"], **hyper, fused=True)
+                opt = torch.optim.AdamW([{k: g[k] for k in keys} for g in opt.param_groups], fused=True)
         return opt
 
     def rebuild_optimizer(self) -> None:
@@ -151,13 +133,14 @@ class TTAWrapper(CheckpointMixin):
         self.optimizer = self._make_optimizer()
 
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The adapted parameters, then other tensors the optimiser steps (ClipTTA's alpha: ``optimizer.extra.<i>``)."""
-        named = list(self.params.items())
-        if self.optimizer is not None:
-            seen = {id(p) for _, p in named}
-            extra = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in seen]
-            named += [(f"optimizer.extra.{i}", p) for i, p in enumerate(extra)]
-        return named
+        """The optimised tensors in the optimiser's order (its groups: ``lr_multipliers``): the adapted parameters by
+        name, then other tensors it steps (ClipTTA's alpha: ``optimizer.extra.<i>``)."""
+        if self.optimizer is None:
+            return list(self.params.items())
+        names = {id(p): n for n, p in self.params.items()}
+        ordered = [p for g in self.optimizer.param_groups for p in g["params"]]
+        extra = [p for p in ordered if id(p) not in names]
+        return [(names[id(p)], p) for p in ordered if id(p) in names] + [(f"optimizer.extra.{i}", p) for i, p in enumerate(extra)]
 
     @property
     def fast_path_active(self) -> bool:

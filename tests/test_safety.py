@@ -19,8 +19,8 @@ from support import QUIET, assert_bit_equal, constant_batch, dense_gallery, imag
 from tiny_models import batch, make_model
 
 
-def _push_wrapper(push, mode, harm, lr=0.5, **safety):
-    cfg = TTAConfig(objective=push, objective_config={"mode": mode, "harm_batches": harm}, lr=lr, safety=safety)
+def _push_wrapper(push, mode, harm, lr=0.5, tuning: dict | None = None, **safety):
+    cfg = TTAConfig(objective=push, objective_config={"mode": mode, "harm_batches": harm}, lr=lr, safety=safety, **(tuning or {}))
     return TTAWrapper(make_model("clip"), cfg)
 
 
@@ -55,8 +55,14 @@ def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- rollback
-def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push):
-    tta = _push_wrapper(push, "shift", harm=[3], min_agreement=0.5, collapse_ratio=0.0)
+@pytest.mark.parametrize(
+    "tuning",
+    [None, {"tuning": "bias"}, {"tuning": "lora", "target_modules": ".*vision_model.*mlp.fc[12]", "anchor_weight": 0.1},
+     {"target_modules": ".*vision_model.*(layer_norm1|mlp)", "lr_multipliers": {"fc": 0.1}}],
+    ids=["layernorms", "bitfit", "lora-anchor", "per-group-lr"],
+)
+def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push, tuning):
+    tta = _push_wrapper(push, "shift", harm=[3], tuning=tuning, min_agreement=0.5, collapse_ratio=0.0)
     gallery, xs = dense_gallery(), image_stream(5)
     for x in xs[:3]:
         assert tta.adapt_step(x, gallery).safety_action is None

@@ -116,6 +116,7 @@ def _plain(model: str, query: str, objective: str = "tcr", **cfg):
 
 
 #: Objectives with state, optimiser extras or a second pass (text queries; the state of each must survive the cut).
+LORA_MLP = ".*vision_model.*mlp.fc[12]"
 OBJECTIVE_CASES = [
     ("rest", {}, {"gradient_decoupling": True}),
     ("tent", {}, {"score_transform": "dn", "score_transform_config": {"num_samples": 8}}),
@@ -138,9 +139,9 @@ def _objective(objective: str, ocfg: dict, wcfg: dict):
     return make, [batch("text", 6, seed=100 + i) for i in range(4)], "clip"
 
 
-def _safety(push_name: str):
+def _safety(push_name: str, **wcfg):
     cfg = TTAConfig(objective=push_name, objective_config={"mode": "shift", "harm_batches": [2, 7]}, lr=0.5,
-                    safety={"min_agreement": 0.5, "collapse_ratio": 0.0, "snapshot_every": 3})
+                    safety={"min_agreement": 0.5, "collapse_ratio": 0.0, "snapshot_every": 3}, **wcfg)
 
     def make():
         return TTAWrapper(make_model("clip"), cfg), dense_gallery()
@@ -189,7 +190,11 @@ CASES = (
     + [pytest.param("plain", ("clip", "image", "tcr", {"scoring": "before_update"}), id="plain-before-update")]
     + [pytest.param("objective", c, id=f"objective-{c[0]}" + ("-gd" if c[2].get("gradient_decoupling") else "")
                     + ("-dn" if c[2].get("score_transform") else "")) for c in OBJECTIVE_CASES]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "bias", "anchor_weight": 1.0}), id="plain-bitfit-anchor")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "lora", "target_modules": LORA_MLP,
+                                                       "lr_multipliers": {"lora_B": 0.5}, "anchor_weight": 1.0}), id="plain-lora")]
     + [pytest.param("safety", (), id="safety")]
+    + [pytest.param("safety", ({"tuning": "lora", "target_modules": LORA_MLP},), id="safety-lora")]
     + [pytest.param("topk", (o,), id=f"topk-{o}") for o in ("rest", "eata", "titan", "cliptta", "dn")]
     + [pytest.param("routed", (k, s), id=f"routed-{'keys' if k else 'router'}{'-safety' if s else ''}")
        for k in (False, True) for s in (False, True)]
@@ -205,7 +210,7 @@ def test_resume_equals_uninterrupted(kind, args, tmp_path, request):
     elif kind == "objective":
         make, stream, name = _objective(*args)
     elif kind == "safety":
-        make, stream, name = _safety(request.getfixturevalue("push"))
+        make, stream, name = _safety(request.getfixturevalue("push"), **(args[0] if args else {}))
     elif kind == "topk":
         make, stream, name = _topk(*args)
     else:

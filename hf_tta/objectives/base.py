@@ -189,7 +189,8 @@ class Objective:
         raise NotImplementedError
 
     def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """The optimiser this objective adapts with (AdamW, as in TCR's code). SAR overrides it (SAM)."""
+        """The optimiser this objective adapts with (AdamW, as in TCR's code; SAR overrides it with SAM). ``params`` are
+        tensors or parameter groups with their own ``lr`` (``TTAConfig.lr_multipliers``)."""
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
     def on_step_end(self, inputs: ObjectiveInputs, output: LossOutput, state: ObjectiveState) -> bool:

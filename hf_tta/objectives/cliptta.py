@@ -193,13 +193,13 @@ class ClipTTA(Objective):
         return self.config.protocol == "cliptta"
 
     def make_optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        params = list(params)
+        groups = list(params)  # tensors, or parameter groups (TTAConfig.lr_multipliers)
         if not self.config.open_set:
-            return super().make_optimizer(params, lr, weight_decay)
+            return super().make_optimizer(groups, lr, weight_decay)
+        groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
         with torch.no_grad():
-            self.alpha = nn.Parameter(self.alpha.detach().to(params[0].device))
-        groups = [{"params": params}, {"params": [self.alpha], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+            self.alpha = nn.Parameter(self.alpha.detach().to(groups[0]["params"][0].device))
+        return torch.optim.AdamW([*groups, {"params": [self.alpha], "weight_decay": 0.0}], lr=lr, weight_decay=weight_decay)
 
     def init_state(self, device="cpu") -> ObjectiveState:
         return {
