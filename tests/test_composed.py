@@ -21,6 +21,7 @@ from hf_tta.data.builders.composed_hub import load_composed_split, push_composed
 from hf_tta.data.builders.composed_sources import fiq_text, read_cirr, read_fashioniq
 from hf_tta.metrics.composed import cirr_metrics, composed_recall, fiq_metrics, recall_subset, target_ranks
 from hf_tta.models import Blip2ComposedAdapter, get_adapter
+from tiny_models import blip2_model as blip2
 from tiny_models import image_batch, make_model, text_batch
 
 pytest.importorskip("imagecorruptions", reason="the image corruptions need the `data` extra")
@@ -28,19 +29,6 @@ RNG = np.random.default_rng(0)
 # offline text corruptions stand in for the representatives that need WordNet / seq2seq checkpoints here
 TEXT_REPS = {"word": "random_swap", "sent": "insert_punctuation"}
 TEXT_POOL = (("ocr", 7), ("char_swap", 7), ("random_swap", 7))
-
-
-def blip2(seed: int = 0):
-    """The tiny BLIP-2 with its ViT re-initialised at std 0.02: BLIP-2's vision config initialises at 1e-10, which
-    makes a tiny random ViT's output all but independent of the image."""
-    model = make_model("blip2", seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.vision_model.modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.02)
-        model.vision_model.embeddings.position_embedding.copy_(torch.randn(model.vision_model.embeddings.position_embedding.shape, generator=gen) * 0.02)
-    return model
 
 
 def composed_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
