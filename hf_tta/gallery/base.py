@@ -114,14 +114,19 @@ def merge_topk(values: torch.Tensor, indices: torch.Tensor, k: int) -> TopKScore
     return TopKScores(values.gather(1, top), indices.gather(1, top))
 
 
-def item_scores(queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-    """Exact scores ``(B, n)`` of single-vector queries ``(B, D)`` against items ``(n, D)``, or ``(n, Q, D)`` scored by the
-    max over each item's vectors (the expression of ``ModelAdapter.score``, so both give the same floats)."""
+def check_item_queries(queries: torch.Tensor) -> None:
+    """A multi-vector gallery is searched with single-vector ``(B, D)`` queries (one line otherwise)."""
     if queries.dim() != 2:
         raise ValueError(
             f"A multi-vector gallery is searched with single-vector (B, D) queries, got {tuple(queries.shape)}: "
             "multi-vector queries need a single-vector gallery."
         )
+
+
+def item_scores(queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """Exact scores ``(B, n)`` of single-vector queries ``(B, D)`` against items ``(n, D)``, or ``(n, Q, D)`` scored by the
+    max over each item's vectors (the expression of ``ModelAdapter.score``, so both give the same floats)."""
+    check_item_queries(queries)
     if items.dim() == 2:
         return queries @ items.T
     return torch.einsum("bd,nqd->bnq", queries, items).amax(dim=2)

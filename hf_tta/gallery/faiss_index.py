@@ -36,7 +36,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .base import IDS_FILE, GalleryBackend, TopKScores, check_k, item_scores, merge_topk
+from .base import IDS_FILE, GalleryBackend, TopKScores, check_item_queries, check_k, item_scores, merge_topk
 from .ids import IdMap
 from .stats import BLOCK_ROWS
 
@@ -342,8 +342,7 @@ class FaissGallery(GalleryBackend):
     def _search_items(self, queries: torch.Tensor, k: int) -> TopKScores:
         """Multi-vector search: the ``k * Q`` best vectors, each item's best hit, the ``k`` best items, re-scored
         exactly (see the module docstring)."""
-        if queries.dim() != 2:
-            item_scores(queries, queries)  # the one-line refusal of multi-vector queries
+        check_item_queries(queries)
         values, labels = self._searcher(queries.device).search(_as_numpy(queries), min(k * self._q, self.index.ntotal))
         items = labels // self._q  # -1 (no hit) stays -1
         missing = labels < 0
