@@ -21,6 +21,7 @@ from hf_tta.data.builders.composed_hub import load_composed_split, push_composed
 from hf_tta.data.builders.composed_sources import fiq_text, read_cirr, read_fashioniq
 from hf_tta.metrics.composed import cirr_metrics, composed_recall, fiq_metrics, recall_subset, target_ranks
 from hf_tta.models import Blip2ComposedAdapter, get_adapter
+from tiny_models import blip2_model as blip2
 from tiny_models import image_batch, make_model, text_batch
 
 pytest.importorskip("imagecorruptions", reason="the image corruptions need the `data` extra")
@@ -28,19 +29,6 @@ RNG = np.random.default_rng(0)
 # offline text corruptions stand in for the representatives that need WordNet / seq2seq checkpoints here
 TEXT_REPS = {"word": "random_swap", "sent": "insert_punctuation"}
 TEXT_POOL = (("ocr", 7), ("char_swap", 7), ("random_swap", 7))
-
-
-def blip2(seed: int = 0):
-    """The tiny BLIP-2 with its ViT re-initialised at std 0.02: BLIP-2's vision config initialises at 1e-10, which
-    makes a tiny random ViT's output all but independent of the image."""
-    model = make_model("blip2", seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.vision_model.modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.02)
-        model.vision_model.embeddings.position_embedding.copy_(torch.randn(model.vision_model.embeddings.position_embedding.shape, generator=gen) * 0.02)
-    return model
 
 
 def composed_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -104,12 +92,43 @@ def test_composed_every_objective_adapts_dense_blip2_and_topk_custom(objective):
     gallery = tta.encode_gallery([image_batch(12, seed=1)])
     out = tta.adapt_step(composed_batch(8), gallery)
     assert out.scores.shape == (8, 12) and torch.isfinite(out.scores).all()
-    # BLIP-2's target images are multi-vector (dense gallery only); a single-vector custom CIR model runs top-k
+    # BLIP-2's target images are multi-vector (12, Q, D): a top-k backend holds them too
+    top_tta = TTAWrapper(blip2(), TTAConfig(objective=objective, query_modality="composed", steps=1))
+    out_mv = top_tta.adapt_step(composed_batch(8), ChunkedGallery(gallery.embeddings, "image", k=5, chunk_size=8))
+    assert out_mv.scores is None and out_mv.topk.indices.shape == (8, 5) and torch.isfinite(out_mv.topk.values).all()
+    # a single-vector custom CIR model runs top-k
     custom = TTAWrapper(clip_sum_fusion(), TTAConfig(objective=objective, query_modality="composed", steps=1))
     dense = custom.encode_gallery([image_batch(12, seed=1)])
     top = ChunkedGallery(dense.embeddings, "image", k=5, chunk_size=4)
     out_k = custom.adapt_step(composed_batch(8), top)
     assert out_k.scores is None and out_k.topk.indices.shape == (8, 5) and torch.isfinite(out_k.topk.values).all()
+
+
+@pytest.mark.parametrize("backend", ["chunked", "faiss_flat"])
+def test_composed_tcr_on_multi_vector_topk_backends_equals_dense(backend):
+    """c2i with BLIP-2: the targets' Q-Former tokens (N, Q, D) in a top-k backend give the dense run's top-k, loss and
+    adapted parameters (TCR needs only each query's top-1)."""
+    from hf_tta.gallery import ChunkedGallery, FaissGallery
+
+    make = {
+        "chunked": lambda e: ChunkedGallery(e, "image", k=6, chunk_size=9),
+        "faiss_flat": lambda e: FaissGallery.build(e, "image", index="flat", k=6),
+    }[backend]
+    runs = []
+    for topk in (False, True):
+        tta = TTAWrapper(blip2(), TTAConfig(objective="tcr", query_modality="composed"))
+        dense = tta.encode_gallery([image_batch(20, seed=1)])
+        assert dense.embeddings.dim() == 3
+        gallery = make(dense.embeddings) if topk else dense
+        runs.append((tta, [tta.adapt_step(composed_batch(8, seed=3 + b), gallery) for b in range(2)]))
+    (dense_tta, dense_outs), (tta, outs) = runs
+    for a, b in zip(dense_outs, outs):
+        v, i = a.scores.sort(dim=1, descending=True, stable=True)
+        assert b.scores is None and torch.equal(b.topk.indices, i[:, :6])
+        torch.testing.assert_close(b.topk.values, v[:, :6], rtol=0, atol=1e-6)
+        assert b.loss == pytest.approx(a.loss, abs=1e-6)
+    for name, p in tta.params.items():
+        torch.testing.assert_close(p, dense_tta.params[name], rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ metrics

@@ -1,5 +1,6 @@
 """Gallery backends: exact backends equal the dense gallery, FAISS within a recall tolerance, save/load, top-k metrics,
-and the wrapper's top-k path (candidates re-scored exactly; TCR identical to the dense run)."""
+and the wrapper's top-k path (candidates re-scored exactly; TCR identical to the dense run), for single-vector and
+multi-vector (BLIP-2's Q-Former tokens, scored by the max over an item's vectors) galleries."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from hf_tta import TTAConfig, TTAWrapper, retrieval_metrics
-from hf_tta.gallery import ChunkedGallery, FaissGallery, TopKScores, merge_topk
+from hf_tta.gallery import ChunkedGallery, FaissGallery, GalleryCache, TopKScores, merge_topk
 from hf_tta.metrics.topk import topk_retrieval_metrics
-from tiny_models import make_model
+from hf_tta.models import get_adapter
+from hf_tta.objectives.base import gallery_fingerprint
+from tiny_models import blip2_model, image_batch, make_model, text_batch
 
 
 def unit(n, d, seed):
@@ -57,8 +60,9 @@ def test_chunked_fp16_save_load_and_mmap(tmp_path):
 
 
 def test_chunked_rejects_bad_input():
-    with pytest.raises(ValueError, match="single-vector"):
-        ChunkedGallery(torch.zeros(3, 2, 4), "text")
+    for shape in ((3, 0, 4), (3, 2, 2, 4), (3,)):
+        with pytest.raises(ValueError, match=r"\(N, D\) or multi-vector \(N, Q, D\)"):
+            ChunkedGallery(torch.zeros(shape), "text")
     with pytest.raises(ValueError, match="k must be a positive integer"):
         ChunkedGallery(unit(3, 4, 0), "text", k=0)
     with pytest.raises(ValueError, match="expected num_items=5"):
@@ -114,6 +118,80 @@ def test_faiss_rejects_wrong_metric():
         FaissGallery(idx, "text")
 
 
+# ------------------------------------------------------------------------------------------------ multi-vector items
+MULTI = {
+    "chunked_1": lambda g, **kw: ChunkedGallery(g, "image", chunk_size=1, **kw),  # one item per block
+    "chunked_10": lambda g, **kw: ChunkedGallery(g, "image", chunk_size=10, **kw),  # 2 items (of Q=4) per block
+    "chunked_mmap": None,  # saved, memory-mapped back
+    "faiss_flat": lambda g, **kw: FaissGallery.build(g, "image", index="flat", **kw),
+    "faiss_flat_ids": lambda g, **kw: FaissGallery.build(g, "image", index="flat", ids=torch.arange(len(g)) * 5 + 3, **kw),
+}
+
+
+@pytest.fixture(scope="module")
+def blip2_embeddings():
+    """A tiny BLIP-2's image gallery (N, Q, D), text queries (B, D) and the adapter's dense scores (max over tokens)."""
+    adapter = get_adapter(blip2_model())
+    with torch.no_grad():
+        g = adapter.encode("image", image_batch(40, seed=1))
+        q = adapter.encode("text", text_batch(6, seed=2))
+    return g, q, adapter.score(q, g)
+
+
+@pytest.mark.parametrize("kind", list(MULTI))
+def test_multi_vector_topk_equals_the_adapters_dense_scores(kind, blip2_embeddings, tmp_path):
+    g, q, dense = blip2_embeddings
+    assert g.shape == (40, 4, 16)
+    if kind == "chunked_mmap":
+        ChunkedGallery(g, "image", chunk_size=6).save(tmp_path)
+        gal = ChunkedGallery.load(tmp_path, mmap=True)
+    else:
+        gal = MULTI[kind](g)
+    assert (len(gal), gal.dim, gal.num_vectors, gal.item_shape) == (40, 16, 4, (4, 16))
+    v, i = dense.sort(dim=1, descending=True, stable=True)
+    res = gal.search(q, 9)
+    assert torch.equal(res.indices, i[:, :9])
+    torch.testing.assert_close(res.values, v[:, :9], rtol=0, atol=1e-6)
+    assert torch.equal(gal.gather(torch.tensor([39, 0, 7])), g[[39, 0, 7]])
+    # the statistics are of the single-vector view the dense path hands objectives (GalleryCache.single)
+    single = GalleryCache(g, "image").single
+    torch.testing.assert_close(gal.statistics().mean, single.mean(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(gal.statistics().fingerprint, gallery_fingerprint(single), rtol=1e-9, atol=1e-6)
+    assert torch.equal(gal.kmeans(3, 20, 0).labels, ChunkedGallery(single, "image").kmeans(3, 20, 0).labels)
+    with pytest.raises(ValueError, match="one side must be single-vector"):
+        gal.search_tokens(g[:2], 3)
+
+
+def test_multi_vector_faiss_ivf_recall_and_exact_scores():
+    """IVF over the items' vectors: recall of the top-10 items >= 0.9 on clustered data with nprobe < nlist (the
+    documented approximation), while every returned score is the exact max over the item's stored vectors."""
+    centres = unit(20, 32, 6)
+    g = F.normalize(centres.repeat_interleave(50, 0)[:, None] + 0.3 * torch.randn(1000, 4, 32, generator=torch.Generator().manual_seed(7)), dim=-1)
+    q = F.normalize(centres[:10] + 0.3 * unit(10, 32, 8), dim=1)
+    gal = FaissGallery.build(g, "text", index="ivf", nlist=16, nprobe=4)
+    assert not gal.exact and len(gal) == 1000 and gal.index.ntotal == 4000
+    res = gal.search(q, 10)
+    exact = torch.einsum("bd,nqd->bnq", q, g).amax(-1)
+    _, i = exact.sort(dim=1, descending=True, stable=True)
+    recall = (res.indices[:, :, None] == i[:, None, :10]).any(-1).float().mean().item()
+    assert recall >= 0.9, recall
+    torch.testing.assert_close(res.values, exact.gather(1, res.indices), rtol=0, atol=1e-6)
+    assert (res.values[:, :-1] >= res.values[:, 1:]).all()
+
+
+def test_multi_vector_faiss_ids_must_fit_the_vector_labels(tmp_path):
+    g = F.normalize(torch.randn(6, 4, 8), dim=-1)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, "):
+        FaissGallery.build(g, "image", index="flat", ids=[-1, 1, 2, 3, 4, 5])
+    gal = FaissGallery.build(g, "image", index="flat", k=3)
+    with pytest.raises(ValueError, match="ids must lie in"):
+        gal.add([2**62], g[:1])
+    assert len(gal) == 6 and gal.version == 0 and gal.index.ntotal == 24
+    gal.save(tmp_path)
+    again = FaissGallery.load(tmp_path)
+    assert again.num_vectors == 4 and torch.equal(again.gather(torch.arange(6)), g)
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 def test_topk_metrics_equal_dense_metrics_within_k():
     torch.manual_seed(0)
@@ -154,14 +232,24 @@ def _stream(objective, make_gallery, batches=3, **cfg):
     return tta, outs
 
 
-def test_tcr_with_exact_backends_equals_dense():
-    """TCR needs only each query's top-1 (gallery_access='topk'): a top-k backend gives the dense run exactly."""
-    dense_tta, dense = _stream("tcr", lambda g: g)
+def _blip2_stream(objective, make_gallery, batches=3, **cfg):
+    """Text -> image retrieval with a tiny BLIP-2 (Q-Former text input): a multi-vector image gallery (N, 4, 16)."""
+    tta = TTAWrapper(blip2_model(), TTAConfig(objective=objective, query_modality="text", **cfg))
+    gallery = make_gallery(tta.encode_gallery([image_batch(60, seed=1)], show_progress=False))
+    outs = [tta.adapt_step(text_batch(12, seed=2 + b), gallery) for b in range(batches)]
+    return tta, outs
+
+
+@pytest.mark.parametrize("stream", [_stream, _blip2_stream], ids=["clip_i2t", "blip2_t2i_multi_vector"])
+def test_tcr_with_exact_backends_equals_dense(stream):
+    """TCR needs only each query's top-1 (gallery_access='topk'): a top-k backend gives the dense run exactly, also on
+    a multi-vector gallery (the candidates keep their (C, Q, D) shape and are scored by the adapter)."""
+    dense_tta, dense = stream("tcr", lambda g: g)
     for make in (
-        lambda g: ChunkedGallery(g.embeddings, "text", k=10, chunk_size=50),
-        lambda g: FaissGallery.build(g.embeddings, "text", index="flat", k=10),
+        lambda g: ChunkedGallery(g.embeddings, g.modality, k=10, chunk_size=50),
+        lambda g: FaissGallery.build(g.embeddings, g.modality, index="flat", k=10),
     ):
-        tta, outs = _stream("tcr", make)
+        tta, outs = stream("tcr", make)
         for a, b in zip(dense, outs):
             assert b.scores is None and b.topk.k == 10
             v, i = a.scores.sort(dim=1, descending=True, stable=True)

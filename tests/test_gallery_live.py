@@ -1,7 +1,9 @@
 """A live index: add / remove / replace with stable external ids on every backend (chunked, FAISS flat / IVF / HNSW,
 sharded over 2 gloo processes) and on the dense LiveGallery, checked against a gallery rebuilt from scratch; refused
 changes leave everything unchanged; ids survive save/load; answers stay exact while another thread changes the
-gallery; objective state derived from the gallery follows the change (REST, DN, TITAN, ClipTTA, EATA)."""
+gallery; objective state derived from the gallery follows the change (REST, DN, TITAN, ClipTTA, EATA). Kinds ending in
+``_mv`` hold multi-vector items ``(N, Q, D)`` (BLIP-2's query tokens), checked against the adapter's max-over-vectors
+score and the single-vector view of the items."""
 
 from __future__ import annotations
 
@@ -17,14 +19,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hf_tta.gallery import ChunkedGallery, FaissGallery, GalleryCache, GalleryChange, IdMap, LiveGallery
+from hf_tta.gallery.cache import single_vector
+from hf_tta.models.base import ModelAdapter
 from hf_tta.objectives import build_objective
 from hf_tta.objectives.base import ObjectiveInputs, gallery_fingerprint
 
 D = 16
+Q = 3  # vectors per item of the multi-vector kinds
 
 
-def unit(n, d=D, seed=0):
-    return F.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
+def unit(n, d=D, seed=0, q=None):
+    shape = (n, d) if q is None else (n, q, d)
+    return F.normalize(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), dim=-1)
 
 
 class Reference:
@@ -32,6 +38,16 @@ class Reference:
 
     def __init__(self, ids, emb):
         self.ids, self.emb = list(ids), emb.clone()
+        self.q = emb.shape[1] if emb.dim() == 3 else None
+
+    def new(self, n, seed=0, d=D):
+        """``n`` new items of this gallery's item shape."""
+        return unit(n, d, seed, self.q)
+
+    @property
+    def single(self):
+        """The single-vector view of the items (what the statistics are of)."""
+        return single_vector(self.emb)
 
     def add(self, ids, emb):
         self.ids += list(ids)
@@ -47,15 +63,16 @@ class Reference:
             self.emb[self.ids.index(i)] = row
 
     def topk(self, q, k):
-        v, cols = (q @ self.emb.T).sort(dim=1, descending=True, stable=True)
+        v, cols = ModelAdapter.score(q, self.emb).sort(dim=1, descending=True, stable=True)
         return v[:, :k], torch.tensor(self.ids)[cols[:, :k]]
 
 
 EXACT = ["chunked", "chunked_ids", "faiss_flat", "faiss_flat_ids", "faiss_ivf", "faiss_ivf_ids"]
+EXACT += [f"{k}_mv" for k in EXACT]
 
 
 def make_backend(kind: str, emb: torch.Tensor, ids=None):
-    ids = ids if kind.endswith("_ids") else None
+    ids = ids if "_ids" in kind else None
     if kind.startswith("chunked"):
         return ChunkedGallery(emb, "text", k=5, chunk_size=7, ids=ids)
     if kind.startswith("faiss_flat"):
@@ -66,8 +83,8 @@ def make_backend(kind: str, emb: torch.Tensor, ids=None):
 
 
 def start(kind, n=40, seed=0):
-    emb = unit(n, seed=seed)
-    ids = np.arange(n) * 10 + 7 if kind.endswith("_ids") else np.arange(n)
+    emb = unit(n, seed=seed, q=Q if kind.endswith("_mv") else None)
+    ids = np.arange(n) * 10 + 7 if "_ids" in kind else np.arange(n)
     return make_backend(kind, emb, ids), Reference(ids.tolist(), emb)
 
 
@@ -83,13 +100,13 @@ def assert_same(backend, ref: Reference, q=None, k=6):
 def changes(backend, ref, seed=1):
     """add 3, remove 3 (old and new), replace 2: returns the GalleryChange of each."""
     base = ref.ids
-    new_ids, new_emb = [1001, 1002, 1003], unit(3, seed=seed)
+    new_ids, new_emb = [1001, 1002, 1003], ref.new(3, seed=seed)
     out = [backend.add(new_ids, new_emb)]
     ref.add(new_ids, new_emb)
     gone = [base[3], 1002, base[17]]
     out.append(backend.remove(torch.tensor(gone)))
     ref.remove(gone)
-    swap, swap_emb = [base[0], 1003], unit(2, seed=seed + 1)
+    swap, swap_emb = [base[0], 1003], ref.new(2, seed=seed + 1)
     out.append(backend.replace(np.array(swap), swap_emb))
     ref.replace(swap, swap_emb)
     return out
@@ -107,8 +124,8 @@ def test_add_remove_replace_equal_a_rebuilt_gallery(kind):
     assert (ch[1].old_size, ch[1].new_size) == (43, 40)
     assert_same(backend, ref, q)
     # statistics were dropped with the old gallery and are those of the new one
-    torch.testing.assert_close(backend.statistics().mean, ref.emb.mean(0), rtol=0, atol=1e-6)
-    torch.testing.assert_close(backend.statistics().fingerprint, gallery_fingerprint(ref.emb), rtol=1e-9, atol=1e-6)
+    torch.testing.assert_close(backend.statistics().mean, ref.single.mean(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(backend.statistics().fingerprint, gallery_fingerprint(ref.single), rtol=1e-9, atol=1e-6)
     assert not torch.allclose(before, backend.statistics().mean)
     km = backend.kmeans(3, 20, 0)
     assert km.labels.shape == (40,)
@@ -117,7 +134,7 @@ def test_add_remove_replace_equal_a_rebuilt_gallery(kind):
     assert backend.positions_of([ref.ids[5], 1003]).tolist() == [5, ref.ids.index(1003)]
 
 
-@pytest.mark.parametrize("kind", ["chunked", "faiss_flat", "faiss_ivf_ids"])
+@pytest.mark.parametrize("kind", ["chunked", "faiss_flat", "faiss_ivf_ids", "chunked_mv", "faiss_flat_ids_mv"])
 def test_statistics_follow_changes_without_a_pass(kind, monkeypatch):
     """Cached mean and fingerprint are updated from the rows that left and came (O(N + M D)), equal to a fresh pass;
     the k-means is dropped and recomputed."""
@@ -133,7 +150,7 @@ def test_statistics_follow_changes_without_a_pass(kind, monkeypatch):
     monkeypatch.setattr(backend, "iter_blocks", no_pass)
     changes(backend, ref)
     got = backend.statistics()
-    fresh = compute_statistics(tensor_blocks(ref.emb), len(ref.ids), D)
+    fresh = compute_statistics(tensor_blocks(ref.single), len(ref.ids), D)
     torch.testing.assert_close(got.mean, fresh.mean, rtol=0, atol=1e-7)
     torch.testing.assert_close(got.fingerprint, fresh.fingerprint, rtol=1e-12, atol=1e-9)
     with pytest.raises(AssertionError, match="a pass"):
@@ -168,20 +185,22 @@ def test_hnsw_adds_but_refuses_removal():
 
 
 BAD = {
-    "add an existing id": (lambda b, r: b.add([r.ids[2]], unit(1, seed=3)), ValueError, "already exist"),
-    "add an id twice": (lambda b, r: b.add([900, 900], unit(2, seed=3)), ValueError, "twice in one call"),
-    "add a wrong dimension": (lambda b, r: b.add([900], unit(1, d=D + 1)), ValueError, r"\(M, 16\)"),
-    "add fewer rows than ids": (lambda b, r: b.add([900, 901], unit(1)), ValueError, "one id per row"),
-    "add NaN": (lambda b, r: b.add([900], unit(1) * float("nan")), ValueError, "NaN"),
-    "add float ids": (lambda b, r: b.add(torch.tensor([9.0]), unit(1)), TypeError, "must be integers"),
+    "add an existing id": (lambda b, r: b.add([r.ids[2]], r.new(1, seed=3)), ValueError, "already exist"),
+    "add an id twice": (lambda b, r: b.add([900, 900], r.new(2, seed=3)), ValueError, "twice in one call"),
+    "add a wrong dimension": (lambda b, r: b.add([900], r.new(1, d=D + 1)), ValueError, r"\(M, (3, )?16\)"),
+    "add fewer rows than ids": (lambda b, r: b.add([900, 901], r.new(1)), ValueError, "one id per row"),
+    "add NaN": (lambda b, r: b.add([900], r.new(1) * float("nan")), ValueError, "NaN"),
+    "add float ids": (lambda b, r: b.add(torch.tensor([9.0]), r.new(1)), TypeError, "must be integers"),
     "remove an unknown id": (lambda b, r: b.remove([r.ids[0], 123456]), ValueError, r"unknown gallery id\(s\) \[123456\]"),
     "remove everything": (lambda b, r: b.remove(r.ids), ValueError, "keeps at least one"),
-    "replace an unknown id": (lambda b, r: b.replace([123456], unit(1)), ValueError, "Cannot replace unknown"),
-    "replace a wrong dimension": (lambda b, r: b.replace([r.ids[1]], unit(1, d=4)), ValueError, "dimension"),
+    "replace an unknown id": (lambda b, r: b.replace([123456], r.new(1)), ValueError, "Cannot replace unknown"),
+    "replace a wrong dimension": (lambda b, r: b.replace([r.ids[1]], r.new(1, d=4)), ValueError, "dimension"),
+    "add a single vector to a multi-vector gallery or back": (
+        lambda b, r: b.add([900], unit(1) if r.q else unit(1, q=Q)), ValueError, "item shape"),
 }
 
 
-@pytest.mark.parametrize("kind", ["chunked", "faiss_flat", "faiss_ivf_ids"])
+@pytest.mark.parametrize("kind", ["chunked", "faiss_flat", "faiss_ivf_ids", "chunked_mv", "faiss_ivf_ids_mv"])
 @pytest.mark.parametrize("bad", list(BAD))
 def test_refused_changes_leave_the_gallery_unchanged(kind, bad):
     backend, ref = start(kind, n=12)
@@ -202,7 +221,9 @@ def test_a_change_inside_reading_is_refused_not_deadlocked():
     assert backend.ids.tolist() == [*range(8), 99]
 
 
-@pytest.mark.parametrize("kind", ["chunked", "chunked_ids", "faiss_flat", "faiss_ivf", "faiss_ivf_ids"])
+@pytest.mark.parametrize(
+    "kind", ["chunked", "chunked_ids", "faiss_flat", "faiss_ivf", "faiss_ivf_ids", "chunked_ids_mv", "faiss_flat_mv", "faiss_ivf_ids_mv"]
+)
 def test_ids_survive_save_and_load(kind, tmp_path):
     backend, ref = start(kind)
     changes(backend, ref)
@@ -213,14 +234,14 @@ def test_ids_survive_save_and_load(kind, tmp_path):
     again = cls.load(tmp_path)
     q = unit(5, seed=9)
     assert_same(again, ref, q)
-    torch.testing.assert_close(again.statistics().mean, ref.emb.mean(0), rtol=0, atol=1e-6)
-    again.add([2000], unit(1, seed=12))  # the loaded gallery goes on changing
-    ref.add([2000], unit(1, seed=12))
+    torch.testing.assert_close(again.statistics().mean, ref.single.mean(0), rtol=0, atol=1e-6)
+    again.add([2000], ref.new(1, seed=12))  # the loaded gallery goes on changing
+    ref.add([2000], ref.new(1, seed=12))
     assert_same(again, ref, q)
     mapped = cls.load(tmp_path, mmap=True)
     assert mapped.ids.tolist() == ref.ids[:-1]
     with pytest.raises(ValueError, match="read-only: load it with mmap=False"):
-        mapped.add([3000], unit(1))
+        mapped.add([3000], ref.new(1))
 
 
 def test_unchanged_gallery_saves_no_ids_file(tmp_path):
@@ -517,47 +538,56 @@ def test_eata_running_probs_follow_their_items(kind, ids):
 def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from hf_tta.gallery import ShardedGallery
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        emb = unit(30)
-        local = emb[:12] if rank == 0 else emb[12:]  # shard 0 is the smaller one: new items go to its end
         out = {}
-        shards = {  # an IVF shard's labels 0 .. n_r - 1 are relabelled to global ids at the first change
-            "chunked": ChunkedGallery(local, "text", k=5, chunk_size=4),
-            "ivf": FaissGallery.build(local, "text", index="ivf", nlist=2, nprobe=2, k=5),
-        }
-        for name, shard in shards.items():
-            gal = ShardedGallery(shard)
-            out[f"{name}.ids0"] = gal.ids
-            out[f"{name}.add_positions"] = gal.add([100, 101], unit(2, seed=1)).positions
-            gal.remove([2, 20, 100])
-            gal.replace([0, 25], unit(2, seed=2))
-            try:
-                gal.remove([0, 1, *range(3, 12), 101])  # all of shard 0
-            except ValueError as err:
-                out[f"{name}.refused"] = torch.tensor([int("empty shard 0" in str(err))])
-            res = gal.search_ids(unit(4, seed=3), 6)
-            got = dict(ids=gal.ids, values=res.values, indices=res.indices, mean=gal.statistics().mean,
-                       rows=gal.gather(torch.arange(len(gal))), sizes=torch.tensor(gal.sizes))
-            out.update({f"{name}.{k}": v for k, v in got.items()})
+        for q in (None, Q):  # single- and multi-vector items
+            emb = unit(30, q=q)
+            local = emb[:12] if rank == 0 else emb[12:]  # shard 0 is the smaller one: new items go to its end
+            mv = "" if q is None else "_mv"
+            # an IVF shard's labels 0 .. n_r - 1 (n_r Q for multi-vector) are relabelled to global ids at the first change
+            out.update(_sharded_changes(f"chunked{mv}", ChunkedGallery(local, "text", k=5, chunk_size=4), q))
+            out.update(_sharded_changes(f"ivf{mv}", FaissGallery.build(local, "text", index="ivf", nlist=2, nprobe=2, k=5), q))
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
 
 
+def _sharded_changes(name, shard, q):
+    """The changes of the sharded test on one sharded gallery and what they leave."""
+    from hf_tta.gallery import ShardedGallery
+
+    out = {}
+    gal = ShardedGallery(shard)
+    out[f"{name}.ids0"] = gal.ids
+    out[f"{name}.add_positions"] = gal.add([100, 101], unit(2, seed=1, q=q)).positions
+    gal.remove([2, 20, 100])
+    gal.replace([0, 25], unit(2, seed=2, q=q))
+    try:
+        gal.remove([0, 1, *range(3, 12), 101])  # all of shard 0
+    except ValueError as err:
+        out[f"{name}.refused"] = torch.tensor([int("empty shard 0" in str(err))])
+    res = gal.search_ids(unit(4, seed=3), 6)
+    got = dict(ids=gal.ids, values=res.values, indices=res.indices, mean=gal.statistics().mean,
+               rows=gal.gather(torch.arange(len(gal))), sizes=torch.tensor(gal.sizes))
+    out.update({f"{name}.{k}": v for k, v in got.items()})
+    return out
+
+
 def test_sharded_gallery_changes_equal_one_process(tmp_path):
     mp.spawn(_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    emb = unit(30)
-    # the sharded order: shard 0 (ids 0..11) and the added 100, 101 at its end, then shard 1 (12..29)
-    new = unit(2, seed=1)
-    ref = Reference([*range(12), 100, 101, *range(12, 30)], torch.cat([emb[:12], new, emb[12:]]))
-    ref.remove([2, 20, 100])
-    ref.replace([0, 25], unit(2, seed=2))
-    v, i = ref.topk(unit(4, seed=3), 6)
-    for r, name in [(0, "chunked"), (1, "chunked"), (0, "ivf"), (1, "ivf")]:
+    refs = {}
+    for q, mv in ((None, ""), (Q, "_mv")):
+        emb = unit(30, q=q)
+        # the sharded order: shard 0 (ids 0..11) and the added 100, 101 at its end, then shard 1 (12..29)
+        ref = Reference([*range(12), 100, 101, *range(12, 30)], torch.cat([emb[:12], unit(2, seed=1, q=q), emb[12:]]))
+        ref.remove([2, 20, 100])
+        ref.replace([0, 25], unit(2, seed=2, q=q))
+        refs[mv] = ref
+    for r, name in [(r, n + mv) for r in (0, 1) for n in ("chunked", "ivf") for mv in ("", "_mv")]:
+        ref = refs["_mv" if name.endswith("_mv") else ""]
+        v, i = ref.topk(unit(4, seed=3), 6)
         saved = load_file(os.path.join(tmp_path, f"rank{r}.safetensors"))
         got = {k[len(name) + 1 :]: v for k, v in saved.items() if k.startswith(name + ".")}
         assert got["ids0"].tolist() == list(range(30)) and got["add_positions"].tolist() == [12, 13]
@@ -566,7 +596,7 @@ def test_sharded_gallery_changes_equal_one_process(tmp_path):
         assert torch.equal(got["indices"], i)
         torch.testing.assert_close(got["values"], v, rtol=0, atol=1e-5)
         torch.testing.assert_close(got["rows"], ref.emb, rtol=0, atol=1e-6)
-        torch.testing.assert_close(got["mean"], ref.emb.mean(0), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got["mean"], ref.single.mean(0), rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ the wrapper

@@ -39,6 +39,20 @@ def tiny_blip2():
     return Blip2ForImageTextRetrieval(cfg)
 
 
+def blip2_model(seed: int = 0):
+    """The tiny BLIP-2 (Q-Former text input) with its ViT re-initialised at std 0.02: BLIP-2's vision config initialises
+    at 1e-10, which makes a tiny random ViT's output all but independent of the image (every gallery item ties)."""
+    model = make_model("blip2", seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.vision_model.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) * 0.02)
+        pos = model.vision_model.embeddings.position_embedding
+        pos.copy_(torch.randn(pos.shape, generator=gen) * 0.02)
+    return model
+
+
 def tiny_vtde():
     from transformers import BertConfig, VisionTextDualEncoderConfig, VisionTextDualEncoderModel, ViTConfig
 

@@ -17,6 +17,14 @@ objective is declared by ``Objective.gallery_access``:
   objective gets ``ObjectiveInputs.candidate_ids``); a softmax over the gallery is taken over ``C``;
 * ``"full"``: needs every item's score at every step; refused with a top-k backend (no built-in objective).
 
+Multi-vector galleries: every backend also holds items of ``Q`` vectors each, ``(N, Q, D)`` (BLIP-2's Q-Former query
+tokens; :attr:`GalleryBackend.num_vectors` is ``Q``, ``None`` for ``(N, D)``). An item's score is then the max over its
+vectors of the cosine with a single-vector query (:func:`item_scores`, what ``ModelAdapter.score`` computes), so
+:meth:`~GalleryBackend.search` ranks items by that max and :meth:`~GalleryBackend.gather` returns ``(M, Q, D)``: the
+candidate view the wrapper scores keeps the ``(C, Q, D)`` shape. Whole-gallery statistics (mean, fingerprint,
+k-means) are of the single-vector view of each item, the normalised mean of its vectors (:meth:`GalleryBackend.gather_single`,
+``ModelAdapter.single_vector`` without scores), which is what an objective sees as ``gallery_emb`` on the dense path.
+
 A live index: every backend gives each item a stable external id (:attr:`GalleryBackend.ids`; ``0 .. N-1`` when built
 without ids) and changes in place with :meth:`~GalleryBackend.add`, :meth:`~GalleryBackend.remove` and
 :meth:`~GalleryBackend.replace` (no other item is re-encoded or re-indexed), each returning a
@@ -40,6 +48,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .cache import single_vector
 from .ids import ChangeLog, GalleryChange, IdMap, ReadWriteLock, as_id_array, check_new_rows
 from .stats import (
     BLOCK_ROWS,
@@ -105,6 +114,24 @@ def merge_topk(values: torch.Tensor, indices: torch.Tensor, k: int) -> TopKScore
     return TopKScores(values.gather(1, top), indices.gather(1, top))
 
 
+def check_item_queries(queries: torch.Tensor) -> None:
+    """A multi-vector gallery is searched with single-vector ``(B, D)`` queries (one line otherwise)."""
+    if queries.dim() != 2:
+        raise ValueError(
+            f"A multi-vector gallery is searched with single-vector (B, D) queries, got {tuple(queries.shape)}: "
+            "multi-vector queries need a single-vector gallery."
+        )
+
+
+def item_scores(queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """Exact scores ``(B, n)`` of single-vector queries ``(B, D)`` against items ``(n, D)``, or ``(n, Q, D)`` scored by the
+    max over each item's vectors (the expression of ``ModelAdapter.score``, so both give the same floats)."""
+    check_item_queries(queries)
+    if items.dim() == 2:
+        return queries @ items.T
+    return torch.einsum("bd,nqd->bnq", queries, items).amax(dim=2)
+
+
 def check_k(k: int) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a positive integer (neighbours per query), got {k!r}.")
@@ -112,7 +139,8 @@ def check_k(k: int) -> int:
 
 
 class GalleryBackend(abc.ABC):
-    """A cached gallery of ``N`` single-vector, L2-normalised embeddings ``(N, D)`` answering top-k searches.
+    """A cached gallery of ``N`` L2-normalised embeddings, ``(N, D)`` or multi-vector ``(N, Q, D)``, answering top-k
+    searches.
 
     Subclasses implement :meth:`search` (no grad: which items are each query's nearest), :meth:`gather` (the exact
     cached embeddings of given items, re-scored by the wrapper with grad) and ``__len__``/``dim``/``device``.
@@ -122,11 +150,18 @@ class GalleryBackend(abc.ABC):
         k (`int`): neighbours per query, both the size of the candidate set searched per query and the width of the
             returned :class:`TopKScores`.
         exact (`bool`): whether :meth:`search` returns the exact top-k (chunked, flat) or an approximation (IVF, HNSW).
+        num_vectors (`int`, *optional*): vectors per item ``Q`` of a multi-vector gallery; ``None`` for ``(N, D)``.
     """
 
     modality: str
     k: int
     exact: bool = True
+    num_vectors: int | None = None
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        """The shape of one item's embedding: ``(D,)``, or ``(Q, D)`` for a multi-vector gallery."""
+        return (self.dim,) if self.num_vectors is None else (self.num_vectors, self.dim)
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
@@ -141,11 +176,17 @@ class GalleryBackend(abc.ABC):
 
     @abc.abstractmethod
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
-        """Top-``k`` items of each query ``(B, D)`` by inner product (no grad); ``k`` is capped at ``len(self)``."""
+        """Top-``k`` items of each query ``(B, D)`` by inner product (a multi-vector item: the max over its vectors,
+        :func:`item_scores`; no grad); ``k`` is capped at ``len(self)``."""
 
     @abc.abstractmethod
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
-        """The cached embeddings ``(M, D)`` (float32, on :attr:`device`) of the items ``indices`` ``(M,)``."""
+        """The cached embeddings ``(M, *item_shape)`` (float32, on :attr:`device`) of the items ``indices`` ``(M,)``."""
+
+    def gather_single(self, indices: torch.Tensor) -> torch.Tensor:
+        """The single-vector view ``(M, D)`` of the items ``indices``: :meth:`gather` itself, or for a multi-vector
+        gallery the normalised mean of each item's vectors (``ModelAdapter.single_vector`` without scores)."""
+        return single_vector(self.gather(indices).float())
 
     def search_tokens(self, queries: torch.Tensor, k: int) -> torch.Tensor:
         """Candidate indices ``(B, m)`` for single- ``(B, D)`` or multi-vector ``(B, Q, D)`` queries (scored by a max
@@ -153,15 +194,19 @@ class GalleryBackend(abc.ABC):
         if queries.dim() == 2:
             return self.search(queries, k).indices
         if queries.dim() == 3:
+            if self.num_vectors is not None:
+                raise ValueError(
+                    f"Multi-vector queries {tuple(queries.shape)} cannot be scored against a multi-vector gallery "
+                    f"{(len(self), *self.item_shape)}: one side must be single-vector."
+                )
             b, q, d = queries.shape
             return self.search(queries.reshape(b * q, d), k).indices.reshape(b, -1)
         raise ValueError(f"Query embeddings must be (B, D) or (B, Q, D), got {tuple(queries.shape)}.")
 
     def check_embeddings(self, embeddings: torch.Tensor) -> None:
-        if embeddings.dim() != 2:
+        if embeddings.dim() not in (2, 3) or 0 in embeddings.shape[1:]:
             raise ValueError(
-                f"{type(self).__name__} holds single-vector embeddings (N, D), got {tuple(embeddings.shape)}: "
-                "use the dense GalleryCache for a multi-vector gallery."
+                f"{type(self).__name__} holds (N, D) or multi-vector (N, Q, D) embeddings, got {tuple(embeddings.shape)}."
             )
         if embeddings.shape[0] == 0:
             raise ValueError("The gallery is empty.")
@@ -237,7 +282,7 @@ class GalleryBackend(abc.ABC):
             return TopKScores(res.values, self.to_ids(res.indices), self.version)
 
     def _check_rows(self, embeddings, count: int) -> torch.Tensor:
-        return check_new_rows(embeddings, count, (self.dim,))
+        return check_new_rows(embeddings, count, self.item_shape)
 
     def changes_since(self, version: int) -> list[GalleryChange] | None:
         """The changes after ``version`` in order (``[]`` when current), or ``None`` when older than the log kept
@@ -251,7 +296,7 @@ class GalleryBackend(abc.ABC):
 
     def _old_rows(self, positions: np.ndarray) -> torch.Tensor | None:
         """The stored rows about to leave (for :func:`update_statistics`), read before the change."""
-        return self.gather(torch.from_numpy(positions)).double().cpu() if self._incremental() else None
+        return self.gather_single(torch.from_numpy(positions)).double().cpu() if self._incremental() else None
 
     def _changed(
         self, kind: str, ids: np.ndarray, positions: np.ndarray, old_size: int, old_rows: torch.Tensor | None = None
@@ -261,7 +306,7 @@ class GalleryBackend(abc.ABC):
         stats = cache.get("statistics") if self._incremental() else None
         cache.clear()  # k-means (and statistics without row sums) were of the old gallery: recomputed on next use
         if stats is not None:  # mean and fingerprint follow the change: O(N + M D), no pass over the gallery
-            new_rows = None if kind == "remove" else self.gather(torch.from_numpy(np.asarray(positions))).double()
+            new_rows = None if kind == "remove" else self.gather_single(torch.from_numpy(np.asarray(positions))).double()
             updated = update_statistics(stats, kind, torch.from_numpy(np.asarray(positions)), old_rows, new_rows)
             if updated is not None:
                 cache["statistics"] = updated
@@ -340,10 +385,10 @@ class GalleryBackend(abc.ABC):
 
     # ---------------------------------------------------------------------------------------- whole-gallery statistics
     def iter_blocks(self, rows: int = BLOCK_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(start, block)``: the cached embeddings in gallery order, ``rows`` items at a time, as float32 on
-        :attr:`device` (by default through :meth:`gather`; backends override it with a sequential read)."""
+        """``(start, block)``: the single-vector view (:meth:`gather_single`) of the items in gallery order, ``rows``
+        items at a time, as float32 on :attr:`device` (backends override it with a sequential read)."""
         for start in range(0, len(self), rows):
-            yield start, self.gather(torch.arange(start, min(start + rows, len(self)))).float()
+            yield start, self.gather_single(torch.arange(start, min(start + rows, len(self)))).float()
 
     def _stats_cache(self) -> dict:
         cache = self.__dict__.get("_statistics_cache")
@@ -362,7 +407,7 @@ class GalleryBackend(abc.ABC):
         return x
 
     def _row(self, index: int) -> torch.Tensor:
-        return self.gather(torch.tensor([index]))[0].float()
+        return self.gather_single(torch.tensor([index]))[0].float()
 
     def statistics(self) -> GalleryStatistics:
         """Mean embedding and fingerprint of the whole gallery: one streamed pass, computed on first use and cached."""

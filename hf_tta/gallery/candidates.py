@@ -35,7 +35,10 @@ def candidate_items(
     """The union ``C`` of the batch's top-k items (sorted global indices) and their cached embeddings, on ``q``'s device.
 
     ``C`` also holds the top-k of each searcher's ``search_vectors`` (an objective with its state); ``objective``'s
-    ``candidate_extras`` (REST's centroids) follow the embeddings as extra rows."""
+    ``candidate_extras`` (REST's centroids) follow the embeddings as extra rows. A multi-vector gallery's candidates
+    keep their shape ``(|C|, Q, D)`` (the adapter's ``score`` and ``single_vector`` need it); a single-vector extra row
+    ``c`` then becomes ``Q`` copies of ``c``, whose max-over-vectors score is ``q . c`` and whose single-vector view is
+    ``c`` again (a normalised centroid)."""
     k = max(gallery.k, getattr(objective, "gallery_k", 0) or 0)
     qd = q.detach().float()
     with gallery.reading():  # one version of a live gallery for the searches, the gathered rows and the extras
@@ -48,7 +51,10 @@ def candidate_items(
         emb = gallery.gather(ids).to(q.device)
         extras = objective.candidate_extras(gallery, seed)
     if extras is not None:
-        emb = torch.cat([emb, extras.to(emb)])
+        extras = extras.to(emb)
+        if emb.dim() == 3 and extras.dim() == 2:
+            extras = extras[:, None].expand(-1, emb.shape[1], -1)
+        emb = torch.cat([emb, extras])
     return ids, emb
 
 

@@ -4,6 +4,11 @@ The embeddings are held in memory in any float dtype (``float16`` halves the foo
 or read block by block from a memory-mapped safetensors file (:meth:`ChunkedGallery.load` with ``mmap=True``). Each
 block is cast to float32 before scoring, so the search is exact for the stored values.
 
+Multi-vector items ``(N, Q, D)`` (BLIP-2's Q-Former tokens) are scored per block by the max over each item's vectors
+(:func:`~hf_tta.gallery.base.item_scores`, the expression of ``ModelAdapter.score``), so the top-k ids and scores are
+those of the dense :class:`~hf_tta.GalleryCache` path; ``chunk_size`` then counts vectors (``chunk_size // Q`` items
+per block), so a block's scores take the same memory as for single-vector items.
+
 A live index (:meth:`~hf_tta.gallery.GalleryBackend.add` / ``remove`` / ``replace``): the rows live in a buffer with
 spare capacity (grown by an eighth when full, so appending one item at a time costs amortised ``O(D)``); a removal
 moves only the rows after the first removed one; a replacement overwrites its rows. The caller's tensor is never
@@ -21,7 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .base import GalleryBackend, TopKScores, check_k, merge_topk
+from .base import GalleryBackend, TopKScores, check_k, item_scores, merge_topk
+from .cache import single_vector
 from .ids import IdMap
 from .stats import BLOCK_ROWS
 
@@ -31,15 +37,15 @@ _KEY = "embeddings"
 
 
 class ChunkedGallery(GalleryBackend):
-    """Exact top-k over ``(N, D)`` embeddings, scored ``chunk_size`` items at a time.
+    """Exact top-k over ``(N, D)`` or multi-vector ``(N, Q, D)`` embeddings, scored ``chunk_size`` vectors at a time.
 
     Args:
-        embeddings (`torch.Tensor` of shape `(N, D)`): L2-normalised single-vector embeddings (any float dtype; kept
+        embeddings (`torch.Tensor` of shape `(N, D)` or `(N, Q, D)`): L2-normalised embeddings (any float dtype; kept
             as given, so pass ``float16`` to halve the memory).
         modality (`str`): the gallery modality.
         k (`int`): neighbours per query (candidate set and returned width). Default 100.
-        chunk_size (`int`): items scored per block; memory of a block is ``B x chunk_size`` scores plus the block cast
-            to float32. Default 65,536.
+        chunk_size (`int`): vectors scored per block (items for ``(N, D)``, ``max(1, chunk_size // Q)`` items for
+            ``(N, Q, D)``); memory of a block is ``B x chunk_size`` scores plus the block cast to float32. Default 65,536.
         ids (*optional*): the external id of each row ``(N,)`` (distinct integers); default ``0 .. N-1``.
     """
 
@@ -55,28 +61,32 @@ class ChunkedGallery(GalleryBackend):
         self.k = check_k(k)
         self.chunk_size = check_k(chunk_size)
         self._file: str | None = None
-        self._n, self._dim = embeddings.shape
+        self._n, self._dim = embeddings.shape[0], embeddings.shape[-1]
+        self.num_vectors = embeddings.shape[1] if embeddings.dim() == 3 else None
         if ids is not None:
             self._set_id_map(IdMap(ids))
 
     @property
     def embeddings(self) -> torch.Tensor | None:
-        """The ``(N, D)`` rows of the current version (a view: copy it to keep it across changes); ``None`` when
+        """The ``(N, D)`` (or ``(N, Q, D)``) rows of the current version (a view: copy it to keep it across changes); ``None`` when
         memory-mapped."""
         return None if self._file is not None else self._buf[: self._n]
 
     # ---------------------------------------------------------------------------------------- construction
     @classmethod
     def from_chunks(
-        cls, chunks: Iterable[torch.Tensor], num_items: int, dim: int, modality: str, dtype=torch.float16, **kwargs
+        cls, chunks: Iterable[torch.Tensor], num_items: int, dim: int, modality: str, dtype=torch.float16,
+        num_vectors: int | None = None, **kwargs,
     ) -> "ChunkedGallery":
-        """Fill a preallocated ``(num_items, dim)`` store of ``dtype`` from an iterable of ``(n_i, dim)`` blocks, so no
-        full float32 copy ever exists (e.g. the output of ``encode_gallery`` run over a DataLoader, block by block)."""
-        store = torch.empty(num_items, dim, dtype=dtype)
+        """Fill a preallocated ``(num_items, dim)`` (or ``(num_items, num_vectors, dim)``) store of ``dtype`` from an
+        iterable of ``(n_i, dim)`` (``(n_i, num_vectors, dim)``) blocks, so no full float32 copy ever exists (e.g. the
+        output of ``encode_gallery`` run over a DataLoader, block by block)."""
+        item = (dim,) if num_vectors is None else (num_vectors, dim)
+        store = torch.empty(num_items, *item, dtype=dtype)
         start = 0
         for block in chunks:
-            if block.dim() != 2 or block.shape[1] != dim:
-                raise ValueError(f"Every block must be (n, {dim}), got {tuple(block.shape)}.")
+            if tuple(block.shape[1:]) != item or block.dim() != len(item) + 1:
+                raise ValueError(f"Every block must be (n, {', '.join(map(str, item))}), got {tuple(block.shape)}.")
             if start + block.shape[0] > num_items:
                 raise ValueError(f"The blocks hold more than num_items={num_items} rows.")
             store[start : start + block.shape[0]] = block.detach().to("cpu", dtype)
@@ -116,7 +126,7 @@ class ChunkedGallery(GalleryBackend):
         else:
             store = _memmap_safetensors(path, _KEY)
             self = cls(torch.from_numpy(np.array(store[:1])), manifest["modality"], **kwargs)  # validated on one row
-            self._file, (self._n, self._dim) = path, store.shape
+            self._file, self._n = path, store.shape[0]
             self._memmap, self._buf = store, None
         self.load_ids(directory)
         self.load_statistics(directory)
@@ -163,7 +173,7 @@ class ChunkedGallery(GalleryBackend):
         if self._owned and self._buf.shape[0] >= rows:
             return
         cap = rows if rows <= self._n else rows + max(self._n // 8, 1024)
-        buf = torch.empty(cap, self._dim, dtype=self._buf.dtype, device=self._buf.device)
+        buf = torch.empty(cap, *self.item_shape, dtype=self._buf.dtype, device=self._buf.device)
         buf[: self._n] = self._buf[: self._n]
         self._buf, self._owned = buf, True
 
@@ -186,7 +196,7 @@ class ChunkedGallery(GalleryBackend):
     # ---------------------------------------------------------------------------------------- search
     def iter_blocks(self, rows: int = BLOCK_ROWS):
         for start in range(0, self._n, rows):
-            yield start, self._read(start, min(start + rows, self._n)).to(self.device, torch.float32)
+            yield start, single_vector(self._read(start, min(start + rows, self._n)).to(self.device, torch.float32))
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
@@ -197,9 +207,10 @@ class ChunkedGallery(GalleryBackend):
         k = min(check_k(k), self._n)
         q = queries.detach().float()
         best_v = best_i = None
-        for start in range(0, self._n, self.chunk_size):
-            block = self._read(start, min(start + self.chunk_size, self._n)).to(q.device, torch.float32)
-            s = q @ block.T
+        step = max(1, self.chunk_size // (self.num_vectors or 1))
+        for start in range(0, self._n, step):
+            block = self._read(start, min(start + step, self._n)).to(q.device, torch.float32)
+            s = item_scores(q, block)
             v, i = s.topk(min(k, s.shape[1]), dim=1)
             i = i + start
             if best_v is None:

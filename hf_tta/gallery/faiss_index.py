@@ -14,6 +14,16 @@ items (FAISS does not implement it): ``remove`` and ``replace`` are refused ther
 and ``gather`` takes) follow the backend-wide rules of :mod:`hf_tta.gallery.ids`, whatever FAISS's internal order; the
 id of each position is saved beside the index (``gallery_ids.safetensors``) once it differs from ``0 .. N-1``.
 A memory-mapped index (``load(mmap=True)``) is read-only.
+
+Multi-vector items ``(N, Q, D)`` (BLIP-2's Q-Former tokens, an item scored by the max over its vectors): the index
+holds every vector, ``N * Q`` of them, vector ``t`` of item ``i`` under the label ``i * Q + t`` (``i``: the position
+while the labels are positions, the external id once they are ids; ids must then lie in ``[0, 2**63 // Q)``). A search
+fetches the ``k * Q`` best vectors (at least ``k`` distinct items), keeps each item's best hit, takes the ``k`` best
+items and re-scores them exactly (the max over all their stored vectors, :func:`~hf_tta.gallery.base.item_scores`),
+so the returned scores are exact for the stored vectors. With a flat index the ``k`` items are the exact top-k (the
+exact top-k items are the first ``k`` distinct items of the exact vector ranking, all within its first ``k * Q``);
+with an approximate index (IVF, HNSW) recall can differ from exact as for single vectors: an item whose vectors the
+index's probes miss is not found. ``remove`` and ``replace`` delete all ``Q`` vectors of an item.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .base import IDS_FILE, GalleryBackend, TopKScores, check_k
+from .base import IDS_FILE, GalleryBackend, TopKScores, check_item_queries, check_k, item_scores, merge_topk
 from .ids import IdMap
 from .stats import BLOCK_ROWS
 
@@ -74,15 +84,20 @@ class FaissGallery(GalleryBackend):
         ids (*optional*): the external id of each position ``(N,)``; default: the index's labels in their order
             (``0 .. N-1`` for an index built without ids). They must be the index's labels.
         read_only (`bool`): refuse changes (a memory-mapped index).
+        num_vectors (`int`, *optional*): vectors per item ``Q`` of a multi-vector gallery (the index then holds
+            ``N * Q`` vectors labelled ``item * Q + t``, see the module docstring); ``None`` for single vectors.
     """
 
     def __init__(
         self, index, modality: str, k: int = 100, nprobe: int = 32, ef_search: int = 128, factory: str = "",
-        ids=None, read_only: bool = False,
+        ids=None, read_only: bool = False, num_vectors: int | None = None,
     ):
         faiss = _faiss()
         if index.ntotal == 0:
             raise ValueError("The FAISS index is empty: add the gallery embeddings first (FaissGallery.build).")
+        self.num_vectors = None if num_vectors is None else check_k(num_vectors)
+        if index.ntotal % self._q:
+            raise ValueError(f"The FAISS index holds {index.ntotal} vectors, not a multiple of num_vectors={self._q}.")
         if index.metric_type != faiss.METRIC_INNER_PRODUCT:
             raise ValueError("The FAISS index must use METRIC_INNER_PRODUCT (cosine on normalised embeddings).")
         self.index, self.modality, self.factory = index, modality, factory
@@ -92,9 +107,11 @@ class FaissGallery(GalleryBackend):
         self._apply_search_params(self._base())
         if ids is None and self._id_wrapped():
             labels = faiss.vector_to_array(index.id_map).astype(np.int64)
+            labels = labels[labels % self._q == 0] // self._q  # each item's first vector names it
             ids = None if np.array_equal(np.sort(labels), np.arange(labels.size)) else labels
         if ids is not None:
             self._set_id_map(IdMap(ids))
+            self._check_ids(self.id_map.ids)
         ivf = self._ivf(index)
         # a plain index's labels are positions (until its first change): no id lookup per search
         self._plain = not self._id_wrapped() and self.id_map.is_range()
@@ -106,6 +123,16 @@ class FaissGallery(GalleryBackend):
             else:
                 ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
         self._gpu_index = None
+
+    @property
+    def _q(self) -> int:
+        return self.num_vectors or 1
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        _check_item_ids(ids, self._q)
+
+    def _labels(self, items: np.ndarray) -> np.ndarray:
+        return _vector_labels(items, self._q)
 
     def _id_wrapped(self) -> bool:
         faiss = _faiss()
@@ -144,8 +171,9 @@ class FaissGallery(GalleryBackend):
         seed: int = 0,
         **kwargs,
     ) -> "FaissGallery":
-        """Build an index from the gallery embeddings ``(N, D)`` (a tensor, or an iterable of ``(n_i, D)`` blocks;
-        pass ``num_items`` then so the preset can size the inverted lists).
+        """Build an index from the gallery embeddings ``(N, D)`` or multi-vector ``(N, Q, D)`` (a tensor, or an
+        iterable of ``(n_i, D)`` / ``(n_i, Q, D)`` blocks; pass ``num_items`` then so the preset can size the inverted
+        lists). A multi-vector gallery indexes its ``N * Q`` vectors (nlist and train_size count vectors).
 
         Args:
             index (`str`): a preset (``"flat"``, ``"ivf"``, ``"ivf_sq8"``, ``"ivf_pq"``, ``"hnsw"``) or any
@@ -162,8 +190,8 @@ class FaissGallery(GalleryBackend):
         if ids is not None:
             ids = IdMap(ids).ids  # distinct integers
         if isinstance(embeddings, torch.Tensor):
-            if embeddings.dim() != 2 or embeddings.shape[0] == 0:
-                raise ValueError(f"FaissGallery.build needs (N, D) embeddings, got {tuple(embeddings.shape)}.")
+            if embeddings.dim() not in (2, 3) or 0 in embeddings.shape:
+                raise ValueError(f"FaissGallery.build needs (N, D) or (N, Q, D) embeddings, got {tuple(embeddings.shape)}.")
             num_items = embeddings.shape[0]
             blocks: Iterable[torch.Tensor] = embeddings.split(65536)
         else:
@@ -171,18 +199,29 @@ class FaissGallery(GalleryBackend):
                 raise ValueError("Pass num_items when building from an iterable of blocks.")
             blocks = embeddings
         it = iter(blocks)
-        first = _as_numpy(next(it))
+        head = next(it)
+        q = head.shape[1] if head.dim() == 3 else None
+        if head.dim() not in (2, 3) or 0 in head.shape[1:]:
+            raise ValueError(f"FaissGallery.build needs (n, D) or (n, Q, D) blocks, got {tuple(head.shape)}.")
+        item = tuple(head.shape[1:])
+
+        def flat(block: torch.Tensor) -> np.ndarray:  # an item's vectors as consecutive rows
+            if tuple(block.shape[1:]) != item:
+                raise ValueError(f"Every block must be (n, {', '.join(map(str, item))}), got {tuple(block.shape)}.")
+            return _as_numpy(block.reshape(-1, item[-1]))
+
+        first, per_item = flat(head), q or 1
         dim = first.shape[1]
-        nlist = nlist or default_nlist(num_items)
+        nlist = nlist or default_nlist(num_items * per_item)
         factory = PRESETS.get(index, index).format(nlist=nlist, m=pq_m or max(1, dim // 8))
         idx = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         pending = [first]
         if not idx.is_trained:
-            want = min(num_items, train_size or max(32 * nlist, 10000))
+            want = min(num_items * per_item, train_size or max(32 * nlist, 10000))
             have = sum(len(p) for p in pending)
             while have < want:
                 try:
-                    pending.append(_as_numpy(next(it)))
+                    pending.append(flat(next(it)))
                 except StopIteration:
                     break
                 have += len(pending[-1])
@@ -192,23 +231,26 @@ class FaissGallery(GalleryBackend):
                 ivf.cp.seed = seed
             idx.train(sample)
             del sample
+        labels = None
         if ids is not None:
             if ids.size != num_items:
                 raise ValueError(f"{ids.size} ids for num_items={num_items} items: pass one id per item.")
+            _check_item_ids(ids, per_item)
+            labels = _vector_labels(ids, per_item)
             if cls._ivf(idx) is None:
                 idx = faiss.IndexIDMap2(idx)
             else:
                 cls._ivf(idx).set_direct_map_type(faiss.DirectMap.Hashtable)
         added = 0
-        for block in (*pending, *map(_as_numpy, it)):
-            if ids is None:
+        for block in (*pending, *map(flat, it)):
+            if labels is None:
                 idx.add(block)
-            elif added + len(block) <= ids.size:
-                idx.add_with_ids(block, ids[added : added + len(block)])
+            elif added + len(block) <= labels.size:
+                idx.add_with_ids(block, labels[added : added + len(block)])
             added += len(block)
-        if added != num_items:
-            raise ValueError(f"The blocks hold {added} rows, expected num_items={num_items}.")
-        return cls(idx, modality, factory=factory, ids=ids, **kwargs)
+        if added != num_items * per_item:
+            raise ValueError(f"The blocks hold {added // per_item} items, expected num_items={num_items}.")
+        return cls(idx, modality, factory=factory, ids=ids, num_vectors=q, **kwargs)
 
     def save(self, directory: str | os.PathLike) -> None:
         """``gallery.faiss`` (``faiss.write_index``), ``gallery.json`` (modality, factory, k, nprobe, ef_search) and,
@@ -230,6 +272,7 @@ class FaissGallery(GalleryBackend):
             "ef_search": self.ef_search,
             "num_items": len(self),
             "dim": self.dim,
+            "num_vectors": self.num_vectors,
         }
         with open(os.path.join(directory, MANIFEST_FILE), "w") as fh:
             json.dump(manifest, fh, indent=2)
@@ -252,13 +295,14 @@ class FaissGallery(GalleryBackend):
             from safetensors.torch import load_file
 
             kwargs["ids"] = load_file(ids_path)["ids"]
-        self = cls(index, manifest["modality"], factory=manifest["factory"], read_only=mmap, **kwargs)
+        self = cls(index, manifest["modality"], factory=manifest["factory"], read_only=mmap,
+                   num_vectors=manifest.get("num_vectors"), **kwargs)
         self.load_statistics(directory)
         return self
 
     # ---------------------------------------------------------------------------------------- interface
     def __len__(self) -> int:
-        return int(self.index.ntotal)
+        return int(self.index.ntotal) // self._q
 
     @property
     def dim(self) -> int:
@@ -283,6 +327,8 @@ class FaissGallery(GalleryBackend):
     def search(self, queries: torch.Tensor, k: int) -> TopKScores:
         with self.reading():
             k = min(check_k(k), len(self))
+            if self.num_vectors is not None:
+                return self._search_items(queries, k)
             values, labels = self._searcher(queries.device).search(_as_numpy(queries), k)
             # an approximate index can return fewer than k hits (-1): fill with the first hit, a duplicate that the
             # wrapper's candidate union removes
@@ -292,6 +338,32 @@ class FaissGallery(GalleryBackend):
                 values = np.where(missing, values[:, :1], values)
             positions = labels if self._labels_are_positions() else self._positions(labels)
         return TopKScores(torch.from_numpy(values).to(queries.device), torch.from_numpy(positions).to(queries.device))
+
+    def _search_items(self, queries: torch.Tensor, k: int) -> TopKScores:
+        """Multi-vector search: the ``k * Q`` best vectors, each item's best hit, the ``k`` best items, re-scored
+        exactly (see the module docstring)."""
+        check_item_queries(queries)
+        values, labels = self._searcher(queries.device).search(_as_numpy(queries), min(k * self._q, self.index.ntotal))
+        items = labels // self._q  # -1 (no hit) stays -1
+        missing = labels < 0
+        if not self._labels_are_positions():  # a stand-in id where nothing was found, masked next
+            items = self._positions(np.where(missing, self.id_map.ids[0], items))
+        pos = np.where(missing, -1, items)
+        pos_t, hit = torch.from_numpy(pos), torch.from_numpy(values).masked_fill(torch.from_numpy(missing), -torch.inf)
+        # the hits come best first: an item's first hit is its best; keep one hit per item
+        order = pos_t.argsort(dim=1, stable=True)
+        run = pos_t.gather(1, order)
+        first = torch.ones_like(run, dtype=torch.bool)
+        first[:, 1:] = run[:, 1:] != run[:, :-1]
+        hit = hit.masked_fill(~torch.empty_like(first).scatter_(1, order, first), -torch.inf)
+        best, col = hit.topk(min(k, hit.shape[1]), dim=1)
+        cand = pos_t.gather(1, col)
+        # an approximate index can find fewer than k items: fill with the row's best item, a duplicate that the
+        # wrapper's candidate union removes
+        cand = torch.where(best > -torch.inf, cand, cand[:, :1]).clamp(min=0)
+        uniq, inv = torch.unique(cand, return_inverse=True)
+        exact = item_scores(queries.detach().float().cpu(), self.gather(uniq)).gather(1, inv)
+        return merge_topk(exact, cand, k).to(queries.device)
 
     def _labels_are_positions(self) -> bool:
         return self._plain
@@ -303,10 +375,11 @@ class FaissGallery(GalleryBackend):
         return pos.reshape(labels.shape)
 
     def iter_blocks(self, rows: int = BLOCK_ROWS):
-        """The index's stored vectors in position order (decoded for quantised indexes)."""
+        """The index's stored vectors in position order (decoded for quantised indexes; the single-vector view of
+        multi-vector items)."""
         n = len(self)
         for start in range(0, n, rows):
-            yield start, self.gather(torch.arange(start, min(start + rows, n)))
+            yield start, self.gather_single(torch.arange(start, min(start + rows, n)))
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
         with self.reading():
@@ -314,7 +387,8 @@ class FaissGallery(GalleryBackend):
             if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
                 raise IndexError(f"Gallery positions must lie in [0, {len(self)}), got {pos.min()}..{pos.max()}.")
             labels = pos if self._labels_are_positions() else np.ascontiguousarray(self.id_map.ids[pos])
-            return torch.from_numpy(self.index.reconstruct_batch(labels))
+            rows = torch.from_numpy(self.index.reconstruct_batch(self._labels(labels)))
+            return rows if self.num_vectors is None else rows.view(pos.size, self._q, self.dim)
 
     # ---------------------------------------------------------------------------------------- live index
     def _check_change(self, kind: str) -> None:
@@ -336,44 +410,59 @@ class FaissGallery(GalleryBackend):
         if ivf is not None:
             ids = np.ascontiguousarray(self.id_map.ids)
             relabel = plain and not self.id_map.is_range()  # labels 0 .. N-1 but other ids (a shard): relabel once
-            vectors = self.index.reconstruct_n(0, len(self)) if relabel else None
+            vectors = self.index.reconstruct_n(0, self.index.ntotal) if relabel else None
             if relabel:
                 self.index.reset()
             if ivf.direct_map.type != faiss.DirectMap.Hashtable:
                 ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
             if relabel:
-                self.index.add_with_ids(vectors, ids)
+                self.index.add_with_ids(vectors, self._labels(ids))
             return
         if self._id_wrapped():
             return
-        n = len(self)
-        vectors = self.index.reconstruct_n(0, n)  # labels are positions 0 .. N-1 in a plain index
+        vectors = self.index.reconstruct_n(0, self.index.ntotal)  # labels are positions in a plain index
         empty = faiss.clone_index(self.index)
         empty.reset()
         wrapped = faiss.IndexIDMap2(empty)
-        wrapped.add_with_ids(vectors, np.ascontiguousarray(self.id_map.ids))
+        wrapped.add_with_ids(vectors, self._labels(self.id_map.ids))
         self._keep_alive = empty  # the wrapper does not own the inner index's Python object
         self.index = wrapped
         self._apply_search_params(self._base())
 
     def _add(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        self._check_ids(ids)  # before anything moves
         self._ensure_ids()
-        self.index.add_with_ids(_as_numpy(rows), ids)
+        self.index.add_with_ids(_as_numpy(rows.reshape(-1, self.dim)), self._labels(ids))
         self._gpu_index = None
 
     def _remove(self, positions: np.ndarray, keep: np.ndarray, ids: np.ndarray) -> None:
         self._ensure_ids()
-        removed = self.index.remove_ids(np.ascontiguousarray(ids))
-        if removed != ids.size:  # pragma: no cover - every id was checked against the id map first
-            raise RuntimeError(f"FAISS removed {removed} of {ids.size} items: the index and its ids disagree.")
+        removed = self.index.remove_ids(self._labels(ids))
+        if removed != ids.size * self._q:  # pragma: no cover - every id was checked against the id map first
+            raise RuntimeError(f"FAISS removed {removed} of {ids.size * self._q} vectors: the index and its ids disagree.")
         self._gpu_index = None
 
     def _replace(self, positions: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         self._ensure_ids()
-        self.index.remove_ids(np.ascontiguousarray(ids))
-        self.index.add_with_ids(_as_numpy(rows), np.ascontiguousarray(ids))
+        self.index.remove_ids(self._labels(ids))
+        self.index.add_with_ids(_as_numpy(rows.reshape(-1, self.dim)), self._labels(ids))
         self._gpu_index = None
 
 
 def _as_numpy(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+
+
+def _check_item_ids(ids: np.ndarray, q: int) -> None:
+    """Multi-vector labels ``id * Q + t`` must fit in int64: ids in ``[0, 2**63 // Q)``."""
+    if q > 1 and ids.size and (ids.min() < 0 or ids.max() >= 2**63 // q):
+        raise ValueError(
+            f"A multi-vector FaissGallery labels vector t of item i as i * {q} + t: ids must lie in [0, {2**63 // q}), "
+            f"got {int(ids.min())}..{int(ids.max())}."
+        )
+
+
+def _vector_labels(items: np.ndarray, q: int) -> np.ndarray:
+    """The index labels of every vector of the items labelled ``items``: ``item * Q + t`` (the items' own for Q = 1)."""
+    items = np.ascontiguousarray(items, dtype=np.int64)
+    return items if q == 1 else np.ascontiguousarray((items[:, None] * q + np.arange(q)).reshape(-1))

@@ -45,16 +45,18 @@ class ShardedGallery(GalleryBackend):
         self.modality = local.modality
         self.k = check_k(k if k is not None else local.k)
         self.exact = local.exact
+        self.num_vectors = local.num_vectors  # a multi-vector shard's items are (Q, D): checked alike on every shard
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         sizes = torch.zeros(self.world, dtype=torch.long)
         sizes[self.rank] = len(local)
         dist.all_reduce(sizes, group=group)
-        dims = torch.zeros(self.world, dtype=torch.long)
-        dims[self.rank] = local.dim
+        shape = torch.tensor([local.dim, local.num_vectors or 0], dtype=torch.long)
+        dims = torch.zeros(self.world, 2, dtype=torch.long)
+        dims[self.rank] = shape
         dist.all_reduce(dims, group=group)
-        if (dims != local.dim).any():
-            raise ValueError(f"The shards disagree on the embedding dimension: {dims.tolist()}.")
+        if (dims != shape).any():
+            raise ValueError(f"The shards disagree on the item shape (D, Q or 0): {dims.tolist()}.")
         self._set_sizes(sizes.tolist())
         self._init_ids()
 
@@ -177,7 +179,7 @@ class ShardedGallery(GalleryBackend):
         dev = self._comm_device()
         ids = indices.to(dev)
         own = (ids >= self.offset) & (ids < self.offset + len(self.local))
-        rows = torch.zeros(ids.shape[0], self.dim, device=dev)
+        rows = torch.zeros(ids.shape[0], *self.item_shape, device=dev)
         if own.any():
             rows[own] = self.local.gather(ids[own] - self.offset).to(dev, torch.float32)
         dist.all_reduce(rows, group=self.group)  # each row is owned by exactly one process: the sum is exact

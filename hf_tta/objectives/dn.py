@@ -27,7 +27,8 @@ in one streamed pass, :meth:`~hf_tta.gallery.GalleryBackend.statistics`; ``"samp
 gathered from the backend, so both equal the dense path's). Without ``renormalize`` DN ranks the items of query q by
 ``(z_q - lam mu_q) . z_g`` (the other terms are constant per query), so the backend also searches these shifted
 queries (:meth:`DistributionNormalization.search_vectors`) and the re-ranked top-k is exact on an exact backend; with
-``renormalize`` the re-ranking is over those candidates, approximate.
+``renormalize``, or a multi-vector gallery (its items ranked by ``max_t z_q . z_g,t - lam mu_q . single(z_g)``, which no
+single search reproduces), the re-ranking is over those candidates, approximate.
 
 Compose with any objective through ``TTAConfig(score_transform="dn", score_transform_config={...})``: the adapted
 model's scores are normalised and DN's state is saved, loaded and reset with the wrapper's. Standalone,
@@ -110,7 +111,7 @@ class DistributionNormalization(Objective):
             else:
                 gen = inputs.generator if inputs.generator is not None else torch.Generator().manual_seed(0)
                 idx = torch.randperm(n, generator=gen)[: self.config.num_samples].to(zg.device)
-                rows = zg[idx] if backend is None else backend.gather(idx).to(zg.device, torch.float32)
+                rows = zg[idx] if backend is None else backend.gather_single(idx).to(zg.device, torch.float32)
                 mean = rows.mean(0)
             state["gallery_mean"] = mean
             state["gallery_fingerprint"] = key
