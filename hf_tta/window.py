@@ -47,12 +47,9 @@ gradient objectives push rows (a training-free objective has no batch statistic 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .objectives.base import ObjectiveInputs
 
 PREFIX = "window."
 KEYS = ("query", "candidate", "top1", "source_top1", "seen")
@@ -106,12 +103,12 @@ def top1(scores: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, 
 
 @torch.no_grad()
 def record(
-    state: dict[str, torch.Tensor], size: int, inputs: ObjectiveInputs, scores: torch.Tensor,
-    source: ObjectiveInputs | None,
-) -> tuple[ObjectiveInputs, torch.Tensor]:
+    state: dict[str, torch.Tensor], size: int, inputs: Any, scores: torch.Tensor, source: Any,
+) -> tuple[Any, torch.Tensor]:
     """Push the rows of the batch whose reported view is ``(inputs, scores)`` into the window in ``state`` (keeping the
     last ``size``; nothing when ``size`` is 0) and return ``(inputs, scores)`` unchanged. ``source``: the source
-    model's view of the batch (the safety layer's), for each row's source top-1; ``None`` records ``-1``. Entries of
+    model's view of the batch (the safety layer's), for each row's source top-1; ``None`` records ``-1``. ``inputs``
+    and ``source`` are :class:`~hf_tta.objectives.base.ObjectiveInputs` (this module imports no objective). Entries of
     ``state`` are replaced, never written in place."""
     if not size:
         return inputs, scores
@@ -130,13 +127,13 @@ def record(
 
 
 # ---------------------------------------------------------------------------------------- helpers for the objectives
-def entropies(inputs: ObjectiveInputs, tau: float) -> torch.Tensor | None:
+def entropies(inputs: Any, tau: float) -> torch.Tensor | None:
     """The window rows' entropies of ``softmax(z_w . Z^G / tau)`` over the current gallery (over the batch's candidates
     with a top-k backend, as for the current queries), or ``None`` without a window or rows."""
     w = inputs.window
     if w is None or not len(w):
         return None
     g = inputs.gallery_emb.detach().float()
-    logits = w.query_emb.to(g.device) @ g.T / tau
+    logits = w.query_emb.detach().to(g.device, torch.float32) @ g.T / tau
     logp = logits.float().log_softmax(dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)

@@ -178,7 +178,7 @@ def with_window(inputs: ObjectiveInputs, zg: torch.Tensor, logits: torch.Tensor,
     zq = inputs.query_emb
     if w is None or not len(w):
         return zq, zg, logits
-    wq, wg = w.query_emb.to(zq), w.candidate_emb.to(zq)
+    wq, wg = w.query_emb.detach().to(zq), w.candidate_emb.detach().to(zq)
     zg = zg.to(zq)
     current = torch.cat([logits, zq @ wg.T / tau], dim=1)
     past = torch.cat([wq @ zg.T, wq @ wg.T], dim=1) / tau
