@@ -5,6 +5,7 @@ judges a batch of 2 with a full window."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_tta import TTAConfig, TTAWrapper, window
+from hf_tta.config import SafetyConfig
 from hf_tta.objectives.base import ObjectiveInputs, build_objective, lowest_fraction
 from hf_tta.objectives.tcr import init_queue_state
 from hf_tta.safety import SafetyMonitor
-from hf_tta.config import SafetyConfig
 from hf_tta.window import WindowView
 from support import dense_gallery, image_stream
 from tiny_models import make_model
@@ -180,7 +181,7 @@ def test_safety_judges_a_batch_of_two_with_a_full_window():
     assert monitor.before(source).action is None
     assert monitor.logs["source_diversity"] == pytest.approx(7 / 7)  # 8 distinct of 8
     scores = F.one_hot(torch.tensor([8, 8]), N).float()  # now both current queries retrieve item 8
-    monitor.after(dataclasses_replace(source, scores=scores), scores)
+    monitor.after(dataclasses.replace(source, scores=scores), scores)
     # over the 8 rows: adapted top-1 {0, 1, 2, 4, 7, 8}: (6 - 1) / 7; agreement: 4 window rows + 1 current of 8
     assert monitor.logs["adapted_diversity"] == pytest.approx(5 / 7)
     assert monitor.logs["agreement"] == pytest.approx(5 / 8)
@@ -189,12 +190,6 @@ def test_safety_judges_a_batch_of_two_with_a_full_window():
     monitor = SafetyMonitor(SafetyConfig())
     monitor.before(_source_view([3, 3], unknown))
     assert not monitor._judged
-
-
-def dataclasses_replace(inputs, **kw):
-    import dataclasses
-
-    return dataclasses.replace(inputs, **kw)
 
 
 # ------------------------------------------------------------------------------------- the wrapper
