@@ -69,7 +69,8 @@ def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
     def per_stream(items: list[dict]) -> dict[tuple, dict[str, float]]:
         acc: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in items:
-            acc[(r["shift"], r["severity"])][r["objective"]].append(100 * r["R@1"])
+            if r["shift"] != "clean":  # the runner's clean reference stream is not a shift
+                acc[(r["shift"], r["severity"])][r["objective"]].append(r["R@1"])  # already in %
         return {k: {o: sum(v) / len(v) for o, v in d.items()} for k, d in acc.items()}
 
     streams = {b: per_stream(items) for b, items in by_size.items()}
@@ -90,7 +91,7 @@ def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
                 gain_b = sum(streams[b][k][row] - streams[b][k][SOURCE] for k in full_keys) / len(full_keys)
                 gain_64 = sum(full[k][row] - full[k][SOURCE] for k in full_keys) / len(full_keys)
                 share = f"{100 * gain_b / gain_64:.0f} %" if abs(gain_64) > 1e-9 else "—"
-            secs = [r["seconds"] for r in by_size[b] if r["objective"] == row]
+            secs = [r["seconds"] for r in by_size[b] if r["objective"] == row and r["shift"] != "clean"]
             lines.append(f"| {row} | {b} | {FULL - b if b < FULL else 0} | {r1:.1f} | {r1 - src:+.1f} | {share} | "
                          f"{worst:+.1f} | {sum(secs) / max(1, len(secs)):.1f} |")
     return "\n".join(lines)
