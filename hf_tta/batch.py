@@ -63,16 +63,18 @@ def check_step_context(objective: Objective) -> None:
         )
 
 
-def warn_small_batch(n: int, objective: Objective, safety_min: int | None) -> None:
-    """Warn once per objective when a batch is smaller than its batch statistics need, naming what to do instead."""
+def warn_small_batch(n: int, objective: Objective, safety_min: int | None, window: int = 0) -> None:
+    """Warn once per objective when a batch (with the ``window`` of recent queries, :mod:`hf_tta.window`) is smaller
+    than its batch statistics need, naming what to do instead."""
     floor = safety_min if safety_min is not None else MIN_BATCH_QUERIES
-    if n >= floor or objective.name in warned_small_batches:
+    if n + window >= floor or objective.name in warned_small_batches:
         return
     warned_small_batches.add(objective.name)
     logger.warning(
-        "adapt_step got %d queries (%r's batch statistics and the safety layer want at least %d): buffer queries into "
-        "larger batches, or answer single queries with TTAConfig(scoring='before_update') and adapt on buffered batches "
-        "(this warning is shown once).", n, objective.name, floor,
+        "adapt_step got %d queries (%r's batch statistics and the safety layer want at least %d): set "
+        "TTAConfig(window=%d) so the batch statistics also cover the recent queries (gradients only through the current "
+        "ones), buffer queries into larger batches, or answer single queries with TTAConfig(scoring='before_update') "
+        "and adapt on buffered batches (this warning is shown once).", n, objective.name, floor, max(64 - n, floor - n),
     )
 
 

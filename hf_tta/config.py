@@ -235,6 +235,15 @@ class TTAConfig(ConfigMixin):
             "train the model."
         },
     )
+    window: int = field(
+        default=0,
+        metadata={
+            "help": "Recent queries whose detached embeddings join each batch's batch-level statistics (hf_tta.window): "
+            "TCR's refined prediction, uniformity, gap and queue, the tcr_port entropy thresholds of EATA/SAR/DeYO and "
+            "the safety layer's signals, so micro-batches of 1-8 queries get full-batch statistics while gradients flow "
+            "only through the current queries (e.g. 64 - batch size). 0 = off: the papers' per-batch statistics."
+        },
+    )
     safety: dict[str, Any] | None = field(
         default=None,
         metadata={
@@ -308,6 +317,11 @@ class TTAConfig(ConfigMixin):
         elif self.score_transform_config:
             raise ValueError("`score_transform_config` is set but `score_transform` is None.")
         build_safety_config(self.safety)  # a bad key or value fails now, not at the first batch
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"`window` must be an integer >= 0 (0 = off), got {self.window!r}.")
+        if self.window and self.reset_policy == "episodic":
+            raise ValueError("`window` keeps recent queries across batches; with reset_policy='episodic' it is cleared "
+                             "after every batch: set window=0.")
         if self.safety is not None and self.reset_policy == "episodic":
             raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")
 

@@ -22,7 +22,12 @@ A flagged batch (skip, rollback, reset) returns the **source model's scores** (t
 so it is never worse than the source. A degenerate batch leaves no trace at all: not even the score transform's
 state sees it (DN's query mean would otherwise be the constant query's embedding: measured on the emoji benchmark,
 TCR+DN+safety on 200 constant batches then the clean stream: 95.6 on the clean part vs the source's 96.4). Batches
-with fewer than ``min_queries`` queries are adapted on without judgement (the signals are too noisy).
+with fewer than ``min_queries`` queries are adapted on without judgement (the signals are too noisy). With
+``TTAConfig(window=W)`` (:mod:`hf_tta.window`) rules 1-3 judge the batch together with the window's W recent queries:
+diversity and agreement are over the batch's and the window's top-1 items (each window row's adapted and source top-1
+as recorded when its batch was adapted on), and a batch of 1-8 queries is judged once ``B + W >= min_queries``. The
+signals are then a sliding aggregate: a drift shows over several batches, so pair a window with ``snapshot_every`` of
+about ``W / B`` for a last-good state from before it.
 
 *Diversity* is ``(distinct top-1 items - 1) / (B - 1)``: 0 when every query retrieves the same item, 1 when all
 differ, at any batch size. *Agreement* is the share of queries whose adapted top-1 item is the source's.
@@ -57,6 +62,8 @@ import torch
 
 from .config import SafetyConfig
 from .state import ROLLBACK, Adaptable, AdapterState
+from .window import WindowView
+from .window import top1 as _top1
 
 if TYPE_CHECKING:  # pragma: no cover
     from .objectives.base import ObjectiveInputs
@@ -121,11 +128,13 @@ class SafetyMonitor:
         candidate ids): a degenerate batch is not to be adapted on (rule 1)."""
         self._begin_batch(source)
         self._source_top1 = _top1(source.scores, source.candidate_ids)
-        b = source.scores.shape[0]
+        self._window = _window_rows(source.window)
+        b = source.scores.shape[0] + self._window[0].numel()
         if b < self.config.min_queries:
             return KEEP
         self._judged = True
-        d_src = float(_diversity(self._source_top1[1]))  # the one host sync before adapting
+        source_ids = torch.cat([self._source_top1[1], self._window[1].to(self._source_top1[1].device)])
+        d_src = float(_diversity(source_ids))  # the one host sync before adapting
         self.logs["source_diversity"] = d_src
         if d_src >= self.config.min_source_diversity:
             return KEEP
@@ -143,10 +152,11 @@ class SafetyMonitor:
         cfg, src = self.config, self.source
         a_col, a_top1 = _top1(scores, inputs.candidate_ids)
         s_col, s_top1 = self._source_top1
+        w_top1, w_source = (t.to(a_top1.device) for t in self._window)  # the window's rows (0 without one)
         signals = {
             "finite": torch.isfinite(scores).all().to(torch.float64),
-            "adapted_diversity": _diversity(a_top1),
-            "agreement": (a_top1 == s_top1.to(a_top1.device)).to(torch.float64).mean(),
+            "adapted_diversity": _diversity(torch.cat([a_top1, w_top1])),
+            "agreement": torch.cat([a_top1 == s_top1.to(a_top1.device), w_top1 == w_source]).to(torch.float64).mean(),
             "adapted_entropy": _refined_entropy(scores, a_col, cfg.entropy_temperature),
             "source_entropy": _refined_entropy(src.scores, s_col, cfg.entropy_temperature),
             "adapted_spread": _spread(inputs.query_emb.detach()),
@@ -225,14 +235,15 @@ class SafetyMonitor:
 
 
 # ---------------------------------------------------------------------------------------------------- signals
-def _top1(scores: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's best column and its gallery index (the first on ties). With a top-k backend the columns after the
-    candidates (an objective's extra rows) are not gallery items."""
-    if ids is None:
-        col = scores.argmax(dim=1)
-        return col, col
-    col = scores[:, : ids.numel()].argmax(dim=1)
-    return col, ids.to(col.device)[col]
+def _window_rows(window: WindowView | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's rows that the monitor judges with the batch (``TTAConfig.window``): their adapted and source top-1
+    gallery indices, recorded when they were adapted on; rows without a source top-1 (pushed without the safety layer)
+    are left out."""
+    if window is None or not len(window):
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    known = window.source_top1 >= 0
+    return window.top1[known], window.source_top1[known]
 
 
 def _diversity(top1: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,11 @@ class OnlineRetriever:
         wrapper (`TTAWrapper`): the wrapper to adapt (a :class:`~hf_tta.routing.RoutedTTAWrapper` for tenants); only the
             retriever changes it from now on.
         gallery (`GalleryCache`, `torch.Tensor` or `LiveGallery`): what queries are searched in.
-        batch_size (`int`): adapt when this many queries are buffered.
+        batch_size (`int`): adapt when this many queries are buffered. Micro-batches of 1-8 answer sooner but their
+            batch statistics (TCR's terms, the entropy thresholds, the safety signals) would be over those few queries:
+            build the wrapper with ``TTAConfig(window=64 - batch_size)`` (:mod:`hf_tta.window`) so each micro-batch's
+            statistics also cover the recent queries (gradients only through the buffered ones); the window is part of
+            the adapted state, so it is published, checkpointed and kept per tenant with the rest.
         max_wait (`float`): or when the oldest buffered query has waited this many seconds (background mode).
         mode (`str`): ``"background"`` (a worker thread adapts) or ``"sync"`` (adapt inline; deterministic).
         adapt (`bool`): ``False`` answers only (the same answer path, nothing buffered): the non-adapting baseline.
@@ -146,6 +150,9 @@ class OnlineRetriever:
             raise ValueError(f"max_wait={max_wait!r}: pass a positive number of seconds.")
         if wrapper.score_transform is not None:
             logger.warning("OnlineRetriever answers carry no score transform (%s): raw model scores.", wrapper.config.score_transform)
+        if adapt and batch_size < 8 and not wrapper.config.window:
+            logger.info("OnlineRetriever adapts on micro-batches of %d without a window: set TTAConfig(window=%d) for "
+                        "full-batch statistics (hf_tta.window).", batch_size, 64 - batch_size)
         self.wrapper, self.gallery = wrapper, gallery
         self.batch_size, self.max_wait, self.mode = batch_size, float(max_wait), mode
         self.routed = isinstance(wrapper, RoutedTTAWrapper)

@@ -18,7 +18,7 @@ from peft import PeftModel
 from torch import nn
 
 from . import batch as batching
-from . import checkpoint, tuning
+from . import checkpoint, tuning, window
 from .checkpoint_hub import CheckpointMixin
 from .config import TTAConfig
 from .gallery.base import GalleryBackend, TopKScores
@@ -262,7 +262,7 @@ class TTAWrapper(CheckpointMixin):
             query_emb=q, gallery_emb=gallery.single, scores=scores, step=step, batch_index=self.batch_index,
             generator=self.generator, reencode=reencode, source_scores=source_scores, query_modality=self.query_modality,
             queries=queries, params=self.params or None, source_params=self._source_params if self.params else None,
-            labels=batch.labels, candidate_ids=ids, backend=backend,
+            labels=batch.labels, candidate_ids=ids, backend=backend, window=window.view(self.state, self.config.window),
         )
 
     @torch.no_grad()
@@ -321,7 +321,7 @@ class TTAWrapper(CheckpointMixin):
                 result = self.loop.run(self, self.params, partial(self._inputs, batch, source_cache=cache), self._recover)
             if result.skipped:
                 logger.info("adapt_step skipped %s", "; ".join(result.skipped))
-            inputs, scores = self._reported_view(batch, result)
+            inputs, scores = window.record(self.state, self.config.window, *self._reported_view(batch, result), source)
             if self.safety is not None:
                 decision = self.safety.after(inputs, scores)
                 self._apply(decision)
@@ -340,7 +340,7 @@ class TTAWrapper(CheckpointMixin):
         gallery = self._check_gallery(gallery)
         queries = self._check_inputs(queries, self.query_modality)
         n = batching.batch_size(queries)
-        batching.warn_small_batch(n, self.objective, self.safety.config.min_queries if self.safety is not None else None)
+        batching.warn_small_batch(n, self.objective, self.safety.config.min_queries if self.safety else None, self.config.window)
         return batching.Batch(queries, gallery, batching.label_mask(labels, self.objective, n, gallery, self.device), n)
 
     def _score_only(self, batch: batching.Batch, source: ObjectiveInputs | None) -> tuple[ObjectiveInputs, LoopResult]:

@@ -188,6 +188,7 @@ CASES = (
     + [pytest.param("plain", ("clip", "image", "tcr", {"fast_step": True}), id="plain-fast-path")]
     + [pytest.param("plain", ("clip", "image", "tcr", {"score_transform": "dn", "gradient_decoupling": True}), id="plain-gd-dn")]
     + [pytest.param("plain", ("clip", "image", "tcr", {"scoring": "before_update"}), id="plain-before-update")]
+    + [pytest.param("plain", ("clip", "image", o, {"window": 8}), id=f"plain-window-{o}") for o in ("tcr", "sar")]
     + [pytest.param("objective", c, id=f"objective-{c[0]}" + ("-gd" if c[2].get("gradient_decoupling") else "")
                     + ("-dn" if c[2].get("score_transform") else "")) for c in OBJECTIVE_CASES]
     + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "bias", "anchor_weight": 1.0}), id="plain-bitfit-anchor")]

@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 
 from ..configuration_utils import ConfigMixin, check_field_types
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..window import WindowView
 
 ObjectiveState = dict[str, torch.Tensor]
 
@@ -71,6 +74,8 @@ class ObjectiveInputs:
             set; any further columns are the objective's :meth:`Objective.candidate_extras`. ``None`` for a dense gallery.
         backend (`GalleryBackend`, *optional*): the top-k backend itself, for whole-gallery statistics
             (``backend.statistics()``, ``backend.kmeans(...)``, ``len(backend)``); ``None`` for a dense gallery.
+        window (`WindowView`, *optional*): the recent queries' detached rows (``TTAConfig.window``, :mod:`hf_tta.window`),
+            for objectives whose statistics are over the batch; ``None`` when the window is off (the papers' batch).
     """
 
     query_emb: torch.Tensor
@@ -89,6 +94,7 @@ class ObjectiveInputs:
     labels: torch.Tensor | None = None
     candidate_ids: torch.Tensor | None = None
     backend: Any = None
+    window: WindowView | None = None
 
     @property
     def num_items(self) -> int:
@@ -284,13 +290,17 @@ def config_field(default: Any, help: str, **kwargs) -> Any:
 SELECTIONS = ("tcr_port", "paper")
 
 
-def lowest_fraction(entropy: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+def lowest_fraction(
+    entropy: torch.Tensor, fraction: float, context: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TCR's per-batch selection: ``(mask, threshold)`` with ``threshold`` the k-th smallest entropy of the batch,
     ``k = int(fraction * B)`` (at least 1), and ``mask = E <= threshold`` (25 of 64 for ``fraction = 0.4``; ties at
-    the threshold are all kept)."""
+    the threshold are all kept). ``context``: the window's entropies (:func:`hf_tta.window.entropies`), which join the
+    batch for the threshold (``k = int(fraction * (B + W))``); the mask is of the batch's queries only."""
     e = entropy.detach()
-    k = min(max(1, int(fraction * e.shape[0])), e.shape[0])
-    threshold = e.kthvalue(k).values
+    pool = e if context is None else torch.cat([e, context.to(e)])
+    k = min(max(1, int(fraction * pool.shape[0])), pool.shape[0])
+    threshold = pool.kthvalue(k).values
     return e <= threshold, threshold
 
 

@@ -33,6 +33,11 @@ array-like modality, e.g. audio spectrograms, is shuffled the same way over its 
 mode) get the analogous *token shuffle*: the tokens between the first and the last valid position (so [CLS]/<bos> and
 [SEP]/<eos>, where the towers pool, stay put) are permuted, padding untouched. Draws use the wrapper's seeded RNG.
 PLPD = p(y_hat | x) - p(y_hat | x'), y_hat = argmax p(. | x).
+
+With ``TTAConfig(window=W)`` (:mod:`hf_tta.window`), ``"tcr_port"``'s batch-relative thresholds take the window's W
+recent queries in: the entropy filter's k-th smallest is over the batch and the window (k = int(0.5 (B + W))), and E_0
+over the survivors of both filters and the window rows that pass the entropy filter (their PLPD would need their raw
+inputs, so they count as passing). ``"paper"``'s thresholds are absolute and per query: unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import window
 from ..configuration_utils import check_choice, check_positive
 from .base import (
     SELECTIONS,
@@ -179,9 +185,13 @@ class DeYO(Objective):
         logits = inputs.scores / c.tau
         entropy = softmax_entropy(logits)
         port = c.selection == "tcr_port"
+        context = window.entropies(inputs, c.tau) if port else None  # TTAConfig.window: the recent queries join
         if port:  # deyo.cpython-39.pyc offsets 82-126: E < the k-th smallest (strict), nothing when k = 0
-            e_k = port_kth_smallest(entropy, c.deyo_margin)
+            pool = entropy.detach() if context is None else torch.cat([entropy.detach(), context.to(entropy)])
+            e_k = port_kth_smallest(pool, c.deyo_margin)
             mask = entropy.detach() < e_k if e_k is not None else torch.zeros_like(entropy, dtype=torch.bool)
+            if context is not None:  # the window rows past the entropy filter count for E_0 (their PLPD is unknown)
+                context = context[context < e_k].to(entropy) if e_k is not None else context[:0]
         else:
             mask = entropy.detach() < log_classes_margin(c.deyo_margin, entropy, logits.shape[1])
         first = mask.nonzero().flatten()
@@ -214,7 +224,7 @@ class DeYO(Objective):
         if c.reweight_ent or c.reweight_plpd:
             e = ent.detach()
             if port:  # offsets 1308-1398: E_0 from the survivors of both filters, +inf when k' = 0
-                e_0 = port_kth_smallest(e, c.margin_e0)
+                e_0 = port_kth_smallest(e if context is None else torch.cat([e, context]), c.margin_e0)
                 e_0 = e_0 if e_0 is not None else torch.full((), float("inf"), dtype=e.dtype, device=e.device)
                 w_ent, w_plpd = 1 / (torch.exp(e - e_0) + 0.1), torch.exp(d) + 0.1
             else:

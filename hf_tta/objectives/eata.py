@@ -17,6 +17,10 @@ In both:
   * loss = mean over the selected queries of E_i * weight_i (detached weight), plus, when ``fisher_alpha > 0``,
     the EWC penalty alpha * sum F (theta - theta_0)^2 (Eq. 9).
 
+With ``TTAConfig(window=W)`` the ``"tcr_port"`` selection's k-th smallest entropy is over the batch and the window's W
+recent queries (k = int(0.4 (B + W)), :mod:`hf_tta.window`); the ``"paper"`` threshold is per query and the redundancy
+filter's average runs over the stream already, so neither changes.
+
 With a top-k gallery backend (``gallery_access="per_item"``) the softmax is over the batch's candidate set C (as for
 the other entropy baselines) and ``model_probs`` stays a dense vector over all N items, keyed by global index: a step's
 mean prediction (zero outside C) is scattered into it, and the redundancy cosine is taken between N-vectors whose
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import window
 from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
     SELECTIONS,
@@ -96,16 +101,17 @@ def update_model_probs(
 
 def eata_selection(
     logits: torch.Tensor, model_probs: torch.Tensor, e_margin: float, d_margin: float, selection: str = "tcr_port",
-    columns: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None, context: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(entropy, reliable mask, selected mask, E_0 of the weight)``; selected = reliable and non-redundant.
 
     ``"tcr_port"``: reliable = the lowest ``e_margin`` fraction (k-th smallest, ``<=``), E_0 = ``e_margin``;
     ``"paper"``: reliable = ``E < e_margin * ln C`` = E_0. ``columns``: the gallery indices of the logits' columns
-    (a top-k backend's candidates) into the dense ``model_probs``."""
+    (a top-k backend's candidates) into the dense ``model_probs``. ``context``: the window's entropies, which join the
+    batch for the ``"tcr_port"`` threshold (:mod:`hf_tta.window`)."""
     entropy = softmax_entropy(logits)
     if selection == "tcr_port":
-        reliable, _ = lowest_fraction(entropy, e_margin)
+        reliable, _ = lowest_fraction(entropy, e_margin, context)
         e_0 = torch.tensor(e_margin, device=entropy.device, dtype=entropy.dtype)
     else:
         e_0 = log_classes_margin(e_margin, entropy, logits.shape[1])
@@ -154,7 +160,8 @@ class EATA(Objective):
         if state["model_probs"].numel() not in (0, inputs.num_items):  # another gallery: start the average again
             state["model_probs"] = state["model_probs"][:0]
         entropy, reliable, selected, e_0 = eata_selection(
-            logits, state["model_probs"], c.e_margin, c.d_margin, c.selection, columns=ids
+            logits, state["model_probs"], c.e_margin, c.d_margin, c.selection, columns=ids,
+            context=window.entropies(inputs, c.tau) if c.selection == "tcr_port" else None,
         )
         if not inputs.in_closure:
             state["model_probs"] = update_model_probs(

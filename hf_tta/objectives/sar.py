@@ -26,7 +26,9 @@ Selection (``selection``):
   * ``"paper"``: E_0 = 0.4 ln C with C the gallery size, ``E < E_0``; an empty second pass leaves the EMA alone (SAR's
     ``if not np.isnan(loss_second)``) and SAM restores theta and takes a zero-gradient base step (SAR's NaN mean over
     no query back-propagates zero gradients).
-The second pass reuses the first pass's threshold (``E2 < E_0``) in both.
+The second pass reuses the first pass's threshold (``E2 < E_0``) in both. With ``TTAConfig(window=W)`` the
+``"tcr_port"`` threshold is the k-th smallest entropy of the batch and the window's W recent queries, k = int(0.4 (B + W))
+(:mod:`hf_tta.window`); the ``"paper"`` threshold is per query and the EMA runs over the stream: unchanged.
 
 Difference from the reference code: after a recovery SAR re-assigns the triggering EMA (so the next step usually
 resets again); here the EMA starts afresh, as ``reset()`` intends.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import window
 from ..configuration_utils import check_choice, check_fraction, check_positive
 from .base import (
     SELECTIONS,
@@ -194,7 +197,7 @@ class SAR(Objective):
             self._second_loss = loss.detach()
             return LossOutput(loss=loss, n_selected=int(selected.sum()), logits=logits, temperature=c.tau)
         if c.selection == "tcr_port":
-            selected, threshold = lowest_fraction(entropy, c.margin_e0)
+            selected, threshold = lowest_fraction(entropy, c.margin_e0, window.entropies(inputs, c.tau))
         else:
             threshold = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
             selected = entropy.detach() < threshold

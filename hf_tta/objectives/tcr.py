@@ -12,6 +12,12 @@ Per step, with B queries:
     Delta_S (Eq. 7) and the entropy threshold E_m (Eq. 8);
   * L = L_NA (Eq. 11) + L_MU (Eq. 9) + L_MG (Eq. 10).
 
+With ``TTAConfig(window=W)`` (:mod:`hf_tta.window`) the batch is the current B queries joined by the W recent
+queries' detached rows: the refined prediction is (B + W) x (B + W), L_NA, L_MU and L_MG are their means over all
+rows (the full-batch loss; only the current rows carry a gradient, and ``n_selected`` counts the window's selected
+rows too, as a batch of B + W would), and the queue takes the current rows among the lowest-SI 30 % of the B + W, for
+the first ``queue_update_batches x queue_size`` queries. Gradient decoupling keeps the current rows' B x B prediction.
+
 The functions are pure functions of tensors so each equation is unit-tested on its own.
 """
 
@@ -69,18 +75,23 @@ def noise_robust_entropy(
 
 
 def update_queue(
-    state: ObjectiveState, zq: torch.Tensor, zg: torch.Tensor, refined_logits: torch.Tensor, ratio: float, size: int
+    state: ObjectiveState, zq: torch.Tensor, zg: torch.Tensor, refined_logits: torch.Tensor, ratio: float, size: int,
+    insert: int | None = None,
 ) -> None:
     """Append the ``int(ratio * B)`` lowest-SI pairs of the batch to the queue; once it holds ``size`` pairs or more,
     keep the ``size`` lowest-SI ones (code: ``losses.update_queue``, ``max_queue_size = 64``). ``size`` is the configured
     capacity, never the current batch's size, so a short batch does not shrink the queue. Entropies are those at
-    insertion time. The queue is kept in the embeddings' dtype (as the code keeps CLIP's fp16 features)."""
+    insertion time. The queue is kept in the embeddings' dtype (as the code keeps CLIP's fp16 features). ``insert``
+    (with a window): only the first ``insert`` rows (the current batch's) of the lowest-SI ones enter; the window's
+    rows were offered when they were current."""
     with torch.no_grad():
         zq, zg = zq.detach(), zg.detach().to(zq.dtype)
         si = si_score(zq, zg)
         ent = softmax_entropy(refined_logits.detach()).to(zq.dtype)
         k = max(1, int(ratio * zq.shape[0]))  # the code's int(0.3 * 64) = 19; max(1, .) keeps tiny batches usable
         idx = si.argsort()[:k]
+        if insert is not None:
+            idx = idx[idx < insert]
         q_si = torch.cat([state["queue_si"].to(zq.dtype), si[idx]])
         q_q = torch.cat([state["queue_q"].to(zq.dtype).reshape(-1, zq.shape[1]), zq[idx]])
         q_g = torch.cat([state["queue_g"].to(zq.dtype).reshape(-1, zg.shape[1]), zg[idx]])
@@ -144,10 +155,34 @@ def refine(inputs: ObjectiveInputs, tau: float) -> tuple[torch.Tensor, torch.Ten
     return nn_idx, inputs.gallery_emb[nn_idx], inputs.scores[:, nn_idx] / tau
 
 
-def maybe_update_queue(config, inputs: ObjectiveInputs, state: ObjectiveState, zg, logits) -> None:
-    """Queue update at step 0 while fewer than ``queue_update_batches`` updates were made."""
-    if inputs.step == 0 and int(state["queue_updates"]) < config.queue_update_batches:
-        update_queue(state, inputs.query_emb, zg, logits, config.source_ratio, config.queue_size)
+def maybe_update_queue(config, inputs: ObjectiveInputs, state: ObjectiveState, zg, logits, zq=None) -> None:
+    """Queue update at step 0 while fewer than ``queue_update_batches`` updates were made; with a window (``zq``, ``zg``
+    and ``logits`` are then of the batch and the window's rows) while fewer than ``queue_update_batches x queue_size``
+    queries were pushed (the same first 640 queries at any batch size)."""
+    if inputs.step != 0:
+        return
+    w = inputs.window
+    if w is None:
+        if int(state["queue_updates"]) < config.queue_update_batches:
+            update_queue(state, inputs.query_emb, zg, logits, config.source_ratio, config.queue_size)
+    elif w.seen < config.queue_update_batches * config.queue_size:
+        n = inputs.query_emb.shape[0]
+        update_queue(state, zq, zg, logits, config.source_ratio, config.queue_size, insert=n)
+
+
+def with_window(inputs: ObjectiveInputs, zg: torch.Tensor, logits: torch.Tensor, tau: float):
+    """The batch joined by the window's rows (:mod:`hf_tta.window`): ``(zq, zg, logits)`` of ``B + W`` rows, the refined
+    logits (Eq. 5) over the candidates of all of them; only the current rows carry a gradient. Without a window (or
+    rows) the inputs are returned as they are."""
+    w = inputs.window
+    zq = inputs.query_emb
+    if w is None or not len(w):
+        return zq, zg, logits
+    wq, wg = w.query_emb.detach().to(zq), w.candidate_emb.detach().to(zq)
+    zg = zg.to(zq)
+    current = torch.cat([logits, zq @ wg.T / tau], dim=1)
+    past = torch.cat([wq @ zg.T, wq @ wg.T], dim=1) / tau
+    return torch.cat([zq, wq]), torch.cat([zg, wg]), torch.cat([current.to(past), past])
 
 
 @register_objective("tcr", TCRConfig)
@@ -161,13 +196,13 @@ class TCR(Objective):
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         c = self.config
-        nn_idx, zg, logits = refine(inputs, c.tau)
-        maybe_update_queue(c, inputs, state, zg, logits)
+        nn_idx, zg_batch, logits = refine(inputs, c.tau)
+        zq, zg, logits_all = with_window(inputs, zg_batch, logits, c.tau)
+        maybe_update_queue(c, inputs, state, zg, logits_all, zq)
         if state["queue_si"].numel() == 0:  # no source-like pair yet (a skipped first step): nothing to compare to
             return LossOutput(loss=None, n_selected=0, logs={"queue_size": 0.0})
         delta_s, e_max = queue_constraints(state)
-        zq = inputs.query_emb
-        entropy = softmax_entropy(logits)
+        entropy = softmax_entropy(logits_all)
         l_na, mask = noise_robust_entropy(entropy, e_max, c.entropy_eps)
         l_mu = uniformity_loss(zq, c.uniformity_t)
         l_mg = gap_loss(zq, zg, delta_s)
