@@ -1,8 +1,9 @@
 """``TTAWrapper``: a Hugging Face dual encoder adapted online on a stream of queries.
 
-Sets up what adapts (PEFT LN tuning, BitFit or LoRA of the query tower: :mod:`hf_tta.tuning`), embeds and scores against a cached gallery, and orders
-:meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps (:mod:`hf_tta.loop`), decision, report.
-What adaptation changes is one :class:`~hf_tta.state.AdapterState`; checkpoints are :mod:`hf_tta.checkpoint_hub`'s.
+Sets up what adapts (PEFT LN tuning, BitFit or LoRA of the query tower: :mod:`hf_tta.tuning`), embeds and scores
+against a cached gallery, and orders :meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps
+(:mod:`hf_tta.loop`), decision, report. What adaptation changes is one :class:`~hf_tta.state.AdapterState`;
+checkpoints are :mod:`hf_tta.checkpoint_hub`'s.
 """
 
 from __future__ import annotations
