@@ -25,8 +25,9 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 
 
 def export_peft_adapter(peft_model: PeftModel | None, directory: str | os.PathLike) -> str:
-    """Write the adapted LayerNorms as a PEFT LN-tuning adapter folder (``adapter_config.json`` +
-    ``adapter_model.safetensors``): ``PeftModel.from_pretrained(source_model, directory)`` then embeds as the wrapper."""
+    """Write the adapted state as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``): an
+    LN-tuning adapter (``tuning="ln"`` or ``"bias"``: the selected modules whole) or a LoRA adapter (``"lora"``);
+    ``PeftModel.from_pretrained(source_model, directory)`` then embeds as the wrapper."""
     if peft_model is None:
         raise ValueError("This wrapper adapts nothing (a training-free objective): there is no PEFT adapter to export.")
     peft_model.save_pretrained(str(directory))
