@@ -22,8 +22,8 @@ Phases (the split is fixed here, before any run):
    queries) below the source.
 3. ``report``: the chosen candidate next to TCR on the LayerNorms, the LayerNorm oracle, the chosen set's oracle and
    the all-parameter oracle. **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost,
-   fog, brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5; plus the clean,
-   diverse and Noto streams and the degenerate stream for the label-free rows.
+   fog, brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5; plus, for the
+   label-free rows, the clean, diverse, switching and Noto streams and a degenerate stream of 50 constant batches.
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
@@ -114,8 +114,9 @@ def _jobs(phase: str, candidate: str | None) -> list[tuple[str, list[str]]]:
             extra = CANDIDATES[name] if name in CANDIDATES else []
             for i, split in enumerate(HELD_OUT):
                 jobs.append((f"{name}/part{i}", [*objectives, *extra, *split, *REPORT_COMMON]))
-            jobs.append((f"{name}/streams", [*objectives, *extra, "--corruptions", "", "--clean", "--diverse", "--style",
-                                             "--degenerate", *REPORT_COMMON[:2]]))
+            jobs.append((f"{name}/streams", ["--objectives", "tcr,tcr+safe", *extra, "--corruptions", "", "--clean",
+                                             "--diverse", "--style", "--switch", "--degenerate", "--degenerate-batches",
+                                             "50", *REPORT_COMMON[:2]]))
     return jobs
 
 
