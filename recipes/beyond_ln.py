@@ -55,19 +55,21 @@ SETS: dict[str, list[str]] = {  # hf-tta run arguments of each parameter set (th
     "lora4-mlp": ["--tuning", "lora", "--lora_rank", "4", "--target_modules", MLP],
     "lora16-mlp": ["--tuning", "lora", "--lora_rank", "16", "--target_modules", MLP],
 }
-LRS = ("1e-4", "3e-4", "1e-3")
+LRS = ("1e-4", "3e-4", "1e-3", "3e-3")  # 3e-3 added after 1e-3 won for three sets (the grid's edge)
 
 CANDIDATES: dict[str, list[str]] = {  # label-free: TCR (its paper defaults) on more of the tower
     "tcr-ln": [],
+    "tcr-stem": SETS["stem"],
     "tcr-ln+stem": SETS["ln+stem"],
+    # the ceilings moved the stem furthest at 3 x the LayerNorms' lr: the same per-group lr, label-free
+    "tcr-ln+stem-x3": [*SETS["ln+stem"], "--lr_multipliers", json.dumps({"patch_embeddings": 3.0})],
+    "tcr-ln+stem-anchor": [*SETS["ln+stem"], "--anchor_weight", "1.0"],
+    "tcr-ln+stem+gd": [*SETS["ln+stem"], "--gradient-decoupling", "tcr"],
     "tcr-bitfit": SETS["bitfit"],
     "tcr-lora4-mlp": SETS["lora4-mlp"],
-    "tcr-lora4-mlp-lr1e-4": [*SETS["lora4-mlp"], "--lr", "1e-4"],
     "tcr-ln+mlp-x0.03": ["--target_modules", LN_MLP, "--lr_multipliers", json.dumps({"pwconv": 0.03})],
     "tcr-ln+mlp-x0.03-anchor": ["--target_modules", LN_MLP, "--lr_multipliers", json.dumps({"pwconv": 0.03}),
                                 "--anchor_weight", "1.0"],
-    "tcr-lora4-mlp-anchor": [*SETS["lora4-mlp"], "--anchor_weight", "1.0"],
-    "tcr-ln+stem+gd": [*SETS["ln+stem"], "--gradient-decoupling", "tcr"],
 }
 
 SELECTION = [
