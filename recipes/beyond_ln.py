@@ -98,7 +98,7 @@ def _jobs(phase: str, candidate: str | None) -> list[tuple[str, list[str]]]:
     jobs: list[tuple[str, list[str]]] = []
     if phase == "ceilings":
         for name, extra in SETS.items():
-            for lr in (("3e-4",) if name == "ln" else LRS):
+            for lr in LRS:
                 for i, split in enumerate(SELECTION):
                     jobs.append((f"oracle-{name}-lr{lr}/part{i}", ["--objectives", "oracle", *extra, "--lr", lr, *split, *SELECTION_COMMON]))
         for lr in LRS:
