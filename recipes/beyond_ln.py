@@ -20,10 +20,12 @@ Phases (the split is fixed here, before any run):
 2. ``candidates``: label-free rows, each with and without the safety layer, on the same selection split; every one
    tried is recorded. The rule: the highest won-back share among rows with no column more than 1.0 R@1 (5 of 500
    queries) below the source.
-3. ``report``: the chosen candidate next to TCR on the LayerNorms, the LayerNorm oracle, the chosen set's oracle and
-   the all-parameter oracle. **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost,
-   fog, brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5; plus, for the
-   label-free rows, the clean, diverse, switching and Noto streams and a degenerate stream of 50 constant batches.
+3. ``report``: the chosen candidate next to TCR on the LayerNorms (each with and without the safety layer), and the
+   prequential ceilings of the LayerNorms, of the candidate's set and of every parameter, each at the lr its set chose
+   in phase 1. **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog,
+   brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5 (label-free rows only:
+   the source keeps 93 % or more there); plus, for the label-free rows, the clean, diverse, switching and Noto
+   streams and a degenerate stream of 50 constant batches.
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
@@ -72,6 +74,12 @@ CANDIDATES: dict[str, list[str]] = {  # label-free: TCR (its paper defaults) on 
                                 "--anchor_weight", "1.0"],
 }
 
+CANDIDATE_SET = {  # the parameter set each candidate adapts (whose ceiling the report shows next to it)
+    "tcr-ln": "ln", "tcr-stem": "stem", "tcr-bitfit": "bitfit", "tcr-lora4-mlp": "lora4-mlp",
+    **{name: "ln+stem" for name in CANDIDATES if name.startswith("tcr-ln+stem")},
+    **{name: "all" for name in CANDIDATES if name.startswith("tcr-ln+mlp")},  # no ceiling of its own: the nearest above
+}
+
 SELECTION = [
     ["--corruptions", "gaussian_noise,shot_noise,impulse_noise,speckle_noise", "--severities", "5"],
     ["--corruptions", "defocus_blur,glass_blur,motion_blur,zoom_blur", "--severities", "3,5"],
@@ -94,7 +102,8 @@ def _run(out: Path, args: list[str], cache: str) -> int:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def _jobs(phase: str, candidate: str | None) -> list[tuple[str, list[str]]]:
+def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    """The phase's runs: (folder, `hf-tta run` arguments). ``lrs``: each set's chosen lr (report)."""
     jobs: list[tuple[str, list[str]]] = []
     if phase == "ceilings":
         for name, extra in SETS.items():
@@ -109,16 +118,21 @@ def _jobs(phase: str, candidate: str | None) -> list[tuple[str, list[str]]]:
             for i, split in enumerate(SELECTION):
                 jobs.append((f"{name}/part{i}", ["--objectives", "tcr,tcr+safe", *extra, *split, *SELECTION_COMMON]))
     elif phase == "report":
-        if candidate is None:
-            raise SystemExit("report needs --candidate (the name the candidates phase chose).")
-        rows = {"tcr-ln": ["--objectives", "tcr,tcr+safe,oracle,oracle_all"], candidate: ["--objectives", "tcr,tcr+safe"]}
-        for name, objectives in rows.items():
-            extra = CANDIDATES[name] if name in CANDIDATES else []
+        if candidate not in CANDIDATES:
+            raise SystemExit(f"report needs --candidate, one of {list(CANDIDATES)} (the candidates phase's choice).")
+        for name in dict.fromkeys(["tcr-ln", candidate]):  # label-free: every held-out column and the extra streams
             for i, split in enumerate(HELD_OUT):
-                jobs.append((f"{name}/part{i}", [*objectives, *extra, *split, *REPORT_COMMON]))
-            jobs.append((f"{name}/streams", ["--objectives", "tcr,tcr+safe", *extra, "--corruptions", "", "--clean",
-                                             "--diverse", "--style", "--switch", "--degenerate", "--degenerate-batches",
-                                             "50", *REPORT_COMMON[:2]]))
+                jobs.append((f"{name}/part{i}", ["--objectives", "tcr,tcr+safe", *CANDIDATES[name], *split, *REPORT_COMMON]))
+            jobs.append((f"{name}/streams", ["--objectives", "tcr,tcr+safe", *CANDIDATES[name], "--corruptions", "",
+                                             "--clean", "--diverse", "--style", "--switch", "--degenerate",
+                                             "--degenerate-batches", "50", *REPORT_COMMON[:2]]))
+        # the ceilings (at the lr each set chose on the selection split) on the columns where the source keeps recall
+        # to lose: weather and contrast (the digital streams keep 93 % or more)
+        for set_name in dict.fromkeys(["ln", CANDIDATE_SET[candidate], "all"]):
+            lr = lrs[set_name]
+            row = "oracle_all" if set_name == "all" else "oracle"
+            jobs.append((f"oracle-{set_name}-lr{lr}/part0", ["--objectives", row, *SETS.get(set_name, []), "--lr", lr,
+                                                              *HELD_OUT[0], *REPORT_COMMON]))
     return jobs
 
 
@@ -137,7 +151,12 @@ def main(argv=None) -> None:
 
         print(summarise(out))
         return
-    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate) if not args.only or args.only in n]
+    lrs = None
+    if args.phase == "report":  # each set's lr, as the ceilings phase chose it on the selection split
+        from beyond_ln_summary import choose_lrs, load  # noqa: PLC0415 (next to this file)
+
+        lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load(out)).items()}
+    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs) if not args.only or args.only in n]
     with ThreadPoolExecutor(args.jobs) as pool:
         codes = list(pool.map(lambda job: _run(out / args.phase / job[0], job[1], args.cache_dir), jobs))
     failed = [n for (n, _), c in zip(jobs, codes) if c != 0]

@@ -3,6 +3,7 @@
 
     python recipes/beyond_ln_summary.py runs/beyond-ln                      # print the tables
     python recipes/beyond_ln_summary.py runs/beyond-ln --export model_cards/results/beyond-ln
+    python recipes/beyond_ln_summary.py model_cards/results/beyond-ln/rows.jsonl   # the card's tables
 
 ``--export`` writes ``rows.jsonl`` (every run's row with per-query hits, tagged with its phase and config) and
 ``results.json`` (the tables' figures and the choices), from which the card's figures are recomputed.
@@ -33,7 +34,11 @@ STREAMS = ("clean", "diverse", "noto", "degenerate")
 
 
 def load(out: Path) -> list[dict]:
-    """Every finished run's row under ``out/<phase>/<config>/<part>/rows.jsonl``, tagged with phase and config."""
+    """Every finished run's row under ``out/<phase>/<config>/<part>/rows.jsonl``, tagged with phase and config; or the
+    rows of an exported ``rows.jsonl`` (already tagged)."""
+    out = Path(out)
+    if out.is_file():
+        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     rows = []
     for path in sorted(out.glob("*/*/*/rows.jsonl")):
         phase, config = path.parts[-4], path.parts[-3]
