@@ -20,12 +20,11 @@ Phases (the split is fixed here, before any run):
 2. ``candidates``: label-free rows, each with and without the safety layer, on the same selection split; every one
    tried is recorded. The rule: the highest won-back share among rows with no column more than 1.0 R@1 (5 of 500
    queries) below the source.
-3. ``report``: the chosen candidate next to TCR on the LayerNorms (each with and without the safety layer), and the
-   prequential ceilings of the LayerNorms, of the candidate's set and of every parameter, each at the lr its set chose
-   in phase 1. **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog,
-   brightness) and contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5 (label-free rows only:
-   the source keeps 93 % or more there); plus, for the label-free rows, the clean, diverse, switching and Noto
-   streams and a degenerate stream of 50 constant batches.
+3. ``report``: the chosen candidate (with and without the safety layer) next to TCR on the LayerNorms, and the
+   prequential ceilings of the LayerNorms and of the candidate's set, each at the lr its set chose in phase 1.
+   **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog, brightness) and
+   contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5 (label-free rows only: the source keeps
+   93 % or more there); plus the clean stream and a degenerate stream of 50 constant batches for the candidate.
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
@@ -120,18 +119,17 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
     elif phase == "report":
         if candidate not in CANDIDATES:
             raise SystemExit(f"report needs --candidate, one of {list(CANDIDATES)} (the candidates phase's choice).")
-        for name in dict.fromkeys(["tcr-ln", candidate]):  # label-free: every held-out column and the extra streams
+        for name, rows in (("tcr-ln", "tcr"), (candidate, "tcr,tcr+safe")):  # label-free: every held-out column
             for i, split in enumerate(HELD_OUT):
-                jobs.append((f"{name}/part{i}", ["--objectives", "tcr,tcr+safe", *CANDIDATES[name], *split, *REPORT_COMMON]))
-            jobs.append((f"{name}/streams", ["--objectives", "tcr,tcr+safe", *CANDIDATES[name], "--corruptions", "",
-                                             "--clean", "--diverse", "--style", "--switch", "--degenerate",
-                                             "--degenerate-batches", "50", *REPORT_COMMON[:2]]))
-        # the ceilings (at the lr each set chose on the selection split) on the columns where the source keeps recall
-        # to lose: weather and contrast (the digital streams keep 93 % or more)
-        for set_name in dict.fromkeys(["ln", CANDIDATE_SET[candidate], "all"]):
+                jobs.append((f"{name}/part{i}", ["--objectives", rows, *CANDIDATES[name], *split, *REPORT_COMMON]))
+        jobs.append((f"{candidate}/streams", ["--objectives", "tcr,tcr+safe", *CANDIDATES[candidate], "--corruptions",
+                                              "", "--clean", "--degenerate", "--degenerate-batches", "50",
+                                              *REPORT_COMMON[:2]]))
+        # the ceilings of the LayerNorms and of the candidate's set (at the lr each chose on the selection split) on
+        # the columns where the source keeps recall to lose: weather and contrast (digital keeps 93 % or more)
+        for set_name in dict.fromkeys(["ln", CANDIDATE_SET[candidate]]):
             lr = lrs[set_name]
-            row = "oracle_all" if set_name == "all" else "oracle"
-            jobs.append((f"oracle-{set_name}-lr{lr}/part0", ["--objectives", row, *SETS.get(set_name, []), "--lr", lr,
+            jobs.append((f"oracle-{set_name}-lr{lr}/part0", ["--objectives", "oracle", *SETS[set_name], "--lr", lr,
                                                               *HELD_OUT[0], *REPORT_COMMON]))
     return jobs
 

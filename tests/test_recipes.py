@@ -122,7 +122,7 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names():
     from hf_tta.cli.plan import prepare_run
 
     study = _load("beyond_ln")
-    phases = [study._jobs("ceilings", None), study._jobs("candidates", None), study._jobs("report", "tcr-bitfit", {s: "3e-4" for s in [*study.SETS, "all"]})]
+    phases = [study._jobs("ceilings", None), study._jobs("candidates", None), study._jobs("report", "tcr-bitfit", {s: "3e-4" for s in study.SETS})]
     assert all(len({name for name, _ in jobs}) == len(jobs) for jobs in phases)  # one folder per job in a phase
     jobs = [job for phase in phases for job in phase]
     distinct = {}
