@@ -142,12 +142,13 @@ def choose_candidate(rows: list[dict]) -> tuple[str | None, dict[str, dict]]:
     return chosen, scored
 
 
-def versus(rows: list[dict], label: str, reference: str, phase: str = "report") -> dict | None:
-    """``label`` minus ``reference`` over the phase's corruption columns: mean R@1 difference and its interval."""
+def versus(rows: list[dict], label: str, reference: str, phase: str = "report", columns: list | None = None) -> dict | None:
+    """``label`` minus ``reference`` over ``columns`` (default: the phase's corruption columns): mean R@1 difference
+    and its interval."""
     from hf_tta.benchmarks.intervals import paired_bootstrap
 
     sources, labels = _by(rows, phase)
-    columns = corruption_columns(sources)
+    columns = corruption_columns(sources) if columns is None else columns
     a, b = labels.get(label, {}), labels.get(reference, {})
     diffs = []
     for column in columns:
@@ -158,6 +159,40 @@ def versus(rows: list[dict], label: str, reference: str, phase: str = "report") 
         diffs.append(np.asarray(hits[0], dtype=np.float64) - np.asarray(hits[1], dtype=np.float64))
     mean, ci = paired_bootstrap(diffs)
     return {"delta": mean, "ci": ci}
+
+
+def _hits(row: dict) -> np.ndarray:
+    return np.frombuffer(row["hits"].encode(), dtype=np.uint8).astype(np.float64) - 48
+
+
+def report_lines(rows: list[dict], reference: str = "tcr-ln:tcr") -> list[str]:
+    """Per label of the report: won back at each severity, the difference to ``reference`` over the corruption
+    columns both ran (95 % interval, items joint across columns, seeds resampled), and the worst column against the
+    source with its interval (``below`` only when the whole interval is below zero, else the detection limit)."""
+    from hf_tta.benchmarks.intervals import below_source_claim, paired_bootstrap
+
+    sources, labels = _by(rows, "report")
+    columns = corruption_columns(sources)
+    lines = []
+    for label in sorted(labels):
+        runs = labels[label]
+        by_severity = []
+        for severity in sorted({c[1] for c in columns}):
+            s = score(runs, sources, [c for c in columns if c[1] == severity])
+            if s:
+                by_severity.append(f"severity {severity} {s['won_back']:.1f} %")
+        shared = [c for c in columns if any(k[0] == c for k in runs) and any(k[0] == c for k in labels.get(reference, {}))]
+        vs = versus(rows, label, reference, columns=shared) if label != reference and shared else None
+        worst = score(runs, sources, columns)
+        column = next(c for c in columns if _name(c) == worst["worst_column"])
+        seeds = sorted(k[1] for k in runs if k[0] == column)
+        delta, ci = paired_bootstrap([np.stack([_hits(runs[(column, s)]) - _hits(sources[(column, s)]) for s in seeds])])
+        text = f"- {label}: won back {', '.join(by_severity)}"
+        if vs is not None:
+            text += f"; against {reference} {vs['delta']:+.1f} R@1 [{vs['ci'][0]:+.1f}, {vs['ci'][1]:+.1f}] over {len(shared)} columns"
+        text += f"; worst column {worst['worst_column']} {delta:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]: {below_source_claim(delta, ci)}"
+        lines.append(text)
+    return lines
 
 
 def _table(title: str, scored: dict[str, dict], columns: list[str]) -> str:
@@ -184,12 +219,32 @@ def summarise(out: Path) -> str:
         source_row = {"R@1": {_name(c): float(np.mean([r["R@1"] for (cc, _), r in sources.items() if cc == c])) for c in columns},
                       "won_back": 0.0, "worst": 0.0, "worst_column": "–", "safety": {}}
         parts.append(_table(f"{phase} ({len({s for _, s in sources})} seed(s))", {"source": source_row, **scored}, names))
+        if phase == "report":
+            parts.append("\n".join(report_lines(rows)))
+            parts.append(_streams_table(rows))
     if any(r["phase"] == "ceilings" for r in rows):
         parts.append("Chosen learning rates: " + ", ".join(f"{k} {v['lr']} ({v['won_back']:.1f} %)" for k, v in choose_lrs(rows).items()))
     if any(r["phase"] == "candidates" for r in rows):
         chosen, _ = choose_candidate(rows)
         parts.append(f"Chosen candidate (rule: highest won back with no column below the source by more than {MAX_DROP}): {chosen}")
     return "\n\n".join(parts)
+
+
+def _streams_table(rows: list[dict]) -> str:
+    """The report's extra streams (clean, degenerate): R@1 per seed-mean and the difference to the source."""
+    sources, labels = _by(rows, "report")
+    lines = ["| row | stream | R@1 | Δ vs source | safety |", "|---|---|---|---|---|"]
+    for label in sorted(labels):
+        for shift in STREAMS:
+            keys = [k for k in labels[label] if k[0][0] == shift and k in sources]
+            if not keys:
+                continue
+            r1 = float(np.mean([labels[label][k]["R@1"] for k in keys]))
+            src = float(np.mean([sources[k]["R@1"] for k in keys]))
+            safety = _safety(labels[label][k] for k in keys)
+            counts = "/".join(str(safety.get(k, 0)) for k in ("skip_degenerate", "rollback", "reset")) if safety else "–"
+            lines.append(f"| {label} | {shift} | {r1:.1f} | {r1 - src:+.1f} | {counts} |")
+    return "\n".join(lines)
 
 
 def export(out: Path, dest: Path) -> None:
