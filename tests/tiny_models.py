@@ -26,7 +26,10 @@ def tiny_blip():
     from transformers import BlipConfig, BlipForImageTextRetrieval
 
     text = dict(TXT, encoder_hidden_size=32, bos_token_id=0, sep_token_id=2, pad_token_id=1)
-    return BlipForImageTextRetrieval(BlipConfig(text_config=text, vision_config=VIS, image_text_hidden_size=16))
+    # BlipVisionConfig's initializer_range defaults to 1e-10, which the current transformers honours: a tiny random ViT then
+    # embeds every image alike (every gallery item ties and a text query's entropy has no gradient)
+    vision = dict(VIS, initializer_range=0.02)
+    return BlipForImageTextRetrieval(BlipConfig(text_config=text, vision_config=vision, image_text_hidden_size=16))
 
 
 def tiny_blip2():
