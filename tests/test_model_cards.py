@@ -132,17 +132,43 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
     assert "\n".join(sweep_table(load_rows(SWEEP))) in text
 
 
+STUDY = re.compile(r"<!-- study: (?P<rows>\S+) -->\n(?P<body>.*?)<!-- /study -->", re.S)
+
+
+def study_tables(rows: Path) -> str:
+    """The tables of issue 29's study, printed by ``recipes/beyond_ln_summary.py`` from its exported rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("beyond_ln_summary", CARDS.parent / "recipes" / "beyond_ln_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.summarise(rows)
+
+
+def test_the_study_tables_are_recomputed_from_their_rows():
+    """Each ``<!-- study: rows -->`` block of the results card is the summary script's output on the committed rows."""
+    text = (CARDS / "emoji-benchmark-results.md").read_text()
+    blocks = list(STUDY.finditer(text))
+    assert blocks, "the results card has no study block"
+    for block in blocks:
+        assert block["body"].strip() == study_tables(CARDS / block["rows"]).strip()
+
+
 def write(card: Path) -> None:
     """Rewrite every marked table of ``card`` from its rows (the card's own title kept)."""
     lines = card.read_text().split("\n")
     for line, spec in reversed(marked_tables(card)):
         expected = expected_table(spec)
         lines[line : _block_end(lines, line)] = [lines[line], *expected[1:]]
-    card.write_text("\n".join(lines))
+    text = "\n".join(lines)
+    for block in reversed(list(STUDY.finditer(text))):
+        body = study_tables(CARDS / block["rows"]).strip() + "\n"
+        text = text[: block.start("body")] + body + text[block.end("body") :]
+    card.write_text(text)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     for path in sorted(CARDS.glob("*.md")):
-        if marked_tables(path):
+        if marked_tables(path) or STUDY.search(path.read_text()):
             write(path)
             print("rewrote", path)
