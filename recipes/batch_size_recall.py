@@ -27,6 +27,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 ROWS = ("tcr", "recommended")
 SOURCE = "source"
 FULL = 64
@@ -63,37 +65,70 @@ def read_rows(folder: Path) -> list[dict]:
     return rows
 
 
-def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
-    """The markdown table: per row and batch size, mean R@1 (%) over streams and seeds, the gain over the source, the
-    share of the batch-64 gain and the worst stream's difference to the source (R@1 points, mean over seeds)."""
-    def per_stream(items: list[dict]) -> dict[tuple, dict[str, float]]:
-        acc: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for r in items:
-            if r["shift"] != "clean":  # the runner's clean reference stream is not a shift
-                acc[(r["shift"], r["severity"])][r["objective"]].append(r["R@1"])  # already in %
-        return {k: {o: sum(v) / len(v) for o, v in d.items()} for k, d in acc.items()}
+def _hits(row: dict) -> np.ndarray:
+    return np.frombuffer(row["hits"].encode(), dtype=np.uint8).astype(np.float64) - 48
 
-    streams = {b: per_stream(items) for b, items in by_size.items()}
+
+def _by_stream(items: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
+    """``{(shift, severity): {objective: {seed: row}}}``; the runner's clean reference stream is not a shift."""
+    acc: dict[tuple, dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for r in items:
+        if r["shift"] != "clean":
+            acc[(r["shift"], r["severity"])][r["objective"]][r["seed"]] = r
+    return acc
+
+
+def _diffs(a: dict, b: dict, keys: list[tuple], row_a: str, row_b: str) -> list[np.ndarray]:
+    """Per stream, ``(seeds, queries)`` hit differences of ``row_a`` in ``a`` minus ``row_b`` in ``b`` (the seeds both
+    ran; the same seed's stream holds the same queries in the same order at every batch size)."""
+    out = []
+    for k in keys:
+        seeds = sorted(set(a[k][row_a]) & set(b[k][row_b]))
+        out.append(np.stack([_hits(a[k][row_a][s]) - _hits(b[k][row_b][s]) for s in seeds]))
+    return out
+
+
+def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
+    """The markdown table: per row and batch size, mean R@1 (%) over streams and seeds; the gain over the source with
+    its 95 % interval; the share of the batch-64 gain (ratio of the mean gains over the streams both batch sizes ran);
+    the difference to the same row at batch 64 with its interval; and the worst stream's difference to the source with
+    its interval and what it supports (``below`` only when the whole interval is below zero, else the detection limit).
+    Intervals: :func:`hf_tta.benchmarks.intervals.paired_bootstrap` (items resampled jointly across the streams, seeds
+    resampled)."""
+    from hf_tta.benchmarks.intervals import below_source_claim, paired_bootstrap
+
+    def ci(diffs: list[np.ndarray]) -> str:
+        mean, (lo, hi) = paired_bootstrap(diffs)
+        return f"{mean:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+    streams = {b: _by_stream(items) for b, items in by_size.items()}
     full = streams.get(FULL, {})
-    lines = ["| row | batch | window | R@1 | gain over source | share of batch-64 gain | worst stream vs source | seconds/run |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | batch | window | R@1 | gain over source [95 % CI] | share of batch-64 gain | vs batch 64 [95 % CI] "
+             "| worst stream vs source [95 % CI] | seconds/run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in (SOURCE, *rows):
         for b in sorted(streams):
-            keys = [k for k, d in streams[b].items() if row in d and SOURCE in d]
+            st = streams[b]
+            keys = sorted((k for k, d in st.items() if row in d and SOURCE in d), key=str)
             if not keys:
                 continue
-            r1 = sum(streams[b][k][row] for k in keys) / len(keys)
-            src = sum(streams[b][k][SOURCE] for k in keys) / len(keys)
-            worst = min(streams[b][k][row] - streams[b][k][SOURCE] for k in keys)
-            share = "—"
-            full_keys = [k for k in keys if k in full and row in full[k]]
-            if row != SOURCE and full_keys and b != FULL:
-                gain_b = sum(streams[b][k][row] - streams[b][k][SOURCE] for k in full_keys) / len(full_keys)
-                gain_64 = sum(full[k][row] - full[k][SOURCE] for k in full_keys) / len(full_keys)
-                share = f"{100 * gain_b / gain_64:.0f} %" if abs(gain_64) > 1e-9 else "—"
-            secs = [r["seconds"] for r in by_size[b] if r["objective"] == row and r["shift"] != "clean"]
-            lines.append(f"| {row} | {b} | {FULL - b if b < FULL else 0} | {r1:.1f} | {r1 - src:+.1f} | {share} | "
-                         f"{worst:+.1f} | {sum(secs) / max(1, len(secs)):.1f} |")
+            r1 = float(np.mean([np.mean([r["R@1"] for r in st[k][row].values()]) for k in keys]))
+            gain = share = versus = worst = "—"
+            if row != SOURCE:
+                gain = ci(_diffs(st, st, keys, row, SOURCE))
+                per_stream = {k: float(np.mean(d)) * 100 for k, d in zip(keys, _diffs(st, st, keys, row, SOURCE))}
+                w = min(per_stream, key=per_stream.get)
+                mean, bounds = paired_bootstrap(_diffs(st, st, [w], row, SOURCE))
+                worst = f"{mean:+.1f} [{bounds[0]:+.1f}, {bounds[1]:+.1f}] {w[0]} {w[1]}: {below_source_claim(mean, bounds)}"
+                both = [k for k in keys if k in full and row in full[k] and SOURCE in full[k]]
+                if b != FULL and both:
+                    gain_b = float(np.mean([d.mean() for d in _diffs(st, st, both, row, SOURCE)]))
+                    gain_64 = float(np.mean([d.mean() for d in _diffs(full, full, both, row, SOURCE)]))
+                    share = f"{100 * gain_b / gain_64:.0f} %" if abs(gain_64) > 1e-9 else "—"
+                    versus = ci(_diffs(st, full, both, row, row))
+            secs = [r["seconds"] for k in keys for r in st[k][row].values() if "seconds" in r]
+            lines.append(f"| {row} | {b} | {FULL - b if b < FULL else 0} | {r1:.1f} | {gain} | {share} | {versus} | "
+                         f"{worst} | {sum(secs) / max(1, len(secs)):.1f} |")
     return "\n".join(lines)
 
 

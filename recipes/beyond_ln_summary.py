@@ -33,9 +33,12 @@ MAX_DROP = 1.0  # the candidates' rule: no selection column more than this many 
 STREAMS = ("clean", "diverse", "noto", "degenerate")
 
 
-def load(out: Path) -> list[dict]:
+def load(out: Path | list[Path]) -> list[dict]:
     """Every finished run's row under ``out/<phase>/<config>/<part>/rows.jsonl``, tagged with phase and config; or the
-    rows of an exported ``rows.jsonl`` (already tagged)."""
+    rows of an exported ``rows.jsonl`` (already tagged); several of these together for a list (a later round's runs
+    next to the exported rows of the earlier ones)."""
+    if isinstance(out, (list, tuple)):
+        return [row for o in out for row in load(o)]
     out = Path(out)
     if out.is_file():
         return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -205,7 +208,7 @@ def _table(title: str, scored: dict[str, dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def summarise(out: Path) -> str:
+def summarise(out: Path | list[Path]) -> str:
     rows = load(out)
     parts = []
     for phase in ("ceilings", "candidates", "report"):
@@ -247,7 +250,7 @@ def _streams_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def export(out: Path, dest: Path) -> None:
+def export(out: Path | list[Path], dest: Path) -> None:
     rows = load(out)
     dest.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
@@ -266,7 +269,7 @@ def export(out: Path, dest: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, nargs="+", help="run folders and/or exported rows.jsonl files")
     parser.add_argument("--export", type=Path)
     args = parser.parse_args(argv)
     if args.export:

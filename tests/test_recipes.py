@@ -183,3 +183,31 @@ def test_beyond_ln_summary_refuses_phases_whose_source_rows_differ(tmp_path):
     _study_rows(tmp_path, "ceilings", "y-lr1e-4", [_row("source", "fog", 3, 50.0, hits="01")])
     with pytest.raises(ValueError, match="differ"):
         summary.choose_lrs(summary.load(tmp_path))
+
+
+# ------------------------------------------------------------------------------------- issue 27's batch-size sweep
+def test_batch_size_recall_summary_by_hand():
+    """Two streams, one seed, four queries: the gain, the share of the batch-64 gain, the difference to batch 64 and
+    the worst stream, each computed by hand from the hits."""
+    sweep = _load("batch_size_recall")
+
+    def row(objective, shift, severity, hits):
+        return {"objective": objective, "shift": shift, "severity": severity, "seed": 0, "hits": hits,
+                "R@1": 100 * hits.count("1") / len(hits), "seconds": 1.0}
+
+    source = [row("source", "snow", 3, "0000"), row("source", "fog", 5, "1100"), row("source", "clean", None, "1111")]
+    by_size = {
+        64: source + [row("tcr", "snow", 3, "1100"), row("tcr", "fog", 5, "1110")],  # gains +50, +25: mean 37.5
+        1: source + [row("tcr", "snow", 3, "1000"), row("tcr", "fog", 5, "1100")],  # gains +25, +0: mean 12.5
+    }
+    table = sweep.summarise(by_size, ("tcr",)).splitlines()
+    (line,) = [x for x in table if x.startswith("| tcr | 1 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "63" and cells[3] == "37.5"  # window 64 - 1; R@1 (25 + 50) / 2
+    assert cells[4].startswith("+12.5 [")
+    assert cells[5] == "33 %"  # 12.5 / 37.5
+    assert cells[6].startswith("-25.0 [")  # snow 25 - 50, fog 50 - 75
+    assert cells[7].startswith("+0.0 [") and "fog 5" in cells[7] and "not below" in cells[7]
+    (full,) = [x for x in table if x.startswith("| tcr | 64 |")]
+    assert "+37.5 [" in full and "| — | — |" in full  # no share nor difference against itself
+    assert not any(x.startswith("| source |") and "clean" in x for x in table)  # the clean reference is no column
