@@ -24,12 +24,15 @@ Phases (the split is fixed here, before any run):
    prequential ceilings of the LayerNorms and of the candidate's set, each at the lr its set chose in phase 1.
    **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog, brightness) and
    contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5 (label-free rows only: the source keeps
-   93 % or more there); plus the clean stream and a degenerate stream of 50 constant batches for the candidate.
+   93 % or more there); plus, for the candidate, the clean, Noto-style, diverse and switching streams and a
+   degenerate stream of 50 constant batches (the diverse and switching streams joined in the second round).
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py report --out runs/beyond-ln --jobs 2 --candidate <name from candidates>
     python recipes/beyond_ln.py summary --out runs/beyond-ln > summary.md
+    python recipes/beyond_ln.py report --out runs/round2 --prior model_cards/results/beyond-ln/rows.jsonl \\
+        --candidate tcr-ln-lr3e-3 --only tcr-ln-lr3e-3      # a later round next to the exported rows
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
                 jobs.append((f"{name}/part{i}", ["--objectives", rows, *CANDIDATES[name], *split, *REPORT_COMMON]))
         jobs.append((f"{candidate}/streams", ["--objectives", "tcr,tcr+safe", *CANDIDATES[candidate], "--corruptions",
                                               "", "--clean", "--degenerate", "--degenerate-batches", "50",
-                                              *REPORT_COMMON[:2]]))
+                                              "--diverse", "--switch", *REPORT_COMMON[:2]]))
         # the ceilings of the LayerNorms and of the candidate's set (at the lr each chose on the selection split) on
         # the columns where the source keeps recall to lose: weather and contrast (digital keeps 93 % or more)
         for set_name in dict.fromkeys(["ln", CANDIDATE_SET[candidate]]):
@@ -147,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
     parser.add_argument("--candidate")
     parser.add_argument("--only", help="run only the jobs whose name contains this")
+    parser.add_argument("--prior", type=Path, nargs="*", default=[],
+                        help="earlier rounds' exported rows.jsonl, read with --out's runs for the report's lr choices")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.phase == "summary":
@@ -158,7 +163,7 @@ def main(argv=None) -> None:
     if args.phase == "report":  # each set's lr, as the ceilings phase chose it on the selection split
         from beyond_ln_summary import choose_lrs, load  # noqa: PLC0415 (next to this file)
 
-        lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load(out)).items()}
+        lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load([out, *args.prior])).items()}
     jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs) if not args.only or args.only in n]
     with ThreadPoolExecutor(args.jobs) as pool:
         codes = list(pool.map(lambda job: _run(out / args.phase / job[0], job[1], args.cache_dir), jobs))

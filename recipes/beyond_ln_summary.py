@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 MAX_DROP = 1.0  # the candidates' rule: no selection column more than this many R@1 points below the source
-STREAMS = ("clean", "diverse", "noto", "degenerate")
+STREAMS = ("clean", "diverse", "switch", "noto", "degenerate")
 
 
 def load(out: Path | list[Path]) -> list[dict]:
@@ -38,7 +38,7 @@ def load(out: Path | list[Path]) -> list[dict]:
     rows of an exported ``rows.jsonl`` (already tagged); several of these together for a list (a later round's runs
     next to the exported rows of the earlier ones)."""
     if isinstance(out, (list, tuple)):
-        return [row for o in out for row in load(o)]
+        return _deduplicated([row for o in out for row in load(o)])
     out = Path(out)
     if out.is_file():
         return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -50,6 +50,18 @@ def load(out: Path | list[Path]) -> list[dict]:
             if "error" not in row:
                 rows.append({**row, "phase": phase, "config": config})
     return rows
+
+
+def _deduplicated(rows: list[dict]) -> list[dict]:
+    """One row per run (phase, config, objective, stream, seed): a run that two sources hold (a rerun next to the
+    exported rows) must have the same per-query hits, else the sources are refused."""
+    seen: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["phase"], r["config"], r["objective"], _column(r), r["seed"])
+        if key in seen and seen[key]["hits"] != r["hits"]:
+            raise ValueError(f"two rows of {key} differ in their hits: a rerun must reproduce the exported run.")
+        seen.setdefault(key, r)
+    return list(seen.values())
 
 
 def _column(row: dict) -> tuple:

@@ -185,6 +185,23 @@ def test_beyond_ln_summary_refuses_phases_whose_source_rows_differ(tmp_path):
         summary.choose_lrs(summary.load(tmp_path))
 
 
+def test_beyond_ln_summary_merges_a_later_round_and_refuses_a_rerun_that_differs(tmp_path):
+    """Exported rows next to a later round's runs: a run both hold counts once; a rerun with other hits is refused."""
+    summary = _load("beyond_ln_summary")
+    src = [_row("source", "clean", None, 100.0, hits="11"), _row("source", "fog", 3, 50.0, hits="10")]  # won back (100 - 50) / (100 - 50)
+    _study_rows(tmp_path / "one", "candidates", "a", src + [_row("tcr", "fog", 3, 100.0, hits="11")])
+    summary.export(tmp_path / "one", tmp_path / "exported")
+    _study_rows(tmp_path / "two", "candidates", "a", src + [_row("tcr", "fog", 3, 100.0, hits="11")])  # the rerun
+    _study_rows(tmp_path / "two", "candidates", "b", src + [_row("tcr", "fog", 3, 50.0, hits="01")])
+    rows = summary.load([tmp_path / "exported" / "rows.jsonl", tmp_path / "two"])
+    assert len(rows) == 6  # a's three rows once (exported and rerun), b's three
+    chosen, scored = summary.choose_candidate(rows)
+    assert chosen == "a:tcr" and scored["a:tcr"]["won_back"] == pytest.approx(100.0) and scored["a:tcr"]["runs"] == 1
+    _study_rows(tmp_path / "three", "candidates", "a", src + [_row("tcr", "fog", 3, 50.0, hits="01")])
+    with pytest.raises(ValueError, match="rerun must reproduce"):
+        summary.load([tmp_path / "exported" / "rows.jsonl", tmp_path / "three"])
+
+
 # ------------------------------------------------------------------------------------- issue 27's batch-size sweep
 def test_batch_size_recall_summary_by_hand():
     """Two streams, one seed, four queries: the gain, the share of the batch-64 gain, the difference to batch 64 and
