@@ -180,10 +180,14 @@ def _hits(row: dict) -> np.ndarray:
     return np.frombuffer(row["hits"].encode(), dtype=np.uint8).astype(np.float64) - 48
 
 
-def report_lines(rows: list[dict], reference: str = "tcr-ln:tcr") -> list[str]:
-    """Per label of the report: won back at each severity, the difference to ``reference`` over the corruption
-    columns both ran (95 % interval, items joint across columns, seeds resampled), and the worst column against the
-    source with its interval (``below`` only when the whole interval is below zero, else the detection limit)."""
+REFERENCES = ("tcr-ln:tcr", "tcr-ln-lr3e-3:tcr")  # TCR on the LayerNorms at its paper's lr, and at the lr control's
+
+
+def report_lines(rows: list[dict], references: tuple[str, ...] = REFERENCES) -> list[str]:
+    """Per label of the report: won back at each severity, the difference to each of ``references`` that ran over the
+    corruption columns both ran (95 % interval, items joint across columns, seeds resampled), and the worst column
+    against the source with its interval (``below`` only when the whole interval is below zero, else the detection
+    limit)."""
     from hf_tta.benchmarks.intervals import below_source_claim, paired_bootstrap
 
     sources, labels = _by(rows, "report")
@@ -196,15 +200,19 @@ def report_lines(rows: list[dict], reference: str = "tcr-ln:tcr") -> list[str]:
             s = score(runs, sources, [c for c in columns if c[1] == severity])
             if s:
                 by_severity.append(f"severity {severity} {s['won_back']:.1f} %")
-        shared = [c for c in columns if any(k[0] == c for k in runs) and any(k[0] == c for k in labels.get(reference, {}))]
-        vs = versus(rows, label, reference, columns=shared) if label != reference and shared else None
+        against = []
+        for reference in references:
+            shared = [c for c in columns if any(k[0] == c for k in runs) and any(k[0] == c for k in labels.get(reference, {}))]
+            vs = versus(rows, label, reference, columns=shared) if label != reference and shared else None
+            if vs is not None:
+                against.append(f"against {reference} {vs['delta']:+.1f} R@1 [{vs['ci'][0]:+.1f}, {vs['ci'][1]:+.1f}] "
+                               f"over {len(shared)} columns")
         worst = score(runs, sources, columns)
         column = next(c for c in columns if _name(c) == worst["worst_column"])
         seeds = sorted(k[1] for k in runs if k[0] == column)
         delta, ci = paired_bootstrap([np.stack([_hits(runs[(column, s)]) - _hits(sources[(column, s)]) for s in seeds])])
         text = f"- {label}: won back {', '.join(by_severity)}"
-        if vs is not None:
-            text += f"; against {reference} {vs['delta']:+.1f} R@1 [{vs['ci'][0]:+.1f}, {vs['ci'][1]:+.1f}] over {len(shared)} columns"
+        text += "".join(f"; {a}" for a in against)
         text += f"; worst column {worst['worst_column']} {delta:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]: {below_source_claim(delta, ci)}"
         lines.append(text)
     return lines
