@@ -185,19 +185,22 @@ def label_mask(labels: Any, objective: Objective, n: int, gallery: GalleryCache 
 
 
 @contextmanager
-def pinned(gallery: Any, seen: dict[int, int], states: Sequence[tuple[Objective | None, dict]]) -> Iterator[None]:
+def pinned(
+    gallery: Any, seen: dict[int, int], states: Sequence[tuple[Objective | None, dict]], warn: bool = True
+) -> Iterator[None]:
     """Hold a top-k backend at one version for the whole step (its readers' lock: a concurrent ``add`` / ``remove`` /
     ``replace`` waits), after bringing the objectives' position-keyed states up to that version
     (:func:`~hf_tta.objectives.base.follow_gallery_changes`). ``seen`` maps each backend to the version the states
-    last saw. When the backend's change log no longer reaches back, the states start again (logged). Other galleries
-    pass through."""
+    last saw. When the backend's change log no longer reaches back, the states start again (logged unless ``warn`` is
+    false: an answer's copies). Other galleries pass through."""
     if not isinstance(gallery, GalleryBackend):
         yield
         return
     with gallery.reading():
         last = seen.get(id(gallery))
         if last is not None and last != gallery.version and follow_gallery_changes(gallery, last, states) is None:
-            logger.warning("The gallery changed more than its change log holds since the last step: objective state restarts.")
+            if warn:
+                logger.warning("The gallery changed more than its change log holds since the last step: objective state restarts.")
             for objective, state in states:
                 if objective is not None:
                     fresh = objective.init_state(next(iter(state.values())).device if state else "cpu")

@@ -23,7 +23,6 @@ runner can construct rows with per-domain adapters.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -32,10 +31,10 @@ from torch import nn
 
 from . import checkpoint
 from .batch import Batch, batch_size, pinned
-from .config import TTAConfig
+from .config import SCORING, TTAConfig
+from .configuration_utils import check_choice
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
-from .gallery.candidates import candidate_topk
 from .models.base import ModelAdapter
 from .outputs import TTAOutput
 from .router import (  # noqa: F401
@@ -255,6 +254,7 @@ class RoutedTTAWrapper(TTAWrapper):
         gallery: GalleryCache | GalleryBackend | torch.Tensor,
         labels: Any = None,
         domain: Any = None,
+        scoring: str | None = None,
     ) -> RoutedTTAOutput:
         """Adapt each domain on its queries of this batch and return their scores in the original order.
 
@@ -262,12 +262,16 @@ class RoutedTTAWrapper(TTAWrapper):
         ``None`` to let the router decide per query. Each domain's sub-batch runs :meth:`TTAWrapper.adapt_step` with
         that domain's state in the model; a new domain starts from the source model. A live top-k backend stays at one
         version for the whole batch; the domains' position-keyed objective state is not remapped when it changes (the
-        objectives see another gallery fingerprint and start their state again).
+        objectives see another gallery fingerprint and start their state again). ``scoring``: as for
+        :meth:`TTAWrapper.adapt_step`.
         """
+        check_choice("scoring", scoring, SCORING, allow_none=True)
         with pinned(gallery, self._gallery_versions, []):
-            return self._routed_step(queries, gallery, labels, domain)
+            return self._routed_step(queries, gallery, labels, domain, scoring)
 
-    def _routed_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, domain: Any) -> RoutedTTAOutput:
+    def _routed_step(
+        self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, domain: Any, scoring: str | None = None
+    ) -> RoutedTTAOutput:
         batch = self._prepare(queries, gallery, labels)
         queries, gallery, mask, n = batch.queries, batch.gallery, batch.labels, batch.size
         slots, new_keys = self._route(queries, domain, update=True)
@@ -283,7 +287,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 if self.objective.requires_grad and idx.numel() < self.routing.min_domain_batch:
                     out = self._score_frozen(sub, gallery)
                 else:
-                    out = TTAWrapper._adapt_step(self, sub, gallery, sub_labels)
+                    out = TTAWrapper._adapt_step(self, sub, gallery, sub_labels, scoring)
             finally:
                 self._in_domain_step = False
             outputs.append((self._domains[slot], idx, out))
@@ -292,15 +296,11 @@ class RoutedTTAWrapper(TTAWrapper):
     def _score_frozen(self, queries: dict, gallery: GalleryCache | GalleryBackend) -> TTAOutput:
         """A sub-batch below ``min_domain_batch``: the domain's current model scores it, nothing is updated (the score
         transform, if any, still sees it)."""
+        batch = Batch(queries, gallery, None, batch_size(queries))
         with torch.no_grad():
-            inputs = self._inputs(Batch(queries, gallery, None, batch_size(queries)), step=0)
-            scores = self._transform_scores(inputs, inputs.scores.detach())
-        out = TTAOutput(
-            scores=scores, loss=None, num_updates=0, n_selected=0,
-            skipped=[f"{batch_size(queries)} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"],
-        )
-        if isinstance(gallery, GalleryBackend):
-            out = dataclasses.replace(out, scores=None, topk=candidate_topk(scores, inputs.candidate_ids, gallery.k))
+            inputs = self._inputs(batch, step=0)
+            out = self._scored(batch, inputs, inputs.scores.detach())
+        out.skipped = [f"{batch.size} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"]
         return out
 
     def _assemble(
@@ -341,6 +341,34 @@ class RoutedTTAWrapper(TTAWrapper):
         )
 
     @torch.no_grad()
+    def answer(
+        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | GalleryBackend | torch.Tensor, domain: Any = None
+    ) -> RoutedTTAOutput:
+        """:meth:`TTAWrapper.answer` per domain: what :meth:`adapt_step` with ``scoring="before_update"`` answers, each
+        query routed as :meth:`assign_domains` (``domains`` -1: a key with no domain yet, or the router's queries with
+        none, answered as a new domain from the source state). No domain's state changes, but the one in the model is
+        swapped: calls on one wrapper must not overlap."""
+        with pinned(gallery, dict(self._gallery_versions), [], warn=False):
+            batch = self._answer_batch(queries, gallery)
+            slots = self._route(batch.queries, domain, update=False)[0]
+            keys, groups = parse_domain_keys(domain, batch.size) if domain is not None else (None, slots)
+            outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]] = []
+            for group in torch.unique(groups).tolist():  # a known domain, or each new key its own new domain
+                idx = (groups == group).nonzero().flatten()
+                sub = {k: v.index_select(0, idx.to(v.device)) for k, v in batch.queries.items()} if idx.numel() < batch.size else batch.queries
+                slot = int(slots[idx[0]])
+                if slot >= 0:
+                    self._activate(slot)
+                else:  # what a new domain starts from
+                    self._sync()
+                    self._live = None
+                    self._source_state.apply(self)
+                small = self.objective.requires_grad and idx.numel() < self.routing.min_domain_batch  # _score_frozen's view
+                out = self._reader()._answer(Batch(sub, batch.gallery, None, idx.numel()), step=0 if small else None)
+                outputs.append((self._domains[slot] if slot >= 0 else _Domain(keys[group] if keys else "(new)"), idx, out))
+            return self._assemble(outputs, slots, batch.size, [])
+
+    @torch.no_grad()
     def embed_and_score(
         self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor, domain: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,7 +377,7 @@ class RoutedTTAWrapper(TTAWrapper):
         query is scored by the source model."""
         gallery = self._check_gallery(gallery)
         if isinstance(gallery, GalleryBackend):
-            raise TypeError(f"embed_and_score needs the dense GalleryCache; {type(gallery).__name__} answers gallery.search(...).")
+            raise TypeError(f"embed_and_score needs the dense GalleryCache; for {type(gallery).__name__} use answer(...).")
         queries = self._check_inputs(queries, self.query_modality)
         n = batch_size(queries)
         slots = self._route(queries, domain, update=False)[0]

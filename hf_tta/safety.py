@@ -110,14 +110,16 @@ class SafetyMonitor:
         self.rollbacks_in_row = 0
         self.kept_in_row = 0
         self.last_good: AdapterState | None = None
-        self._begin_batch(None)
+        self._begin_batch()
 
     def remember(self, target: Adaptable) -> None:
         """Take the last-good state from ``target`` (into the same buffers when the layout is unchanged)."""
         self.last_good = AdapterState.capture(target, ROLLBACK, into=self.last_good)
 
-    def _begin_batch(self, source: ObjectiveInputs | None) -> None:
-        self.source = source
+    def _begin_batch(self) -> None:
+        # what after() needs of the source view: its scores, embeddings and top-1 items' rows. Not the view itself,
+        # which refers to the batch's gallery (a top-k backend cannot be copied: OnlineRetriever publishes copies)
+        self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.action: str | None = None
         self.logs: dict[str, float] = {}
         self._judged = False
@@ -126,8 +128,9 @@ class SafetyMonitor:
     def before(self, source: ObjectiveInputs) -> SafetyDecision:
         """Judge the batch from the source model's view (embeddings, scores and, with a top-k backend, the source's
         candidate ids): a degenerate batch is not to be adapted on (rule 1)."""
-        self._begin_batch(source)
+        self._begin_batch()
         self._source_top1 = _top1(source.scores, source.candidate_ids)
+        self._source = (source.scores, source.query_emb, source.gallery_emb[self._source_top1[0]])
         self._window = _window_rows(source.window)
         b = source.scores.shape[0] + self._window[0].numel()
         if b < self.config.min_queries:
@@ -149,7 +152,7 @@ class SafetyMonitor:
         roll back (rule 3) or reset (rule 2)."""
         if not self._judged:
             return KEEP
-        cfg, src = self.config, self.source
+        cfg, (src_scores, src_emb, src_top1_rows) = self.config, self._source
         a_col, a_top1 = _top1(scores, inputs.candidate_ids)
         s_col, s_top1 = self._source_top1
         w_top1, w_source = (t.to(a_top1.device) for t in self._window)  # the window's rows (0 without one)
@@ -158,11 +161,11 @@ class SafetyMonitor:
             "adapted_diversity": _diversity(torch.cat([a_top1, w_top1])),
             "agreement": torch.cat([a_top1 == s_top1.to(a_top1.device), w_top1 == w_source]).to(torch.float64).mean(),
             "adapted_entropy": _refined_entropy(scores, a_col, cfg.entropy_temperature),
-            "source_entropy": _refined_entropy(src.scores, s_col, cfg.entropy_temperature),
+            "source_entropy": _refined_entropy(src_scores, s_col, cfg.entropy_temperature),
             "adapted_spread": _spread(inputs.query_emb.detach()),
-            "source_spread": _spread(src.query_emb),
+            "source_spread": _spread(src_emb),
             "adapted_gap": _gap(inputs.query_emb.detach(), inputs.gallery_emb[a_col]),
-            "source_gap": _gap(src.query_emb, src.gallery_emb[s_col]),
+            "source_gap": _gap(src_emb, src_top1_rows),
         }
         values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in signals.values()]).tolist()  # one sync
         logs = dict(zip(signals, values))

@@ -1,11 +1,18 @@
 """``OnlineRetriever``: answer queries now, adapt on them later, swap the adapted weights in between answers.
 
 Queries arrive one or a few at a time. :meth:`OnlineRetriever.search` answers them at once with one no-grad forward
-of the *current* model against the gallery (the wrapper's public ``embed_and_score``; a
-:class:`~hf_tta.gallery.live.LiveGallery` is read through one :meth:`~hf_tta.gallery.live.LiveGallery.snapshot` per
-answer, and the answer names its external ids), and buffers them. When ``batch_size`` queries have arrived, or the
-oldest buffered query has waited ``max_wait`` seconds, the buffered batch is adapted on with the wrapper's
-``adapt_step`` (per-domain for a :class:`~hf_tta.routing.RoutedTTAWrapper`, one tenant key per query).
+of the *current* model (the wrapper's public :meth:`~hf_tta.TTAWrapper.answer`: what ``adapt_step`` with
+``TTAConfig(scoring="before_update")`` answers, through the score transform, e.g. DN, whose state it reads and never
+advances), and buffers them. The gallery is a dense :class:`~hf_tta.GalleryCache` (or tensor), a
+:class:`~hf_tta.gallery.live.LiveGallery` (read through one :meth:`~hf_tta.gallery.live.LiveGallery.snapshot` per
+answer) or any top-k :class:`~hf_tta.gallery.GalleryBackend` (chunked, FAISS; held at one version with
+``backend.reading()`` for the whole answer, so a concurrent ``add`` / ``remove`` / ``replace`` waits; a sharded one in
+``mode="sync"`` only, each process making the same searches, since its searches are collectives); the last two answer
+with their external ids. When ``batch_size`` queries have arrived, or the oldest buffered query has waited
+``max_wait`` seconds, the buffered batch is adapted on with the wrapper's ``adapt_step`` (per-domain for a
+:class:`~hf_tta.routing.RoutedTTAWrapper`, one tenant key per query); with a score transform it adapts with
+``scoring="before_update"``, so that DN's query mean advances on the batch's embeddings by the model that adapts on
+it, as ``adapt_step`` with that setting does (the answers' copies of its state are dropped).
 
 Consistency (no torn reads), by construction rather than by locking the answer path: the wrapper the user passed is
 adapted only by the worker; after each adapted batch the worker publishes a *frozen copy* of it (``copy.deepcopy``
@@ -20,10 +27,14 @@ anyway.
 
 ``mode="sync"`` (tests, benchmarks): no thread; the batch adapts inline in the ``search`` call that fills it, so a
 stream searched in batches of ``batch_size`` gets exactly ``adapt_step``'s answers with
-``TTAConfig(scoring="before_update")`` (test) and the same final state. Differences from ``adapt_step`` to know:
-answers carry no score transform (DN's shifted queries; a warning is logged when one is configured) and a batch that
-the safety layer skips as degenerate was already answered by the current model (``adapt_step`` would answer it with
-the source model).
+``TTAConfig(scoring="before_update")`` (its ``topk`` with a top-k backend, in external ids) and the same final state
+(tests, with and without DN). Differences from ``adapt_step`` to know: a search of fewer queries than a batch is
+answered as a batch of its own (DN's query mean then counts these queries, not the rest of the batch they are adapted
+in, which have not arrived); a batch that the safety layer skips as degenerate was already answered by the current
+model (``adapt_step`` would answer it with the source model); and where DN draws its gallery sample
+(``gallery_mean="samples"`` on more than ``num_samples`` items: at the first batch and after a gallery change) with an
+objective that draws from the wrapper's RNG while adapting (DeYO, ClipTTA, REST), ``adapt_step`` draws the sample after
+the batch's draws, which its answer cannot wait for: that batch's answers use another sample (the state is the same).
 
 Checkpoints: :meth:`OnlineRetriever.checkpoint` writes the wrapper's ``save_pretrained`` (atomic) between two adapted
 batches; queries still buffered are not in it (logged). A restarted process resumes with
@@ -49,8 +60,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .gallery.base import GalleryBackend
 from .gallery.cache import GalleryCache
 from .gallery.live import LiveGallery
+from .gallery.sharded import ShardedGallery
 from .routing import RoutedTTAWrapper
 from .wrapper import TTAWrapper
 
@@ -74,12 +87,13 @@ class Published:
 @dataclass(frozen=True)
 class SearchResult:
     """The answer to one :meth:`OnlineRetriever.search`: ``values`` and ``ids`` ``(B, k)`` (gallery positions, or a
-    LiveGallery's external ids), ``scores`` ``(B, N)`` against the gallery version ``gallery_version`` (``None``: a
-    fixed gallery), and the published state ``version`` that answered."""
+    LiveGallery's or top-k backend's external ids), ``scores`` ``(B, N)`` (``None`` with a top-k backend), all after
+    the score transform, against the gallery version ``gallery_version`` (``None``: a fixed gallery), and the published
+    state ``version`` that answered."""
 
     values: torch.Tensor
     ids: torch.Tensor
-    scores: torch.Tensor
+    scores: torch.Tensor | None
     version: int
     gallery_version: int | None
 
@@ -110,7 +124,8 @@ class OnlineRetriever:
     Args:
         wrapper (`TTAWrapper`): the wrapper to adapt (a :class:`~hf_tta.routing.RoutedTTAWrapper` for tenants); only the
             retriever changes it from now on.
-        gallery (`GalleryCache`, `torch.Tensor` or `LiveGallery`): what queries are searched in.
+        gallery (`GalleryCache`, `torch.Tensor`, `LiveGallery` or `GalleryBackend`): what queries are searched in (a
+            top-k backend answers at most its ``k`` items per query).
         batch_size (`int`): adapt when this many queries are buffered. Micro-batches of 1-8 answer sooner but their
             batch statistics (TCR's terms, the entropy thresholds, the safety signals) would be over those few queries:
             build the wrapper with ``TTAConfig(window=64 - batch_size)`` (:mod:`hf_tta.window`) so each micro-batch's
@@ -127,7 +142,7 @@ class OnlineRetriever:
     def __init__(
         self,
         wrapper: TTAWrapper,
-        gallery: GalleryCache | torch.Tensor | LiveGallery,
+        gallery: GalleryCache | torch.Tensor | LiveGallery | GalleryBackend,
         batch_size: int = 64,
         max_wait: float = 0.05,
         mode: str = "background",
@@ -137,19 +152,20 @@ class OnlineRetriever:
     ):
         if not isinstance(wrapper, TTAWrapper):
             raise TypeError(f"OnlineRetriever needs a TTAWrapper, got {type(wrapper).__name__}.")
-        if not isinstance(gallery, (GalleryCache, torch.Tensor, LiveGallery)):
+        if not isinstance(gallery, (GalleryCache, torch.Tensor, LiveGallery, GalleryBackend)):
             raise TypeError(
-                f"OnlineRetriever searches a GalleryCache, an embedding tensor or a LiveGallery, not {type(gallery).__name__}: "
-                "for a changing gallery wrap its embeddings in hf_tta.gallery.live.LiveGallery."
+                f"OnlineRetriever searches a GalleryCache, an embedding tensor, a LiveGallery or a top-k GalleryBackend, "
+                f"not {type(gallery).__name__}: for a changing gallery wrap its embeddings in hf_tta.gallery.LiveGallery."
             )
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: choose one of {MODES}.")
+        if isinstance(gallery, ShardedGallery) and mode != "sync":
+            raise ValueError("A ShardedGallery's searches are collectives that every process must issue in one order, which "
+                             "concurrent answers and an adapting thread cannot keep: use mode='sync', the same searches on every process.")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: pass a positive integer.")
         if not max_wait > 0:
             raise ValueError(f"max_wait={max_wait!r}: pass a positive number of seconds.")
-        if wrapper.score_transform is not None:
-            logger.warning("OnlineRetriever answers carry no score transform (%s): raw model scores.", wrapper.config.score_transform)
         if adapt and batch_size < 8 and not wrapper.config.window:
             logger.info("OnlineRetriever adapts on micro-batches of %d without a window: set TTAConfig(window=%d) for "
                         "full-batch statistics (hf_tta.window).", batch_size, 64 - batch_size)
@@ -186,19 +202,28 @@ class OnlineRetriever:
         self._raise_worker_error()
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k={k!r}: pass a positive integer.")
+        backend = self.gallery if isinstance(self.gallery, GalleryBackend) else None
+        if backend is not None and k > backend.k:
+            raise ValueError(f"k={k} is more than {type(backend).__name__}'s k={backend.k} (the items it searches per query): "
+                             f"build the backend with k >= {k}.")
         queries, n = self._check_queries(queries)
         tenants = self._check_tenants(tenant, n)
         state = self._published  # one read: the whole answer uses this state
         snap = self.gallery.snapshot() if isinstance(self.gallery, LiveGallery) else None
-        cache = snap.cache if snap is not None else self.gallery
         kwargs = {"domain": tenants} if self.routed else {}
         with state.lock if state.lock is not None else contextlib.nullcontext():
-            _, scores = state.wrapper.embed_and_score(queries, cache, **kwargs)
-        if snap is not None:
-            values, ids = snap.topk_ids(scores, k)
+            if backend is not None:
+                with backend.reading():  # one version for the search, its ids and its number
+                    top = state.wrapper.answer(queries, backend, **kwargs).topk
+                    values, ids, gallery_version = top.values[:, :k], backend.to_ids(top.indices[:, :k]), backend.version
+            else:
+                scores = state.wrapper.answer(queries, snap.cache if snap is not None else self.gallery, **kwargs).scores
+        if backend is not None:
+            result = SearchResult(values, ids, None, state.version, gallery_version)
+        elif snap is not None:
+            result = SearchResult(*snap.topk_ids(scores, k), scores, state.version, snap.version)
         else:
-            values, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
-        result = SearchResult(values, ids, scores, state.version, snap.version if snap is not None else None)
+            result = SearchResult(*scores.topk(min(k, scores.shape[-1]), dim=-1), scores, state.version, None)
         with self._cond:
             self.queries_answered += n
             if self._tenants is None:  # fixed by the first answered search
@@ -296,8 +321,11 @@ class OnlineRetriever:
         return True
 
     def _adapt_batch(self, queries: dict[str, torch.Tensor], keys: list | None) -> Any:
-        cache = self.gallery.snapshot().cache if isinstance(self.gallery, LiveGallery) else self.gallery
-        return self.wrapper.adapt_step(queries, cache, **({"domain": keys} if self.routed else {}))
+        gallery = self.gallery.snapshot().cache if isinstance(self.gallery, LiveGallery) else self.gallery
+        kwargs: dict[str, Any] = {"domain": keys} if self.routed else {}
+        if self.wrapper.score_transform is not None:  # its state advances on the view that answers before the update
+            kwargs["scoring"] = "before_update"
+        return self.wrapper.adapt_step(queries, gallery, **kwargs)
 
     def _publish_copy(self, version: int) -> Published:
         reader = frozen_copy(self.wrapper)

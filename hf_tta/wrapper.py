@@ -3,7 +3,7 @@
 Sets up what adapts (PEFT LN tuning, BitFit or LoRA of the query tower: :mod:`hf_tta.tuning`), embeds and scores
 against a cached gallery, and orders :meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps
 (:mod:`hf_tta.loop`), decision, report. What adaptation changes is one :class:`~hf_tta.state.AdapterState`;
-checkpoints are :mod:`hf_tta.checkpoint_hub`'s.
+checkpoints are :mod:`hf_tta.checkpoint_hub`'s; answering without adapting (``answer``) is :mod:`hf_tta.answering`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from torch import nn
 
 from . import batch as batching
 from . import checkpoint, tuning, window
+from .answering import AnswerMixin
 from .checkpoint_hub import CheckpointMixin
-from .config import TTAConfig
+from .config import SCORING, TTAConfig
+from .configuration_utils import check_choice
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_items, candidate_topk
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class TTAWrapper(CheckpointMixin):
+class TTAWrapper(CheckpointMixin, AnswerMixin):
     """Test-time adaptation of a Hugging Face dual encoder for retrieval under query shift.
 
     The query tower's selected parameters (by default its LayerNorm affine parameters) are adapted online with
@@ -283,13 +285,14 @@ class TTAWrapper(CheckpointMixin):
         ``(B, N)`` from the adapter's ``score`` (a max over vectors for multi-vector models); no score transform."""
         gallery = self._check_gallery(gallery)
         if isinstance(gallery, GalleryBackend):
-            raise TypeError(f"embed_and_score needs the dense GalleryCache; {type(gallery).__name__} answers gallery.search(...).")
+            raise TypeError(f"embed_and_score needs the dense GalleryCache; for {type(gallery).__name__} use answer(...).")
         queries = self._check_inputs(queries, self.query_modality)
         return self._embed_and_score(queries, gallery)
 
     # ------------------------------------------------------------------------------------------ the online step
     def adapt_step(
-        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | GalleryBackend | torch.Tensor, labels: Any = None
+        self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | GalleryBackend | torch.Tensor, labels: Any = None,
+        scoring: str | None = None,
     ) -> TTAOutput:
         """Adapt on one batch of queries and return their scores against the whole gallery.
 
@@ -297,13 +300,15 @@ class TTAWrapper(CheckpointMixin):
         (:mod:`hf_tta.loop`). A step with nothing selected, or with a non-finite loss or gradient, updates nothing and
         is listed in ``TTAOutput.skipped``. ``labels`` (each query's relevant gallery items: a ``(B, N)`` bool mask or
         a list of index lists) is for supervised objectives only (``oracle``, the benchmark's ceilings) and refused
-        otherwise. With ``config.scoring="before_update"`` the current model answers before the batch adapts it. A
-        live top-k backend stays at one version for the step (:func:`hf_tta.batch.pinned`).
+        otherwise. With ``config.scoring="before_update"`` (or ``scoring=`` for this batch) the current model answers
+        before the batch adapts it (:meth:`answer` gives that answer alone). A live top-k backend stays at one version
+        for the step (:func:`hf_tta.batch.pinned`).
         """
+        check_choice("scoring", scoring, SCORING, allow_none=True)
         with batching.pinned(gallery, self._gallery_versions, [(self.objective, self.state), (self.score_transform, self.transform_state)]):
-            return self._adapt_step(queries, gallery, labels)
+            return self._adapt_step(queries, gallery, labels, scoring)
 
-    def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> TTAOutput:
+    def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
         batch = self._prepare(queries, gallery, labels)
         if self.safety is not None and self.safety.last_good is None:
             self.safety.remember(self)
@@ -316,7 +321,7 @@ class TTAWrapper(CheckpointMixin):
             inputs, result = self._score_only(batch, source)
             scores = result.scores
         else:
-            answer = self._view(batch, self.config.steps - 1) if self.config.scoring == "before_update" else None
+            answer = self._view(batch, self.config.steps - 1) if (scoring or self.config.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
             with torch.enable_grad():
                 result = self.loop.run(self, self.params, partial(self._inputs, batch, source_cache=cache), self._recover)
@@ -379,16 +384,23 @@ class TTAWrapper(CheckpointMixin):
         self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, result: LoopResult | None, decision: SafetyDecision
     ) -> TTAOutput:
         """Scores through the score transform (a degenerate batch leaves its state untouched), and the batch's record."""
-        scores = self._transform_scores(inputs, scores, update_state=decision.action != "skip_degenerate")
+        out = self._scored(batch, inputs, scores, update_state=decision.action != "skip_degenerate")
         if result is not None:
-            out = TTAOutput(scores, result.loss, result.num_updates, result.n_selected, result.skipped, result.logs)
+            out = dataclasses.replace(out, loss=result.loss, num_updates=result.num_updates, n_selected=result.n_selected,
+                                      skipped=result.skipped, logs=result.logs)
         else:
-            out = TTAOutput(scores, None, 0, 0, skipped=[decision.reason])
+            out.skipped = [decision.reason]
         if self.safety is not None:
             out = dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
-        if isinstance(batch.gallery, GalleryBackend):
-            out = dataclasses.replace(out, scores=None, topk=candidate_topk(out.scores, inputs.candidate_ids, batch.gallery.k))
         return out
+
+    def _scored(self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> TTAOutput:
+        """The answer to ``batch``: ``scores`` through the score transform, or with a top-k backend each query's top-k
+        of them (``TTAOutput.topk``, ``scores`` ``None``); nothing adapted."""
+        scores = self._transform_scores(inputs, scores, update_state)
+        if isinstance(batch.gallery, GalleryBackend):
+            return TTAOutput(None, None, 0, 0, topk=candidate_topk(scores, inputs.candidate_ids, batch.gallery.k))
+        return TTAOutput(scores, None, 0, 0)
 
     def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> torch.Tensor:
         """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores; with
