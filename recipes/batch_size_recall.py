@@ -132,6 +132,12 @@ def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def summary_of(folder: Path | str, rows: tuple[str, ...] = ROWS) -> str:
+    """The table of the rows under ``folder/bs<B>/rows.jsonl``, every batch size found (the card's block)."""
+    found = {int(p.parent.name[2:]): read_rows(p.parent) for p in Path(folder).glob("bs*/rows.jsonl")}
+    return summarise({b: r for b, r in sorted(found.items()) if r}, rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []

@@ -132,26 +132,38 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
     assert "\n".join(sweep_table(load_rows(SWEEP))) in text
 
 
-STUDY = re.compile(r"<!-- study: (?P<rows>\S+) -->\n(?P<body>.*?)<!-- /study -->", re.S)
+#: A block of a card printed by a recipe's summary from the committed rows it names::
+#:
+#:     <!-- study: results/beyond-ln/rows.jsonl -->        (recipes/beyond_ln_summary.py: issue 29's study)
+#:     <!-- batch-size: results/batch-size-recall -->      (recipes/batch_size_recall.py: its bs<B>/rows.jsonl)
+#:     ...the summary's output...
+#:     <!-- /study -->  or  <!-- /batch-size -->
+RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size): (?P<rows>\S+) -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
 
 
-def study_tables(rows: Path) -> str:
-    """The tables of issue 29's study, printed by ``recipes/beyond_ln_summary.py`` from its exported rows."""
+def _recipe(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("beyond_ln_summary", CARDS.parent / "recipes" / "beyond_ln_summary.py")
+    spec = importlib.util.spec_from_file_location(name, CARDS.parent / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.summarise(rows)
+    return module
 
 
-def test_the_study_tables_are_recomputed_from_their_rows():
-    """Each ``<!-- study: rows -->`` block of the results card is the summary script's output on the committed rows."""
-    text = (CARDS / "emoji-benchmark-results.md").read_text()
-    blocks = list(STUDY.finditer(text))
-    assert blocks, "the results card has no study block"
+def recipe_block(kind: str, rows: Path) -> str:
+    """What the recipe's summary prints for the committed rows of a ``kind`` block."""
+    if kind == "study":
+        return _recipe("beyond_ln_summary").summarise(rows)
+    return _recipe("batch_size_recall").summary_of(rows)
+
+
+@pytest.mark.parametrize("card,kind", [("emoji-benchmark-results.md", "study"), ("serving.md", "batch-size")])
+def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
+    """Each recipe block of the card is the summary script's output on the committed rows."""
+    blocks = [b for b in RECIPE_BLOCK.finditer((CARDS / card).read_text()) if b["kind"] == kind]
+    assert blocks, f"{card} has no {kind} block"
     for block in blocks:
-        assert block["body"].strip() == study_tables(CARDS / block["rows"]).strip()
+        assert block["body"].strip() == recipe_block(kind, CARDS / block["rows"]).strip()
 
 
 def write(card: Path) -> None:
@@ -161,14 +173,14 @@ def write(card: Path) -> None:
         expected = expected_table(spec)
         lines[line : _block_end(lines, line)] = [lines[line], *expected[1:]]
     text = "\n".join(lines)
-    for block in reversed(list(STUDY.finditer(text))):
-        body = study_tables(CARDS / block["rows"]).strip() + "\n"
+    for block in reversed(list(RECIPE_BLOCK.finditer(text))):
+        body = recipe_block(block["kind"], CARDS / block["rows"]).strip() + "\n"
         text = text[: block.start("body")] + body + text[block.end("body") :]
     card.write_text(text)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     for path in sorted(CARDS.glob("*.md")):
-        if marked_tables(path) or STUDY.search(path.read_text()):
+        if marked_tables(path) or RECIPE_BLOCK.search(path.read_text()):
             write(path)
             print("rewrote", path)
