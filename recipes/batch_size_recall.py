@@ -13,6 +13,8 @@ below the source beyond the noise).
     python recipes/batch_size_recall.py --seeds 0,1,2 --output-dir outputs/batch-size-recall     # the full measurement
     python recipes/batch_size_recall.py --seeds 0 --limit 100 --corruptions defocus_blur --severities 3 --output-dir /tmp/bsr
     python recipes/batch_size_recall.py --summary-only --output-dir outputs/batch-size-recall  # the table from the rows
+    python recipes/batch_size_recall.py --no-window --batch-sizes 1 --rows tcr --output-dir outputs/batch-size-recall
+                                                            # the control: batch 1 without the window (bs1-w0)
 
 Extra arguments after ``--`` go to every ``hf-tta run`` (e.g. ``-- --threads 2 --cache-dir ~/.cache/hf-tta``).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -34,14 +37,26 @@ SOURCE = "source"
 FULL = 64
 
 
+def window_for(b: int, no_window: bool = False) -> int:
+    """The window a batch size runs with: 64 - B below 64 (0 for the ``--no-window`` control)."""
+    return 0 if no_window or b >= FULL else FULL - b
+
+
+def folder_for(b: int, window: int) -> str:
+    """``bs<B>`` for the recipe's window, ``bs<B>-w<W>`` for another (the control)."""
+    return f"bs{b}" if window == window_for(b) else f"bs{b}-w{window}"
+
+
 def run_batch_size(b: int, args: argparse.Namespace, extra: list[str]) -> Path:
-    """``hf-tta run`` at batch size ``b`` (with the window below 64) into ``<output-dir>/bs<b>``; returns the folder."""
-    out = Path(args.output_dir) / f"bs{b}"
+    """``hf-tta run`` at batch size ``b`` (with the window below 64, or none with ``--no-window``) into
+    ``<output-dir>/bs<b>`` (``bs<b>-w0``); returns the folder."""
+    window = window_for(b, args.no_window)
+    out = Path(args.output_dir) / folder_for(b, window)
     cmd = [sys.executable, "-m", "hf_tta.cli", "run", "--objectives", ",".join(args.rows), "--direction", "i2t",
            "--corruptions", args.corruptions, "--severities", args.severities, "--seeds", args.seeds,
            "--batch-size", str(b), "--no-style", "--output-dir", str(out), "--no-plots", "--quiet"]
-    if b < FULL:
-        cmd += ["--window", str(FULL - b)]
+    if window:
+        cmd += ["--window", str(window)]
     if args.limit is not None:
         cmd += ["--limit", str(args.limit)]
     print("$", " ".join(cmd), flush=True)
@@ -88,8 +103,8 @@ def _diffs(a: dict, b: dict, keys: list[tuple], row_a: str, row_b: str) -> list[
     return out
 
 
-def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
-    """The markdown table: per row and batch size, mean R@1 (%) over streams and seeds; the gain over the source with
+def summarise(by_size: dict[tuple[int, int], list[dict]], rows: tuple[str, ...]) -> str:
+    """The markdown table: per row and (batch size, window), mean R@1 (%) over streams and seeds; the gain over the source with
     its 95 % interval; the share of the batch-64 gain (ratio of the mean gains over the streams both batch sizes ran);
     the difference to the same row at batch 64 with its interval; and the worst stream's difference to the source with
     its interval and what it supports (``below`` only when the whole interval is below zero, else the detection limit).
@@ -101,14 +116,14 @@ def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
         mean, (lo, hi) = paired_bootstrap(diffs)
         return f"{mean:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
-    streams = {b: _by_stream(items) for b, items in by_size.items()}
-    full = streams.get(FULL, {})
+    streams = {key: _by_stream(items) for key, items in by_size.items()}
+    full = streams.get((FULL, 0), {})
     lines = ["| row | batch | window | R@1 | gain over source [95 % CI] | share of batch-64 gain | vs batch 64 [95 % CI] "
              "| worst stream vs source [95 % CI] | seconds/run |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in (SOURCE, *rows):
-        for b in sorted(streams):
-            st = streams[b]
+        for b, w in sorted(streams, key=lambda key: (key[0], -key[1])):
+            st = streams[(b, w)]
             keys = sorted((k for k, d in st.items() if row in d and SOURCE in d), key=str)
             if not keys:
                 continue
@@ -117,25 +132,29 @@ def summarise(by_size: dict[int, list[dict]], rows: tuple[str, ...]) -> str:
             if row != SOURCE:
                 gain = ci(_diffs(st, st, keys, row, SOURCE))
                 per_stream = {k: float(np.mean(d)) * 100 for k, d in zip(keys, _diffs(st, st, keys, row, SOURCE))}
-                w = min(per_stream, key=per_stream.get)
-                mean, bounds = paired_bootstrap(_diffs(st, st, [w], row, SOURCE))
-                worst = f"{mean:+.1f} [{bounds[0]:+.1f}, {bounds[1]:+.1f}] {w[0]} {w[1]}: {below_source_claim(mean, bounds)}"
+                stream = min(per_stream, key=per_stream.get)
+                mean, bounds = paired_bootstrap(_diffs(st, st, [stream], row, SOURCE))
+                worst = f"{mean:+.1f} [{bounds[0]:+.1f}, {bounds[1]:+.1f}] {stream[0]} {stream[1]}: {below_source_claim(mean, bounds)}"
                 both = [k for k in keys if k in full and row in full[k] and SOURCE in full[k]]
-                if b != FULL and both:
+                if (b, w) != (FULL, 0) and both:
                     gain_b = float(np.mean([d.mean() for d in _diffs(st, st, both, row, SOURCE)]))
                     gain_64 = float(np.mean([d.mean() for d in _diffs(full, full, both, row, SOURCE)]))
                     share = f"{100 * gain_b / gain_64:.0f} %" if abs(gain_64) > 1e-9 else "—"
                     versus = ci(_diffs(st, full, both, row, row))
             secs = [r["seconds"] for k in keys for r in st[k][row].values() if "seconds" in r]
-            lines.append(f"| {row} | {b} | {FULL - b if b < FULL else 0} | {r1:.1f} | {gain} | {share} | {versus} | "
+            lines.append(f"| {row} | {b} | {w} | {r1:.1f} | {gain} | {share} | {versus} | "
                          f"{worst} | {sum(secs) / max(1, len(secs)):.1f} |")
     return "\n".join(lines)
 
 
 def summary_of(folder: Path | str, rows: tuple[str, ...] = ROWS) -> str:
-    """The table of the rows under ``folder/bs<B>/rows.jsonl``, every batch size found (the card's block)."""
-    found = {int(p.parent.name[2:]): read_rows(p.parent) for p in Path(folder).glob("bs*/rows.jsonl")}
-    return summarise({b: r for b, r in sorted(found.items()) if r}, rows)
+    """The table of the rows under ``folder/bs<B>[-w<W>]/rows.jsonl``, every batch size and window found (the card's
+    block); each run's window is read from its ``rows.jsonl`` header."""
+    found = {}
+    for path in Path(folder).glob("bs*/rows.jsonl"):
+        header = json.loads(path.read_text().split("\n", 1)[0]).get("hf-tta-run", {})
+        found[(int(re.match(r"bs(\d+)", path.parent.name)[1]), int(header.get("window") or 0))] = read_rows(path.parent)
+    return summarise({key: r for key, r in found.items() if r}, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,18 +170,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=None, help="A seeded slice of this many concepts (a quick check).")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--summary-only", action="store_true", help="Only summarise the rows already in --output-dir.")
+    p.add_argument("--no-window", action="store_true",
+                   help="The control: run the batch sizes without the window (into bs<B>-w0); the table shows both.")
     args = p.parse_args(argv)
     args.rows = tuple(r for r in args.rows.split(",") if r)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if any(b < 1 or b > FULL for b in sizes):
         p.error(f"--batch-sizes must be in 1..{FULL}.")
-    by_size = {}
-    for b in sizes:
-        folder = Path(args.output_dir) / f"bs{b}"
-        if not args.summary_only:
+    if not args.summary_only:
+        for b in sizes:
             run_batch_size(b, args, extra)
-        by_size[b] = read_rows(folder)
-    table = summarise({b: r for b, r in by_size.items() if r}, args.rows)
+    table = summary_of(args.output_dir, args.rows)
     print(table)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / "summary.md").write_text(table + "\n")

@@ -229,18 +229,22 @@ def test_batch_size_recall_summary_by_hand():
                 "R@1": 100 * hits.count("1") / len(hits), "seconds": 1.0}
 
     source = [row("source", "snow", 3, "0000"), row("source", "fog", 5, "1100"), row("source", "clean", None, "1111")]
-    by_size = {
-        64: source + [row("tcr", "snow", 3, "1100"), row("tcr", "fog", 5, "1110")],  # gains +50, +25: mean 37.5
-        1: source + [row("tcr", "snow", 3, "1000"), row("tcr", "fog", 5, "1100")],  # gains +25, +0: mean 12.5
+    by_size = {  # (batch size, window)
+        (64, 0): source + [row("tcr", "snow", 3, "1100"), row("tcr", "fog", 5, "1110")],  # gains +50, +25: mean 37.5
+        (1, 63): source + [row("tcr", "snow", 3, "1000"), row("tcr", "fog", 5, "1100")],  # gains +25, +0: mean 12.5
+        (1, 0): source + [row("tcr", "snow", 3, "0000"), row("tcr", "fog", 5, "1111")],  # gains +0, +50: mean 25
     }
     table = sweep.summarise(by_size, ("tcr",)).splitlines()
-    (line,) = [x for x in table if x.startswith("| tcr | 1 |")]
+    (line,) = [x for x in table if x.startswith("| tcr | 1 | 63 |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == "63" and cells[3] == "37.5"  # window 64 - 1; R@1 (25 + 50) / 2
     assert cells[4].startswith("+12.5 [")
     assert cells[5] == "33 %"  # 12.5 / 37.5
     assert cells[6].startswith("-25.0 [")  # snow 25 - 50, fog 50 - 75
     assert cells[7].startswith("+0.0 [") and "fog 5" in cells[7] and "not below" in cells[7]
+    (control,) = [x for x in table if x.startswith("| tcr | 1 | 0 |")]
+    assert "| 67 % |" in control and "+0.0 [" in control.split("|")[8] and "snow 3" in control  # 25 / 37.5; worst: snow
+    assert table.index(line) < table.index(control)  # the window's row first
     (full,) = [x for x in table if x.startswith("| tcr | 64 |")]
     assert "+37.5 [" in full and "| — | — |" in full  # no share nor difference against itself
     assert not any(x.startswith("| source |") and "clean" in x for x in table)  # the clean reference is no column
