@@ -134,11 +134,11 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
 
 #: A block of a card printed by a recipe's summary from the committed rows it names::
 #:
-#:     <!-- study: results/beyond-ln/rows.jsonl -->        (recipes/beyond_ln_summary.py: issue 29's study)
+#:     <!-- study: results/beyond-ln/rows.jsonl [t2i] -->  (recipes/beyond_ln_summary.py: issue 29's study, i2t or t2i)
 #:     <!-- batch-size: results/batch-size-recall -->      (recipes/batch_size_recall.py: its bs<B>/rows.jsonl)
 #:     ...the summary's output...
 #:     <!-- /study -->  or  <!-- /batch-size -->
-RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size): (?P<rows>\S+) -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
+RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
 
 
 def _recipe(name: str):
@@ -150,10 +150,10 @@ def _recipe(name: str):
     return module
 
 
-def recipe_block(kind: str, rows: Path) -> str:
+def recipe_block(kind: str, rows: Path, direction: str | None = None) -> str:
     """What the recipe's summary prints for the committed rows of a ``kind`` block."""
     if kind == "study":
-        return _recipe("beyond_ln_summary").summarise(rows)
+        return _recipe("beyond_ln_summary").summarise(rows, direction or "i2t")
     return _recipe("batch_size_recall").summary_of(rows)
 
 
@@ -163,7 +163,7 @@ def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     blocks = [b for b in RECIPE_BLOCK.finditer((CARDS / card).read_text()) if b["kind"] == kind]
     assert blocks, f"{card} has no {kind} block"
     for block in blocks:
-        assert block["body"].strip() == recipe_block(kind, CARDS / block["rows"]).strip()
+        assert block["body"].strip() == recipe_block(kind, CARDS / block["rows"], block["direction"]).strip()
 
 
 def write(card: Path) -> None:
@@ -174,7 +174,7 @@ def write(card: Path) -> None:
         lines[line : _block_end(lines, line)] = [lines[line], *expected[1:]]
     text = "\n".join(lines)
     for block in reversed(list(RECIPE_BLOCK.finditer(text))):
-        body = recipe_block(block["kind"], CARDS / block["rows"]).strip() + "\n"
+        body = recipe_block(block["kind"], CARDS / block["rows"], block["direction"]).strip() + "\n"
         text = text[: block.start("body")] + body + text[block.end("body") :]
     card.write_text(text)
 
