@@ -130,8 +130,9 @@ def summarise(by_size: dict[tuple[int, int], list[dict]], rows: tuple[str, ...])
             r1 = float(np.mean([np.mean([r["R@1"] for r in st[k][row].values()]) for k in keys]))
             gain = share = versus = worst = "—"
             if row != SOURCE:
-                gain = ci(_diffs(st, st, keys, row, SOURCE))
-                per_stream = {k: float(np.mean(d)) * 100 for k, d in zip(keys, _diffs(st, st, keys, row, SOURCE))}
+                diffs = _diffs(st, st, keys, row, SOURCE)
+                gain = ci(diffs)
+                per_stream = {k: float(np.mean(d)) * 100 for k, d in zip(keys, diffs)}
                 stream = min(per_stream, key=per_stream.get)
                 mean, bounds = paired_bootstrap(_diffs(st, st, [stream], row, SOURCE))
                 worst = f"{mean:+.1f} [{bounds[0]:+.1f}, {bounds[1]:+.1f}] {stream[0]} {stream[1]}: {below_source_claim(mean, bounds)}"
