@@ -169,6 +169,18 @@ class TTAConfig(ConfigMixin):
             "sum ||theta - theta_source||^2 (for LoRA: ||delta W||_F^2); 0 = off (the papers' methods)."
         },
     )
+    consistency_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Consistency with the source model's predictions added to every step's loss: consistency_weight * "
+            "mean KL(p_source || p_adapted) over each query's `consistency_top_k` source top items at temperature "
+            "`consistency_temperature` (hf_tta.tuning.SourceConsistency); 0 = off (the papers' methods)."
+        },
+    )
+    consistency_top_k: int = field(default=5, metadata={"help": "Source top-k items the consistency term compares."})
+    consistency_temperature: float = field(
+        default=0.01, metadata={"help": "Temperature of the consistency term's softmax over the top-k scores."}
+    )
     gallery_batch_size: int = field(default=256, metadata={"help": "Chunk size when encoding the gallery (no grad)."})
     autocast_dtype: str | None = field(
         default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
@@ -281,6 +293,9 @@ class TTAConfig(ConfigMixin):
         check_choice("tuning", self.tuning, TUNINGS)
         check_positive_int("lora_rank", self.lora_rank)
         check_positive("anchor_weight", self.anchor_weight, allow_zero=True)
+        check_positive("consistency_weight", self.consistency_weight, allow_zero=True)
+        check_positive_int("consistency_top_k", self.consistency_top_k)
+        check_positive("consistency_temperature", self.consistency_temperature)
         if not isinstance(self.lr_multipliers, dict):
             raise TypeError("`lr_multipliers` must be a dict {regex: factor}, e.g. {'pwconv': 0.1}.")
         for pattern, factor in self.lr_multipliers.items():

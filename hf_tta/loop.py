@@ -42,7 +42,12 @@ MakeInputs = Callable[[int], ObjectiveInputs]
 
 
 class Penalty(Protocol):
-    def value(self) -> torch.Tensor: ...
+    """A term added to every step's loss, logged under ``name`` (:class:`hf_tta.tuning.Anchor`,
+    :class:`hf_tta.tuning.SourceConsistency`)."""
+
+    name: str
+
+    def value(self, inputs: ObjectiveInputs) -> torch.Tensor: ...
 
 
 @dataclass
@@ -76,8 +81,8 @@ class StepLoop:
         fast: use the one-sync fast path where it applies.
         gradient_decoupling: REST's gradient decoupling, or ``None``.
         reduce_gradients: called on the adapted parameters after each backward (the distributed all-reduce).
-        penalty: a term added to every step's loss (``penalty.value()``, e.g. :class:`hf_tta.tuning.Anchor`'s pull
-            towards the source weights), logged as ``anchor``.
+        penalties: terms added to every step's loss (``penalty.value(inputs)``, e.g. :class:`hf_tta.tuning.Anchor`'s
+            pull towards the source weights), each logged under its ``name``.
     """
 
     def __init__(
@@ -87,9 +92,9 @@ class StepLoop:
         fast: bool = False,
         gradient_decoupling: GradientDecoupling | None = None,
         reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
-        penalty: Penalty | None = None,
+        penalties: Iterable[Penalty] = (),
     ):
-        self.objective, self.steps, self.fast, self.penalty = objective, steps, fast, penalty
+        self.objective, self.steps, self.fast, self.penalties = objective, steps, fast, tuple(penalties)
         self.gradient_decoupling, self.reduce_gradients = gradient_decoupling, reduce_gradients
 
     def run(
@@ -154,11 +159,11 @@ class StepLoop:
         return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, float_logs(res.logs))
 
     def evaluate(self, inputs: ObjectiveInputs, state: dict) -> LossOutput:
-        """The objective's output at the current parameters, with the penalty added to its loss."""
+        """The objective's output at the current parameters, with the penalties added to its loss."""
         res = self.objective(inputs, state)
-        if self.penalty is not None and res.loss is not None:
-            value = self.penalty.value()
-            res = dataclasses.replace(res, loss=res.loss + value, logs={**res.logs, "anchor": value.detach()})
+        for penalty in self.penalties if res.loss is not None else ():
+            value = penalty.value(inputs)
+            res = dataclasses.replace(res, loss=res.loss + value, logs={**res.logs, penalty.name: value.detach()})
         return res
 
     def backward(self, res: LossOutput, inputs: ObjectiveInputs, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:

@@ -19,6 +19,12 @@ rate (the first match wins, others keep 1), so deeper parameters can move slower
 ``anchor_weight`` adds L2-SP's pull towards the source (Li et al., ICML 2018, Eq. 3 with the starting point as the
 reference): ``(alpha / 2) * sum_i ||theta_i - theta_i^0||^2`` over the adapted tensors, where for a LoRA layer the
 distance is that of its effective weight, ``||ΔW||_F^2``. It is added to every step's loss (:class:`Anchor`).
+
+``consistency_weight`` adds a pull towards the source model's *predictions* instead of its weights
+(:class:`SourceConsistency`): ``w * mean_i KL(p^0_i || p_i)``, where ``p^0_i`` and ``p_i`` are the source's and the
+adapted model's softmax at temperature ``consistency_temperature`` over query ``i``'s ``consistency_top_k`` items of
+highest source score (the top-k the safety layer compares; issue 29's "consistency with the source on the top-k").
+A query the source is sure of keeps its answer; where the source is unsure the target is flat and the pull is weak.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .models.base import ModelAdapter, resolve_target_modules
+from .objectives.base import ObjectiveInputs
 from .models.checkpointing import enable_gradient_checkpointing
 
 logger = logging.getLogger(__name__)
@@ -118,14 +125,45 @@ class Anchor:
     """L2-SP's pull towards the source weights (module docstring): ``value()`` is ``(alpha / 2) * sum ||theta -
     theta^0||^2``, with each LoRA layer's effective ``ΔW`` in place of its ``A`` and ``B``."""
 
+    name = "anchor"
+
     def __init__(self, weight: float, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]):
         self.weight = weight
         self.lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
         lora_ids = {id(p) for m in self.lora for p in m.parameters() if p.requires_grad}
         self.plain = [(p, source[n]) for n, p in params.items() if id(p) not in lora_ids]
 
-    def value(self) -> torch.Tensor:
+    def value(self, inputs: ObjectiveInputs | None = None) -> torch.Tensor:
         terms = [(p - p0).pow(2).sum() for p, p0 in self.plain]
         terms += [m.get_delta_weight(a).pow(2).sum() for m in self.lora for a in m.active_adapters if a in m.lora_A]
         return 0.5 * self.weight * torch.stack(terms).sum()
 
+
+
+class SourceConsistency:
+    """The pull towards the source model's top-k predictions (module docstring): ``value(inputs)`` is
+    ``weight * mean_i sum_j p^0_ij (log p^0_ij - log p_ij)`` over the columns ``j`` of query ``i``'s ``top_k`` highest
+    source scores, ``p = softmax(scores[i, top-k] / temperature)`` (the adapted scores carry the gradient)."""
+
+    name = "consistency"
+
+    def __init__(self, weight: float, top_k: int, temperature: float):
+        self.weight, self.top_k, self.temperature = weight, top_k, temperature
+
+    def value(self, inputs: ObjectiveInputs) -> torch.Tensor:
+        source = inputs.source_scores()
+        k = min(self.top_k, source.shape[1])
+        top = source.topk(k, dim=1).indices
+        log_p0 = torch.log_softmax(source.gather(1, top).float() / self.temperature, dim=1)
+        log_p = torch.log_softmax(inputs.scores.gather(1, top).float() / self.temperature, dim=1)
+        return self.weight * (log_p0.exp() * (log_p0 - log_p)).sum(1).mean()
+
+
+def penalties(config, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]) -> list:
+    """The loss terms ``config`` (a :class:`~hf_tta.TTAConfig`) adds to every step: the anchor, the consistency."""
+    terms: list = []
+    if config.anchor_weight and params:
+        terms.append(Anchor(config.anchor_weight, model, params, source))
+    if config.consistency_weight and params:
+        terms.append(SourceConsistency(config.consistency_weight, config.consistency_top_k, config.consistency_temperature))
+    return terms

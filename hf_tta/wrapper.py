@@ -96,8 +96,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
         gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
         self._capture_source()
-        anchor = tuning.Anchor(cfg.anchor_weight, self.model, self.params, self._source_params) if cfg.anchor_weight else None
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, penalty=anchor)
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd,
+                             penalties=tuning.penalties(cfg, self.model, self.params, self._source_params))
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
         targets = tuning.wrap_targets(self.adapter, self.query_modality, self.config)

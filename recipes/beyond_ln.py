@@ -19,7 +19,10 @@ Phases (the split is fixed here, before any run):
    concepts (``--limit 500``). Each set's lr: the one with the highest share of lost recall won back (ratio of sums).
 2. ``candidates``: label-free rows, each with and without the safety layer, on the same selection split; every one
    tried is recorded. The rule: the highest won-back share among rows with no column more than 1.0 R@1 (5 of 500
-   queries) below the source.
+   queries) below the source. From round 3 on, ``streams`` adds the selection seed's clean, degenerate, diverse and
+   switching streams (``--limit 500``) to the candidates' rows, and the rule walks the eligible rows from the highest
+   share down, taking the first whose streams are none more than 1.0 below the source (a row whose streams have not
+   run stops the walk: run them).
 3. ``report``: the chosen candidate (with and without the safety layer) next to TCR on the LayerNorms, and the
    prequential ceilings of the LayerNorms and of the candidate's set, each at the lr its set chose in phase 1.
    **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog, brightness) and
@@ -32,6 +35,7 @@ on the word-level ones, text severities 3 and 7) runs the same phases into its o
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2
+    python recipes/beyond_ln.py streams --out runs/beyond-ln --jobs 2 --only <the top rows' names>/
     python recipes/beyond_ln.py report --out runs/beyond-ln --jobs 2 --candidate <name from candidates>
     python recipes/beyond_ln.py summary --out runs/beyond-ln > summary.md
     python recipes/beyond_ln.py report --out runs/round2 --prior model_cards/results/beyond-ln/rows.jsonl \\
@@ -83,11 +87,26 @@ CANDIDATES: dict[str, list[str]] = {  # label-free: TCR (its paper defaults) on 
     "tcr-ln-lr1e-3": ["--lr", "1e-3"],
     "tcr-ln-lr3e-3": ["--lr", "3e-3"],
 }
+# Round 3 (added after round 2's report had been read, so post hoc; chosen under the round-3 rule of the summary, which
+# adds the seed-0 streams to the selection split). Two answers to what round 2 found limits the candidate:
+# * the safety layer's drift rule reads the stem's large useful changes as harm and rolls them back: ``-lite`` keeps
+#   its degenerate-batch and collapse rules and turns the drift rule off (one row, ``tcr+safe``);
+# * unsafe, the candidate ends below the source on clean and JPEG queries: ``-consist`` adds the pull towards the
+#   source's top-5 predictions (``consistency_weight``; weights 1 and 10 fixed before any run).
+LITE = ["--objectives", "tcr+safe", "--safety", json.dumps({"min_agreement": 0.0, "max_agreement_drop": 1.0})]
+X3 = CANDIDATES["tcr-ln+stem-x3"]
+CANDIDATES |= {
+    "tcr-ln+stem-x3-lite": [*X3, *LITE],
+    "tcr-ln-lr3e-3-lite": ["--lr", "3e-3", *LITE],
+    "tcr-ln+stem-x3-consist1": [*X3, "--consistency_weight", "1.0"],
+    "tcr-ln+stem-x3-consist10": [*X3, "--consistency_weight", "10.0"],
+}
 
 CANDIDATE_SET = {  # the parameter set each candidate adapts (whose ceiling the report shows next to it)
     "tcr-ln": "ln", "tcr-ln-lr1e-3": "ln", "tcr-ln-lr3e-3": "ln", "tcr-stem": "stem", "tcr-bitfit": "bitfit", "tcr-lora4-mlp": "lora4-mlp",
     **{name: "ln+stem" for name in CANDIDATES if name.startswith("tcr-ln+stem")},
     **{name: "all" for name in CANDIDATES if name.startswith("tcr-ln+mlp")},  # no ceiling of its own: the nearest above
+    "tcr-ln-lr3e-3-lite": "ln",
 }
 
 SELECTION = [
@@ -100,6 +119,7 @@ HELD_OUT = [
     ["--corruptions", "elastic_transform,pixelate,jpeg_compression", "--severities", "5"],
 ]
 REPORT_COMMON = ["--seeds", "1,2", "--no-style"]
+STREAMS_ARGS = ["--clean", "--degenerate", "--degenerate-batches", "50", "--diverse", "--switch"]
 
 # ---- text->image: the same study on the MiniLM text tower (6 BERT layers; fixed here before any t2i run) ----------
 # Sets: its 13 LayerNorms (the t2i default), every bias, LoRA of rank 4 / 16 on attention's query and value (the
@@ -119,7 +139,8 @@ T2I_SETS: dict[str, list[str]] = {
     "lora16-attn": ["--tuning", "lora", "--lora_rank", "16", "--target_modules", T_ATTN],
     "lora4-mlp": ["--tuning", "lora", "--lora_rank", "4", "--target_modules", T_MLP],
 }
-T2I_LRS = ("3e-5", "1e-4", "3e-4", "1e-3")
+# 3e-3 and 1e-2 added after 1e-3 won for six of the eight sets (the grid's edge), run for those six only (``--only``)
+T2I_LRS = ("3e-5", "1e-4", "3e-4", "1e-3", "3e-3", "1e-2")
 T2I_CANDIDATES: dict[str, list[str]] = {  # TCR's defaults on each set; the LayerNorms also at the higher lrs
     "tcr-ln": [],
     "tcr-ln-lr3e-4": ["--lr", "3e-4"],
@@ -169,6 +190,10 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
         for name, extra in candidates.items():
             for i, split in enumerate(selection):
                 jobs.append((f"{name}/part{i}", [*extra_args, "--objectives", "tcr,tcr+safe", *extra, *split, *SELECTION_COMMON]))
+    elif phase == "streams":  # the selection seed's streams, kept with the candidates' rows (the round-3 rule)
+        for name, extra in candidates.items():
+            jobs.append((f"{name}/streams", [*extra_args, "--objectives", "tcr,tcr+safe", *extra, *no_corruptions, *STREAMS_ARGS,
+                                             *SELECTION_COMMON]))
     elif phase == "report":
         if candidate not in candidates:
             raise SystemExit(f"report needs --candidate, one of {list(candidates)} (the candidates phase's choice).")
@@ -176,8 +201,7 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
             for i, split in enumerate(held_out):
                 jobs.append((f"{name}/part{i}", [*extra_args, "--objectives", rows, *candidates[name], *split, *REPORT_COMMON]))
         jobs.append((f"{candidate}/streams", [*extra_args, "--objectives", "tcr,tcr+safe", *candidates[candidate], *no_corruptions,
-                                              "--clean", "--degenerate", "--degenerate-batches", "50", "--diverse",
-                                              "--switch", *REPORT_COMMON[:2]]))
+                                              *STREAMS_ARGS, *REPORT_COMMON[:2]]))
         # the ceilings of the LayerNorms and of the candidate's set (at the lr each chose on the selection split) on
         # the columns where the source keeps recall to lose: i2t weather and contrast (digital keeps 93 % or more)
         for set_name in dict.fromkeys(["ln", candidate_set[candidate]]):
@@ -189,14 +213,14 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["ceilings", "candidates", "report", "summary"])
+    parser.add_argument("phase", choices=["ceilings", "candidates", "streams", "report", "summary"])
     parser.add_argument("--out", default="runs/beyond-ln")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
     parser.add_argument("--candidate")
     parser.add_argument("--direction", choices=sorted(STUDIES), default="i2t",
                         help="i2t: the image tower's study; t2i: the text tower's (use another --out)")
-    parser.add_argument("--only", help="run only the jobs whose name contains this")
+    parser.add_argument("--only", nargs="+", help="run only the jobs whose name contains one of these")
     parser.add_argument("--prior", type=Path, nargs="*", default=[],
                         help="earlier rounds' exported rows.jsonl, read with --out's runs for the report's lr choices")
     args = parser.parse_args(argv)
@@ -211,9 +235,10 @@ def main(argv=None) -> None:
         from beyond_ln_summary import choose_lrs, load  # noqa: PLC0415 (next to this file)
 
         lrs = {name.removeprefix("oracle-"): v["lr"] for name, v in choose_lrs(load([out, *args.prior], args.direction)).items()}
-    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs, args.direction) if not args.only or args.only in n]
+    jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs, args.direction) if not args.only or any(o in n for o in args.only)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        codes = list(pool.map(lambda job: _run(out / args.phase / job[0], job[1], args.cache_dir), jobs))
+        folder = out / ("candidates" if args.phase == "streams" else args.phase)
+        codes = list(pool.map(lambda job: _run(folder / job[0], job[1], args.cache_dir), jobs))
     failed = [n for (n, _), c in zip(jobs, codes) if c != 0]
     print(f"{len(jobs) - len(failed)} of {len(jobs)} runs finished" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

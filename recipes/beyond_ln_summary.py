@@ -149,14 +149,37 @@ def choose_lrs(rows: list[dict]) -> dict[str, dict]:
 
 def choose_candidate(rows: list[dict]) -> tuple[str | None, dict[str, dict]]:
     """The label-free row with the highest won-back share among those with no selection column more than
-    :data:`MAX_DROP` below the source (candidates phase); every scored row is returned."""
+    :data:`MAX_DROP` below the source (candidates phase); every scored row is returned.
+
+    Once any candidate's streams ran (round 3), the walk goes down the eligible rows by share and takes the first
+    whose streams are none more than :data:`MAX_DROP` below the source; a row whose streams did not run stops it
+    (``None``: run them)."""
     sources, labels = _by(rows, "candidates")
     columns = corruption_columns(sources)
     scored = {label: score(runs, sources, columns) for label, runs in labels.items()}
     scored = {k: v for k, v in scored.items() if v and v["complete"]}
-    eligible = {k: v for k, v in scored.items() if v["worst"] >= -MAX_DROP}
-    chosen = max(eligible, key=lambda k: eligible[k]["won_back"]) if eligible else None
-    return chosen, scored
+    eligible = sorted((k for k, v in scored.items() if v["worst"] >= -MAX_DROP), key=lambda k: -scored[k]["won_back"])
+    deltas = stream_deltas(rows, "candidates")
+    if not deltas:
+        return (eligible[0] if eligible else None), scored
+    for label in eligible:
+        if label not in deltas:
+            return None, scored
+        if min(deltas[label].values()) >= -MAX_DROP:
+            return label, scored
+    return None, scored
+
+
+def stream_deltas(rows: list[dict], phase: str) -> dict[str, dict[str, float]]:
+    """Per label, each stream's R@1 difference to the source (mean over seeds) in ``phase``."""
+    sources, labels = _by(rows, phase)
+    out: dict[str, dict[str, float]] = {}
+    for label, runs in labels.items():
+        for shift in STREAMS:
+            keys = [k for k in runs if k[0][0] == shift and k in sources]
+            if keys:
+                out.setdefault(label, {})[shift] = float(np.mean([runs[k]["R@1"] - sources[k]["R@1"] for k in keys]))
+    return out
 
 
 def versus(rows: list[dict], label: str, reference: str, phase: str = "report", columns: list | None = None) -> dict | None:
@@ -246,18 +269,22 @@ def summarise(out: Path | list[Path], direction: str = "i2t") -> str:
         parts.append(_table(f"{phase} ({len({s for _, s in sources})} seed(s))", {"source": source_row, **scored}, names))
         if phase == "report":
             parts.append("\n".join(report_lines(rows)))
-            parts.append(_streams_table(rows))
+        if stream_deltas(rows, phase):
+            parts.append(_streams_table(rows, phase))
     if any(r["phase"] == "ceilings" for r in rows):
         parts.append("Chosen learning rates: " + ", ".join(f"{k} {v['lr']} ({v['won_back']:.1f} %)" for k, v in choose_lrs(rows).items()))
     if any(r["phase"] == "candidates" for r in rows):
         chosen, _ = choose_candidate(rows)
-        parts.append(f"Chosen candidate (rule: highest won back with no column below the source by more than {MAX_DROP}): {chosen}")
+        rule = f"highest won back with no column below the source by more than {MAX_DROP}"
+        if stream_deltas(rows, "candidates"):
+            rule += ", nor any of its seed-0 streams"
+        parts.append(f"Chosen candidate (rule: {rule}): {chosen}")
     return "\n\n".join(parts)
 
 
-def _streams_table(rows: list[dict]) -> str:
-    """The report's extra streams (clean, degenerate): R@1 per seed-mean and the difference to the source."""
-    sources, labels = _by(rows, "report")
+def _streams_table(rows: list[dict], phase: str = "report") -> str:
+    """The phase's extra streams (clean, degenerate, ...): R@1 per seed-mean and the difference to the source."""
+    sources, labels = _by(rows, phase)
     lines = ["| row | stream | R@1 | Δ vs source | safety |", "|---|---|---|---|---|"]
     for label in sorted(labels):
         for shift in STREAMS:

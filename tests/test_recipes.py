@@ -136,7 +136,7 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names(direction)
     study = _load("beyond_ln")
     sets, _, _, _, selection, _, _ = study.STUDIES[direction]
     lrs = {s: "3e-4" for s in sets}
-    phases = [study._jobs(p, "tcr-bitfit", lrs, direction) for p in ("ceilings", "candidates", "report")]
+    phases = [study._jobs(p, "tcr-bitfit", lrs, direction) for p in ("ceilings", "candidates", "streams", "report")]
     assert all(len({name for name, _ in jobs}) == len(jobs) for jobs in phases)  # one folder per job in a phase
     jobs = [job for phase in phases for job in phase]
     distinct = {}
@@ -164,8 +164,8 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names(direction)
     assert seen == set(expected)
 
 
-def _study_rows(folder, phase, config, rows):
-    path = folder / phase / config / "part0"
+def _study_rows(folder, phase, config, rows, part="part0"):
+    path = folder / phase / config / part
     path.mkdir(parents=True)
     lines = [json.dumps({"hf-tta-run": {}})] + [json.dumps(r) for r in rows]
     (path / "rows.jsonl").write_text("\n".join(lines) + "\n")
@@ -191,6 +191,18 @@ def test_beyond_ln_summary_won_back_and_the_choices_by_hand(tmp_path):
     assert scored["a:tcr"]["won_back"] == pytest.approx(100 * 18.5 / 60, abs=0.005) and scored["a:tcr"]["worst"] == pytest.approx(-1.5)
     assert chosen == "b:tcr" and scored["b:tcr"]["safety"] == {"rollback": 2}
     assert "b:tcr" in summary.summarise(tmp_path)
+    # round 3: once streams ran, the walk goes down the eligible rows by share (b 7.5 %, then c 3.3 %); b loses 20 on the
+    # degenerate stream, so c, whose streams hold (-0.5), is chosen; a row without streams on the way stops the walk
+    _study_rows(tmp_path, "candidates", "c", src + [_row("tcr", "fog", 3, 52.0), _row("tcr", "snow", 3, 70.0)])
+    assert summary.choose_candidate(summary.load(tmp_path))[0] == "b:tcr"  # no streams anywhere: round 1's rule
+    degenerate = [_row("source", "degenerate", None, 90.0)]
+    _study_rows(tmp_path, "candidates", "b", degenerate + [_row("tcr", "degenerate", None, 70.0)], part="streams")
+    assert summary.choose_candidate(summary.load(tmp_path))[0] is None  # c's streams have not run
+    _study_rows(tmp_path, "candidates", "c", degenerate + [_row("tcr", "degenerate", None, 89.5)], part="streams")
+    assert summary.choose_candidate(summary.load(tmp_path))[0] == "c:tcr"
+    assert summary.stream_deltas(summary.load(tmp_path), "candidates") == {"b:tcr": {"degenerate": -20.0},
+                                                                           "c:tcr": {"degenerate": -0.5}}
+    assert "nor any of its seed-0 streams): c:tcr" in summary.summarise(tmp_path)
 
 
 def test_beyond_ln_summary_refuses_phases_whose_source_rows_differ(tmp_path):

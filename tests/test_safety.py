@@ -58,8 +58,9 @@ def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
 @pytest.mark.parametrize(
     "tuning",
     [None, {"tuning": "bias"}, {"tuning": "lora", "target_modules": ".*vision_model.*mlp.fc[12]", "anchor_weight": 0.1},
-     {"target_modules": ".*vision_model.*(layer_norm1|mlp)", "lr_multipliers": {"fc": 0.1}}],
-    ids=["layernorms", "bitfit", "lora-anchor", "per-group-lr"],
+     {"target_modules": ".*vision_model.*(layer_norm1|mlp)", "lr_multipliers": {"fc": 0.1}},
+     {"consistency_weight": 1.0, "consistency_top_k": 1}],  # k = 1: in the loop (a source forward per step), exactly 0
+    ids=["layernorms", "bitfit", "lora-anchor", "per-group-lr", "consistency"],
 )
 def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push, tuning):
     tta = _push_wrapper(push, "shift", harm=[3], tuning=tuning, min_agreement=0.5, collapse_ratio=0.0)

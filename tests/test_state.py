@@ -117,6 +117,7 @@ def _plain(model: str, query: str, objective: str = "tcr", **cfg):
 
 #: Objectives with state, optimiser extras or a second pass (text queries; the state of each must survive the cut).
 LORA_MLP = ".*vision_model.*mlp.fc[12]"
+LN_STEM_LIKE = ".*vision_model.*(layer_norm1|patch_embedding)"  # LayerNorms + the stem (issue 29's candidate)
 OBJECTIVE_CASES = [
     ("rest", {}, {"gradient_decoupling": True}),
     ("tent", {}, {"score_transform": "dn", "score_transform_config": {"num_samples": 8}}),
@@ -194,6 +195,8 @@ CASES = (
     + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "bias", "anchor_weight": 1.0}), id="plain-bitfit-anchor")]
     + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "lora", "target_modules": LORA_MLP,
                                                        "lr_multipliers": {"lora_B": 0.5}, "anchor_weight": 1.0}), id="plain-lora")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"target_modules": LN_STEM_LIKE, "lr_multipliers": {"patch": 3.0},
+                                                       "consistency_weight": 1.0}), id="plain-stem-consistency")]
     + [pytest.param("safety", (), id="safety")]
     + [pytest.param("safety", ({"tuning": "lora", "target_modules": LORA_MLP},), id="safety-lora")]
     + [pytest.param("topk", (o,), id=f"topk-{o}") for o in ("rest", "eata", "titan", "cliptta", "dn")]

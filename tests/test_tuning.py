@@ -1,5 +1,6 @@
 """``hf_tta.tuning``: which tensors adapt (LN tuning, BitFit, LoRA) selected by name, per-group learning rates, and the
-L2-SP pull towards the source weights checked by hand on small cases."""
+L2-SP pull towards the source weights and the consistency with the source's top-k predictions, checked by hand on
+small cases."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from hf_tta import TTAConfig, TTAWrapper
+from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, AdapterState
+from hf_tta.tuning import SourceConsistency
 from support import dense_gallery, image_stream
 from tiny_models import batch, make_model
 
@@ -76,6 +79,9 @@ def test_lora_starts_at_the_source_model_and_its_init_follows_the_seed():
         ({"tuning": "loraa"}, "tuning"),
         ({"lora_rank": 0}, "lora_rank"),
         ({"anchor_weight": -1.0}, "anchor_weight"),
+        ({"consistency_weight": -1.0}, "consistency_weight"),
+        ({"consistency_top_k": 0}, "consistency_top_k"),
+        ({"consistency_temperature": 0.0}, "consistency_temperature"),
         ({"lr_multipliers": {"fc1": 0.0}}, "lr_multipliers"),
         ({"lr_multipliers": {"(": 0.5}}, "regular expression"),
         ({"lr_multipliers": {"no_such_tensor": 0.5}}, "match no adapted parameter"),
@@ -126,7 +132,7 @@ def test_anchor_value_by_hand_on_plain_tensors():
             offsets[name] = 0.01 * (i + 1)
             p.add_(offsets[name])
     by_hand = 0.5 * 3.0 * sum(off**2 * source[n].numel() for n, off in offsets.items())
-    assert tta.loop.penalty.value().item() == pytest.approx(by_hand, rel=1e-4)
+    assert tta.loop.penalties[0].value().item() == pytest.approx(by_hand, rel=1e-4)
 
 
 def test_anchor_value_by_hand_on_lora_is_the_effective_weight_change():
@@ -137,7 +143,7 @@ def test_anchor_value_by_hand_on_lora_is_the_effective_weight_change():
         A.copy_(torch.tensor([[1.0] + [0.0] * (A.shape[1] - 1), [0.0, 2.0] + [0.0] * (A.shape[1] - 2)]))
         B.zero_()
         B[0, 0], B[1, 1] = 3.0, -1.0  # ΔW = B A has entries 3 (row 0, col 0) and -2 (row 1, col 1)
-    assert tta.loop.penalty.value().item() == pytest.approx(0.5 * 0.5 * (9.0 + 4.0))
+    assert tta.loop.penalties[0].value().item() == pytest.approx(0.5 * 0.5 * (9.0 + 4.0))
 
 
 def test_the_anchor_is_part_of_the_loss_and_logged():
@@ -180,3 +186,35 @@ def test_lora_exports_as_a_peft_adapter_that_embeds_the_same(tmp_path):
         theirs = theirs if torch.is_tensor(theirs) else theirs.pooler_output
     ours = tta.adapter.encode("image", x)
     assert torch.allclose(torch.nn.functional.normalize(theirs, dim=-1), ours, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- consistency with the source
+def test_consistency_value_by_hand():
+    # query 0: the source's top-2 are columns 0 and 2 (scores 0.3, 0.2: at T = 0.1, p0 = softmax(3, 2)); the adapted
+    # scores there are 0.1, 0.2 (p = softmax(1, 2)). KL(p0 || p) = (p0_0 - p0_1) * ln(e) = 2 sigma(1) - 1 = 0.46212.
+    # Query 1 is unchanged (KL 0), so the mean is 0.23106 and weight 2 makes it 0.46212.
+    source = torch.tensor([[0.3, 0.1, 0.2], [0.5, 0.4, 0.0]])
+    adapted = torch.tensor([[0.1, 0.3, 0.2], [0.5, 0.4, 0.0]])
+    inputs = ObjectiveInputs(query_emb=torch.zeros(2, 4), gallery_emb=torch.zeros(3, 4), scores=adapted,
+                             source_scores=lambda: source)
+    by_hand = 2 * torch.sigmoid(torch.tensor(1.0)).item() - 1
+    assert SourceConsistency(2.0, 2, 0.1).value(inputs).item() == pytest.approx(by_hand, rel=1e-5)
+    assert SourceConsistency(1.0, 2, 0.1).value(inputs).item() == pytest.approx(by_hand / 2, rel=1e-5)
+    # top_k larger than the gallery compares every item; identical scores give exactly 0
+    same = ObjectiveInputs(query_emb=torch.zeros(2, 4), gallery_emb=torch.zeros(3, 4), scores=source,
+                           source_scores=lambda: source)
+    assert SourceConsistency(1.0, 10, 0.1).value(same).item() == 0.0
+
+
+def test_the_consistency_is_part_of_the_loss_logged_and_keeps_the_source_answers():
+    gallery, stream = dense_gallery(), image_stream(3)
+    plain, held = _wrapper(lr=1e-2), _wrapper(lr=1e-2, consistency_weight=1000.0, consistency_top_k=3)
+    source = _wrapper()
+    kl = {}
+    for x in stream:
+        a, b, s = plain.adapt_step(x, gallery), held.adapt_step(x, gallery), source.answer(x, gallery)
+        assert "consistency" not in a.logs and b.logs["consistency"] >= 0
+        kl = {name: SourceConsistency(1.0, 3, 0.01).value(ObjectiveInputs(
+            query_emb=torch.zeros(1), gallery_emb=torch.zeros(1), scores=out.scores, source_scores=lambda: s.scores))
+            for name, out in (("plain", a), ("held", b))}
+    assert kl["held"] < kl["plain"]  # a strong pull keeps the adapted top-k predictions nearer the source's
