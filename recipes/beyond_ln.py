@@ -92,7 +92,7 @@ CANDIDATES: dict[str, list[str]] = {  # label-free: TCR (its paper defaults) on 
 # * the safety layer's drift rule reads the stem's large useful changes as harm and rolls them back: ``-lite`` keeps
 #   its degenerate-batch and collapse rules and turns the drift rule off (one row, ``tcr+safe``);
 # * unsafe, the candidate ends below the source on clean and JPEG queries: ``-consist`` adds the pull towards the
-#   source's top-5 predictions (``consistency_weight``; weights 1 and 10 fixed before any run).
+#   source's top-5 predictions (``consistency_weight``; weights 1 and 10 fixed before any run, 0.1 and 0.01 after them).
 LITE = ["--objectives", "tcr+safe", "--safety", json.dumps({"min_agreement": 0.0, "max_agreement_drop": 1.0})]
 X3 = CANDIDATES["tcr-ln+stem-x3"]
 CANDIDATES |= {
@@ -100,6 +100,9 @@ CANDIDATES |= {
     "tcr-ln-lr3e-3-lite": ["--lr", "3e-3", *LITE],
     "tcr-ln+stem-x3-consist1": [*X3, "--consistency_weight", "1.0"],
     "tcr-ln+stem-x3-consist10": [*X3, "--consistency_weight", "10.0"],
+    # weights 1 and 10 held the model at the source (0.6 % and 0.3 % won back): two lower weights, same split
+    "tcr-ln+stem-x3-consist0.1": [*X3, "--consistency_weight", "0.1"],
+    "tcr-ln+stem-x3-consist0.01": [*X3, "--consistency_weight", "0.01"],
 }
 
 CANDIDATE_SET = {  # the parameter set each candidate adapts (whose ceiling the report shows next to it)
@@ -141,16 +144,22 @@ T2I_SETS: dict[str, list[str]] = {
 }
 # 3e-3 and 1e-2 added after 1e-3 won for six of the eight sets (the grid's edge), run for those six only (``--only``)
 T2I_LRS = ("3e-5", "1e-4", "3e-4", "1e-3", "3e-3", "1e-2")
-T2I_CANDIDATES: dict[str, list[str]] = {  # TCR's defaults on each set; the LayerNorms also at the higher lrs
+# The candidates, fixed after the ceilings (selection split) and before any t2i candidate ran: TCR at the text tower's
+# default lr (3e-5) on the LayerNorms, and on each set at the lr its ceiling chose (round 1 of the image tower's study
+# showed that the lr moves the gain as much as the set does), with the LayerNorms at those lrs as the lr controls.
+T2I_CANDIDATES: dict[str, list[str]] = {
     "tcr-ln": [],
     "tcr-ln-lr3e-4": ["--lr", "3e-4"],
-    "tcr-ln+emb": T2I_SETS["ln+emb"],
-    "tcr-ln+emb-anchor": [*T2I_SETS["ln+emb"], "--anchor_weight", "1.0"],
-    "tcr-bitfit": T2I_SETS["bitfit"],
-    "tcr-lora4-attn": T2I_SETS["lora4-attn"],
+    "tcr-ln-lr1e-3": ["--lr", "1e-3"],
+    "tcr-ln+emb-lr1e-3": [*T2I_SETS["ln+emb"], "--lr", "1e-3"],
+    "tcr-bitfit-lr3e-4": [*T2I_SETS["bitfit"], "--lr", "3e-4"],
+    "tcr-lora16-attn-lr1e-3": [*T2I_SETS["lora16-attn"], "--lr", "1e-3"],
+    "tcr-lora4-attn-lr3e-3": [*T2I_SETS["lora4-attn"], "--lr", "3e-3"],
+    "tcr-lora4-mlp-lr1e-3": [*T2I_SETS["lora4-mlp"], "--lr", "1e-3"],
+    "tcr-lora16-attn-lr1e-3-consist1": [*T2I_SETS["lora16-attn"], "--lr", "1e-3", "--consistency_weight", "1.0"],
 }
-T2I_CANDIDATE_SET = {"tcr-ln": "ln", "tcr-ln-lr3e-4": "ln", "tcr-ln+emb": "ln+emb", "tcr-ln+emb-anchor": "ln+emb",
-                     "tcr-bitfit": "bitfit", "tcr-lora4-attn": "lora4-attn"}
+T2I_CANDIDATE_SET = {name: next(s for s in ("ln+emb", "bitfit", "lora16-attn", "lora4-attn", "lora4-mlp", "ln")
+                                if name.startswith(f"tcr-{s}")) for name in T2I_CANDIDATES}
 # Split: choose on the character-level family, report on the word-level family (the offline text corruptions; the
 # sentence-level ones need checkpoints that are not here), each at text severities 3 and 7.
 T2I_SELECTION = [["--text-corruptions", "ocr,char_insert,char_replace,char_swap,char_delete", "--text-severities", "3,7"]]
@@ -162,6 +171,11 @@ STUDIES = {  # direction -> (sets, lrs, candidates, candidate's set, selection, 
     "i2t": (SETS, LRS, CANDIDATES, CANDIDATE_SET, SELECTION, HELD_OUT, []),
     "t2i": (T2I_SETS, T2I_LRS, T2I_CANDIDATES, T2I_CANDIDATE_SET, T2I_SELECTION, T2I_HELD_OUT, T2I),
 }
+
+
+#: The report's lr control per direction: TCR on the LayerNorms alone at the lr the LayerNorm ceiling chose (round 2 of
+#: the image tower's study showed that most of a deeper set's label-free gain can be that lr's).
+LR_CONTROL = {"i2t": "tcr-ln-lr3e-3", "t2i": "tcr-ln-lr1e-3"}
 
 
 def _run(out: Path, args: list[str], cache: str) -> int:
@@ -197,7 +211,8 @@ def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None =
     elif phase == "report":
         if candidate not in candidates:
             raise SystemExit(f"report needs --candidate, one of {list(candidates)} (the candidates phase's choice).")
-        for name, rows in (("tcr-ln", "tcr"), (candidate, "tcr,tcr+safe")):  # label-free: every held-out column
+        label_free = {"tcr-ln": "tcr", LR_CONTROL[direction]: "tcr", candidate: "tcr,tcr+safe"}  # the candidate last
+        for name, rows in label_free.items():  # label-free rows: every held-out column
             for i, split in enumerate(held_out):
                 jobs.append((f"{name}/part{i}", [*extra_args, "--objectives", rows, *candidates[name], *split, *REPORT_COMMON]))
         jobs.append((f"{candidate}/streams", [*extra_args, "--objectives", "tcr,tcr+safe", *candidates[candidate], *no_corruptions,

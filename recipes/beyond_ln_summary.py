@@ -205,7 +205,8 @@ def _hits(row: dict) -> np.ndarray:
     return np.frombuffer(row["hits"].encode(), dtype=np.uint8).astype(np.float64) - 48
 
 
-REFERENCES = ("tcr-ln:tcr", "tcr-ln-lr3e-3:tcr")  # TCR on the LayerNorms at its paper's lr, and at the lr control's
+#: TCR on the LayerNorms at its paper's lr, and at the lr controls' (image tower 3e-3, text tower 1e-3)
+REFERENCES = ("tcr-ln:tcr", "tcr-ln-lr3e-3:tcr", "tcr-ln-lr1e-3:tcr")
 
 
 def report_lines(rows: list[dict], references: tuple[str, ...] = REFERENCES) -> list[str]:
