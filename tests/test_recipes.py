@@ -136,7 +136,8 @@ def test_beyond_ln_study_jobs_parse_and_each_set_adapts_what_it_names(direction)
     study = _load("beyond_ln")
     sets, _, _, _, selection, _, _ = study.STUDIES[direction]
     lrs = {s: "3e-4" for s in sets}
-    phases = [study._jobs(p, "tcr-bitfit", lrs, direction) for p in ("ceilings", "candidates", "streams", "report")]
+    bitfit = next(name for name in study.STUDIES[direction][2] if "bitfit" in name)  # a candidate of a deeper set
+    phases = [study._jobs(p, bitfit, lrs, direction) for p in ("ceilings", "candidates", "streams", "report")]
     assert all(len({name for name, _ in jobs}) == len(jobs) for jobs in phases)  # one folder per job in a phase
     jobs = [job for phase in phases for job in phase]
     distinct = {}
