@@ -24,7 +24,9 @@ distance is that of its effective weight, ``||ΔW||_F^2``. It is added to every 
 (:class:`SourceConsistency`): ``w * mean_i KL(p^0_i || p_i)``, where ``p^0_i`` and ``p_i`` are the source's and the
 adapted model's softmax at temperature ``consistency_temperature`` over query ``i``'s ``consistency_top_k`` items of
 highest source score (the top-k the safety layer compares; issue 29's "consistency with the source on the top-k").
-A query the source is sure of keeps its answer; where the source is unsure the target is flat and the pull is weak.
+A query the source is sure of keeps its answer; where the source is unsure the target is flat, and the pull then also
+resists the adapted model becoming sure. On the emoji benchmark it cost TCR's gain at every weight tried (0.01 to 10;
+``model_cards/emoji-benchmark-results.md``, issue 29's round 3), so it is off by default and in no preset.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .models.base import ModelAdapter, resolve_target_modules
-from .objectives.base import ObjectiveInputs
 from .models.checkpointing import enable_gradient_checkpointing
+from .objectives.base import ObjectiveInputs
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,6 @@ class Anchor:
         terms = [(p - p0).pow(2).sum() for p, p0 in self.plain]
         terms += [m.get_delta_weight(a).pow(2).sum() for m in self.lora for a in m.active_adapters if a in m.lora_A]
         return 0.5 * self.weight * torch.stack(terms).sum()
-
 
 
 class SourceConsistency:
