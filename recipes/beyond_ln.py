@@ -23,15 +23,17 @@ Phases (the split is fixed here, before any run):
    switching streams (``--limit 500``) to the candidates' rows, and the rule walks the eligible rows from the highest
    share down, taking the first whose streams are none more than 1.0 below the source (a row whose streams have not
    run stops the walk: run them).
-3. ``report``: the chosen candidate (with and without the safety layer) next to TCR on the LayerNorms, and the
-   prequential ceilings of the LayerNorms and of the candidate's set, each at the lr its set chose in phase 1.
+3. ``report``: the chosen candidate (with and without the safety layer) next to TCR on the LayerNorms, at the
+   paper's lr and at the lr their ceiling chose (:data:`LR_CONTROL`, from round 2 on), and the prequential ceilings
+   of the LayerNorms and of the candidate's set, each at the lr its set chose in phase 1.
    **Held-out split**: seeds 1 and 2, all 1,899 queries, the weather family (snow, frost, fog, brightness) and
    contrast at severities 3 and 5, elastic, pixelate and JPEG at severity 5 (label-free rows only: the source keeps
    93 % or more there); plus, for the candidate, the clean, Noto-style, diverse and switching streams and a
    degenerate stream of 50 constant batches (the diverse and switching streams joined in the second round).
 
 The text tower's study (``--direction t2i``, :data:`T2I_SETS`; choose on the character-level text corruptions, report
-on the word-level ones, text severities 3 and 7) runs the same phases into its own ``--out``.
+on the word-level ones with all 1,899 queries, text severities 3 and 7) runs the same phases, streams included, into
+its own ``--out``.
 
     python recipes/beyond_ln.py ceilings --out runs/beyond-ln --jobs 2
     python recipes/beyond_ln.py candidates --out runs/beyond-ln --jobs 2

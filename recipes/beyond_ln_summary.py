@@ -284,19 +284,23 @@ def summarise(out: Path | list[Path], direction: str = "i2t") -> str:
 
 
 def _streams_table(rows: list[dict], phase: str = "report") -> str:
-    """The phase's extra streams (clean, degenerate, ...): R@1 per seed-mean and the difference to the source."""
+    """The phase's extra streams (clean, degenerate, ...): R@1 per seed-mean, the difference to the source with its
+    95 % interval (items and seeds resampled) and whether it is below the source (else the detection limit)."""
+    from hf_tta.benchmarks.intervals import below_source_claim, paired_bootstrap
+
     sources, labels = _by(rows, phase)
-    lines = ["| row | stream | R@1 | Δ vs source | safety |", "|---|---|---|---|---|"]
+    lines = ["| row | stream | R@1 | Δ vs source [95 % CI] | below the source? | safety |", "|---|---|---|---|---|---|"]
     for label in sorted(labels):
         for shift in STREAMS:
-            keys = [k for k in labels[label] if k[0][0] == shift and k in sources]
+            keys = sorted(k for k in labels[label] if k[0][0] == shift and k in sources)
             if not keys:
                 continue
             r1 = float(np.mean([labels[label][k]["R@1"] for k in keys]))
-            src = float(np.mean([sources[k]["R@1"] for k in keys]))
+            delta, ci = paired_bootstrap([np.stack([_hits(labels[label][k]) - _hits(sources[k]) for k in keys])])
             safety = _safety(labels[label][k] for k in keys)
             counts = "/".join(str(safety.get(k, 0)) for k in ("skip_degenerate", "rollback", "reset")) if safety else "–"
-            lines.append(f"| {label} | {shift} | {r1:.1f} | {r1 - src:+.1f} | {counts} |")
+            lines.append(f"| {label} | {shift} | {r1:.1f} | {delta:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}] | "
+                         f"{below_source_claim(delta, ci)} | {counts} |")
     return "\n".join(lines)
 
 

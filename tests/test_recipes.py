@@ -193,17 +193,21 @@ def test_beyond_ln_summary_won_back_and_the_choices_by_hand(tmp_path):
     assert chosen == "b:tcr" and scored["b:tcr"]["safety"] == {"rollback": 2}
     assert "b:tcr" in summary.summarise(tmp_path)
     # round 3: once streams ran, the walk goes down the eligible rows by share (b 7.5 %, then c 3.3 %); b loses 20 on the
-    # degenerate stream, so c, whose streams hold (-0.5), is chosen; a row without streams on the way stops the walk
+    # degenerate stream (4 of 20 items), so c, whose streams hold, is chosen; a row without streams on the way stops it
     _study_rows(tmp_path, "candidates", "c", src + [_row("tcr", "fog", 3, 52.0), _row("tcr", "snow", 3, 70.0)])
     assert summary.choose_candidate(summary.load(tmp_path))[0] == "b:tcr"  # no streams anywhere: round 1's rule
-    degenerate = [_row("source", "degenerate", None, 90.0)]
-    _study_rows(tmp_path, "candidates", "b", degenerate + [_row("tcr", "degenerate", None, 70.0)], part="streams")
+    kept = "1" * 18 + "00"
+    degenerate = [_row("source", "degenerate", None, 90.0, hits=kept)]
+    _study_rows(tmp_path, "candidates", "b", degenerate + [_row("tcr", "degenerate", None, 70.0, hits="0000" + kept[4:])],
+                part="streams")
     assert summary.choose_candidate(summary.load(tmp_path))[0] is None  # c's streams have not run
-    _study_rows(tmp_path, "candidates", "c", degenerate + [_row("tcr", "degenerate", None, 89.5)], part="streams")
+    _study_rows(tmp_path, "candidates", "c", degenerate + [_row("tcr", "degenerate", None, 90.0, hits=kept)], part="streams")
     assert summary.choose_candidate(summary.load(tmp_path))[0] == "c:tcr"
     assert summary.stream_deltas(summary.load(tmp_path), "candidates") == {"b:tcr": {"degenerate": -20.0},
-                                                                           "c:tcr": {"degenerate": -0.5}}
-    assert "nor any of its seed-0 streams): c:tcr" in summary.summarise(tmp_path)
+                                                                           "c:tcr": {"degenerate": 0.0}}
+    text = summary.summarise(tmp_path)
+    assert "nor any of its seed-0 streams): c:tcr" in text
+    assert "| b:tcr | degenerate | 70.0 | -20.0 [" in text and "| c:tcr | degenerate | 90.0 | +0.0 [+0.0, +0.0] |" in text
 
 
 def test_beyond_ln_summary_refuses_phases_whose_source_rows_differ(tmp_path):
