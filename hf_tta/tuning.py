@@ -42,6 +42,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from .gradient_decoupling import prediction_kl
 from .models.base import ModelAdapter, resolve_target_modules
 from .models.checkpointing import enable_gradient_checkpointing
 from .objectives.base import ObjectiveInputs
@@ -155,9 +156,8 @@ class SourceConsistency:
         source = inputs.source_scores()
         k = min(self.top_k, source.shape[1])
         top = source.topk(k, dim=1).indices
-        log_p0 = torch.log_softmax(source.gather(1, top).float() / self.temperature, dim=1)
-        log_p = torch.log_softmax(inputs.scores.gather(1, top).float() / self.temperature, dim=1)
-        return self.weight * (log_p0.exp() * (log_p0 - log_p)).sum(1).mean()
+        adapted = inputs.scores.gather(1, top) / self.temperature
+        return self.weight * prediction_kl(source.gather(1, top) / self.temperature, adapted)  # REST Eq. 15's KL
 
 
 def penalties(config, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]) -> list:
