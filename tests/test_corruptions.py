@@ -6,14 +6,19 @@ import pytest
 from PIL import Image
 
 from hf_tta.data.corruptions import (
+    ALL_IMAGE_CORRUPTIONS,
     CHAR_CORRUPTIONS,
     DEFAULT_IMAGE_POOL,
+    IMAGE_CORRUPTION_CATEGORIES,
+    IMAGE_CORRUPTION_CONSTANTS,
     IMAGE_CORRUPTIONS,
     IMAGE_SEVERITIES,
     MAX_TEXT_SEVERITY,
     REDRAWN_TEXT_CORRUPTIONS,
     SENTENCE_CORRUPTIONS,
+    TEST_IMAGE_CORRUPTIONS,
     TEXT_CORRUPTIONS,
+    VALIDATION_IMAGE_CORRUPTIONS,
     WORD_CORRUPTIONS,
     MissingResourceError,
     corrupt_image,
@@ -131,6 +136,50 @@ def test_imagenet_c_severity5_constants():
     pil = Image.fromarray(arr)
     exp = pil.resize((16, 12), Image.BOX).resize((64, 48), Image.NEAREST)
     assert np.array_equal(np.asarray(corrupt_image(pil, "pixelate", 5, seed=0)), np.asarray(exp))
+
+
+def test_imagenet_c_validation_and_test_corruptions_partition_the_library():
+    """Hendrycks & Dietterich (2019) hold out speckle noise, Gaussian blur, spatter and saturate for choosing
+    hyper-parameters; the other 15 are the test corruptions (protocol v3's report split)."""
+    assert VALIDATION_IMAGE_CORRUPTIONS == ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+    assert len(TEST_IMAGE_CORRUPTIONS) == 15 and not set(TEST_IMAGE_CORRUPTIONS) & set(VALIDATION_IMAGE_CORRUPTIONS)
+    assert set(ALL_IMAGE_CORRUPTIONS) == set(TEST_IMAGE_CORRUPTIONS) | set(VALIDATION_IMAGE_CORRUPTIONS)
+    for name in ALL_IMAGE_CORRUPTIONS:  # every corruption has its family and its 5 severities' constants
+        assert IMAGE_CORRUPTION_CATEGORIES[name] in ("noise", "blur", "weather", "digital")
+        assert len(IMAGE_CORRUPTION_CONSTANTS[name]["values"]) == 5
+
+
+@pytest.mark.parametrize("name", ["gaussian_blur", "spatter", "saturate"])
+def test_validation_corruptions_every_severity_change_image_keep_size_and_are_deterministic(image, name):
+    src = np.asarray(image)
+    for sev in IMAGE_SEVERITIES:
+        out = corrupt_image(image, name, sev, seed=3)
+        assert out.size == image.size and out.mode == "RGB"
+        assert np.array_equal(np.asarray(out), np.asarray(corrupt_image(image, name, sev, seed=3)))
+        assert not np.array_equal(np.asarray(out), src), (name, sev)
+
+
+def test_validation_corruption_constants_recomputed_from_the_formulas():
+    """ImageNet-C's Gaussian blur (σ = 1, 2, 3, 4, 6 pixels) and saturate (HSV saturation s·c0 + c1), recomputed
+    with scikit-image from the recorded constants; spatter's water splashes only add (pale turquoise) light."""
+    import skimage
+
+    rng = np.random.default_rng(7)
+    arr = rng.integers(40, 216, (48, 64, 3), dtype=np.uint8)
+    x = arr / 255.0
+    for sev, sigma in enumerate(IMAGE_CORRUPTION_CONSTANTS["gaussian_blur"]["values"], start=1):
+        exp = np.clip(skimage.filters.gaussian(x, sigma=sigma, channel_axis=-1), 0, 1) * 255
+        assert np.array_equal(corrupt_image(arr, "gaussian_blur", sev, seed=0), np.uint8(exp)), sev
+    for sev, (c0, c1) in enumerate(IMAGE_CORRUPTION_CONSTANTS["saturate"]["values"], start=1):
+        hsv = skimage.color.rgb2hsv(x)
+        hsv[:, :, 1] = np.clip(hsv[:, :, 1] * c0 + c1, 0, 1)
+        exp = np.clip(skimage.color.hsv2rgb(hsv), 0, 1) * 255
+        assert np.array_equal(corrupt_image(arr, "saturate", sev, seed=0), np.uint8(exp)), sev
+    dark = np.full((48, 64, 3), 30, dtype=np.uint8)
+    for sev in (1, 2, 3):  # water (mud = 0): the image only brightens where a splash lands
+        out = corrupt_image(dark, "spatter", sev, seed=1).astype(int)
+        assert (out >= 30 - 1).all() and (out > 31).any(), sev
+    assert [v[5] for v in IMAGE_CORRUPTION_CONSTANTS["spatter"]["values"]] == [0, 0, 0, 1, 1]
 
 
 def test_image_errors_are_clear(image):

@@ -418,7 +418,7 @@ def query_images(
     if shift in STYLES:
         return b.images(shift)
     from ..data.corruptions import (
-        IMAGE_CORRUPTIONS,
+        ALL_IMAGE_CORRUPTIONS,
         MAX_IMAGE_SEVERITY,
         corrupt_images,
         corrupt_images_diverse,
@@ -431,8 +431,8 @@ def query_images(
     if shift == "diverse":
         pool = make_pool("image", severities=severity or MAX_IMAGE_SEVERITY)
         return np.stack(corrupt_images_diverse(clean, corruption_seed, pool)[0])
-    if shift not in IMAGE_CORRUPTIONS:
-        raise ValueError(f"Unknown image shift {shift!r}; choose clean, noto, diverse or one of {list(IMAGE_CORRUPTIONS)}.")
+    if shift not in ALL_IMAGE_CORRUPTIONS:
+        raise ValueError(f"Unknown image shift {shift!r}; choose clean, noto, diverse or one of {list(ALL_IMAGE_CORRUPTIONS)}.")
     if severity is None:
         raise ValueError(f"The corruption {shift!r} needs a severity (1..5).")
     return np.stack(corrupt_images(clean, shift, severity, seed=corruption_seed))

@@ -128,9 +128,17 @@ def direction_name(value: str) -> str:
 
 
 def image_corruption_names() -> tuple[str, ...]:
+    """COCO-C's 16 image corruptions (``--corruptions all``)."""
     from ..data.corruptions import IMAGE_CORRUPTIONS
 
     return IMAGE_CORRUPTIONS
+
+
+def known_image_corruptions() -> tuple[str, ...]:
+    """Every image corruption a stream may name: COCO-C's 16 and ImageNet-C's validation corruptions."""
+    from ..data.corruptions import ALL_IMAGE_CORRUPTIONS
+
+    return ALL_IMAGE_CORRUPTIONS
 
 
 def offline_text_corruptions(candidates: Iterable[str] | None = None) -> tuple[list[str], dict[str, str]]:

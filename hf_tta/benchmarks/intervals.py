@@ -16,15 +16,24 @@ emoji grid up to 60 % narrower, issue 25), and leaving the seeds fixed leaves th
 The interval is the 2.5 and 97.5 % percentiles of the replicates (percentile bootstrap). Its half-width is the
 **detection limit** of a "not below the source" claim: a row about that far below the source would be told apart
 from it; a smaller drop would not (:func:`detection_limit`).
+
+Protocol v3 declares the claim's margin (:data:`MARGIN`): a row is **not below the source** when the one-sided 95 %
+lower bound of (row − source), the 5th percentile of the same replicates, is above −0.5 R@1; otherwise it is
+**below the source** (:func:`non_inferiority`). Nothing here rounds: :func:`hf_tta.benchmarks.figures.figure`
+rounds each figure once, where it is printed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
 
 BOOTSTRAP_SAMPLES = 1000
+#: Protocol v3's non-inferiority margin (R@1 points): "not below the source" means the one-sided 95 % lower bound of
+#: (row − source), items and seeds resampled jointly, is above ``-MARGIN``.
+MARGIN = 0.5
 
 
 def replicates(
@@ -50,23 +59,15 @@ def _counts(rng: np.random.Generator, n: int, samples: int) -> np.ndarray:
     return rng.multinomial(n, np.full(n, 1.0 / n), size=samples)
 
 
-def paired_bootstrap(
+def bootstrap_replicates(
     diffs: Sequence[np.ndarray],
     samples: int = BOOTSTRAP_SAMPLES,
     seed: int = 0,
     items: Sequence[Hashable] | None = None,
     joint: bool = True,
-) -> tuple[float, list[float]]:
-    """Mean paired difference (R@1 points, the mean over columns) and its 95 % hierarchical bootstrap interval.
-
-    Args:
-        diffs: one ``(seeds, queries)`` array per column: method hit − source hit of the same query and seed.
-        items: per column, which item set it holds; columns with equal labels are resampled with one shared draw of
-            item indices (and must have as many queries). Default: columns with the same number of queries hold the
-            same items (true of the benchmark's corruption columns).
-        joint: ``False`` resamples every column's seeds and items on its own (columns as independent samples): the
-            narrower interval of the former report, kept for comparison.
-    """
+) -> tuple[float, np.ndarray]:
+    """The mean paired difference (R@1 points, the mean over columns) and its ``(samples,)`` hierarchical bootstrap
+    replicates (seeds, then items jointly across columns); the arguments are :func:`paired_bootstrap`'s."""
     diffs = [np.atleast_2d(np.asarray(d, dtype=np.float64)) for d in diffs]
     if not diffs or any(d.size == 0 for d in diffs):
         raise ValueError("paired_bootstrap needs at least one column with at least one seed and one query.")
@@ -91,13 +92,71 @@ def paired_bootstrap(
         item_counts.append(item_draws[label])
         seed_counts.append(seed_draws[seed_key])
     mean = 100.0 * float(np.mean([d.mean() for d in diffs]))
-    lo, hi = np.percentile(replicates(diffs, item_counts, seed_counts), [2.5, 97.5])
-    return round(mean, 3), [round(float(lo), 3), round(float(hi), 3)]
+    return mean, replicates(diffs, item_counts, seed_counts)
+
+
+def paired_bootstrap(
+    diffs: Sequence[np.ndarray],
+    samples: int = BOOTSTRAP_SAMPLES,
+    seed: int = 0,
+    items: Sequence[Hashable] | None = None,
+    joint: bool = True,
+) -> tuple[float, list[float]]:
+    """Mean paired difference (R@1 points, the mean over columns) and its 95 % hierarchical bootstrap interval,
+    unrounded.
+
+    Args:
+        diffs: one ``(seeds, queries)`` array per column: method hit − source hit of the same query and seed.
+        items: per column, which item set it holds; columns with equal labels are resampled with one shared draw of
+            item indices (and must have as many queries). Default: columns with the same number of queries hold the
+            same items (true of the benchmark's corruption columns).
+        joint: ``False`` resamples every column's seeds and items on its own (columns as independent samples): the
+            narrower interval of the former report, kept for comparison.
+    """
+    mean, reps = bootstrap_replicates(diffs, samples, seed, items, joint)
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return mean, [float(lo), float(hi)]
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    """Protocol v3's verdict on a row against the source: the mean difference ``delta``, the one-sided 95 % lower
+    bound ``lower`` (the 5th percentile of the hierarchical bootstrap) and ``margin``; unrounded."""
+
+    delta: float
+    lower: float
+    margin: float = MARGIN
+
+    @property
+    def below(self) -> bool:
+        """Below the source: the lower bound does not clear ``-margin``."""
+        return self.lower <= -self.margin
+
+    @property
+    def verdict(self) -> str:
+        from .figures import figure
+
+        word = "below the source" if self.below else "not below the source"
+        sign = "≤" if self.below else ">"
+        return f"{word} (bound {figure(self.lower, sign=True)} {sign} −{figure(self.margin)})"
+
+
+def non_inferiority(
+    diffs: Sequence[np.ndarray],
+    margin: float = MARGIN,
+    samples: int = BOOTSTRAP_SAMPLES,
+    seed: int = 0,
+    items: Sequence[Hashable] | None = None,
+) -> NonInferiority:
+    """Whether a row is not below the source by the declared margin: the one-sided 95 % lower bound of the mean
+    difference (items and seeds resampled jointly, as :func:`paired_bootstrap`) against ``-margin``."""
+    mean, reps = bootstrap_replicates(diffs, samples, seed, items)
+    return NonInferiority(mean, float(np.percentile(reps, 5.0)), margin)
 
 
 def detection_limit(ci: Sequence[float]) -> float:
     """The smallest drop below the source that the interval could detect: its half-width (R@1 points)."""
-    return round((float(ci[1]) - float(ci[0])) / 2.0, 3)
+    return (float(ci[1]) - float(ci[0])) / 2.0
 
 
 def below_source_claim(delta: float | None, ci: Sequence[float] | None) -> str:
@@ -105,6 +164,8 @@ def below_source_claim(delta: float | None, ci: Sequence[float] | None) -> str:
     ``not below (limit 0.4)``, the detection limit under which a drop would go unseen."""
     if delta is None or ci is None:
         return "–"
+    from .figures import figure
+
     if ci[1] < 0:
         return "below"
-    return f"not below (limit {detection_limit(ci):.1f})"
+    return f"not below (limit {figure(detection_limit(ci))})"

@@ -28,6 +28,9 @@ IMAGE_ABBREVIATIONS = {
     "elastic_transform": "Elastic",
     "pixelate": "Pixel",
     "jpeg_compression": "JPEG",
+    "gaussian_blur": "G.blur",
+    "spatter": "Spatter",
+    "saturate": "Satur.",
 }
 OTHER_ABBREVIATIONS = {"clean": "Clean", "noto": "Noto", "diverse": "Diverse", "switch": "Switch", "degenerate": "Degen."}
 #: AudioSet-O's multi-distribution shifts as REST's Table IV names them (N+B, ..., N+W).
@@ -418,10 +421,10 @@ def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
 def canonical_order():
     """Sort key of result rows: shifts in the library's order (image corruptions, text corruptions, then the rest by
     name), severities ascending, the source model first, the objectives in registry order, seeds ascending."""
-    from ..data.corruptions import IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS
+    from ..data.corruptions import ALL_IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS
     from ..objectives import available_objectives
 
-    shifts = {name: i for i, name in enumerate((*IMAGE_CORRUPTIONS, *TEXT_CORRUPTIONS))}
+    shifts = {name: i for i, name in enumerate((*ALL_IMAGE_CORRUPTIONS, *TEXT_CORRUPTIONS))}
     objectives = {name: i for i, name in enumerate(available_objectives())}
     return lambda r: (
         r["direction"],

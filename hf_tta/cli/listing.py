@@ -10,11 +10,12 @@ def cmd_list(args) -> int:
     from .. import available_objectives
     from ..benchmarks.emoji import STYLES
     from ..benchmarks.grid import DEFAULT_IMAGE_CONDITIONS, image_corruption_names, offline_text_corruptions
-    from ..data.corruptions import TEXT_CORRUPTIONS
+    from ..data.corruptions import TEXT_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS
     from ..preset import RECOMMENDED_ROW
 
     print("objectives:       " + ", ".join(available_objectives()))
-    print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5)")
+    print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5; `--corruptions all`)")
+    print("  validation:      " + ", ".join(VALIDATION_IMAGE_CORRUPTIONS) + " (ImageNet-C's, for choosing settings)")
     print("  default grid:    " + ", ".join(f"{c} {s}" for c, s in DEFAULT_IMAGE_CONDITIONS)
           + " (per family, where the source keeps about half its clean R@1)")
     print("text corruptions:  " + ", ".join(TEXT_CORRUPTIONS) + " (char/word 1..7, sentence 1)")

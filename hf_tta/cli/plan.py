@@ -103,6 +103,7 @@ def resolve_grid(args) -> tuple[list, dict]:
         FULL_IMAGE_SEVERITIES,
         build_grid,
         image_corruption_names,
+        known_image_corruptions,
         offline_text_corruptions,
     )
     from ..data.corruptions import IMAGE_SEVERITIES
@@ -130,7 +131,7 @@ def resolve_grid(args) -> tuple[list, dict]:
         severities = _ints(args.severities or "5", IMAGE_SEVERITIES, "--severities")
         objectives = list(DEFAULT_OBJECTIVES) if args.objectives is None else _objectives(args.objectives)
         diverse, clean, style = args.diverse, args.clean, args.style and emoji
-    unknown = [c for c in corruptions if c not in image_corruption_names()]
+    unknown = [c for c in corruptions if c not in known_image_corruptions()]
     if unknown:
         raise UsageError(f"unknown image corruptions {unknown}; see `hf-tta list` for the names.")
     text_corruptions: list[str] = []

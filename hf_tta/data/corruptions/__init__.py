@@ -23,11 +23,14 @@ from .diverse import (
     make_pool,
 )
 from .image import (
+    ALL_IMAGE_CORRUPTIONS,
     IMAGE_CORRUPTION_CATEGORIES,
     IMAGE_CORRUPTION_CONSTANTS,
     IMAGE_CORRUPTIONS,
     IMAGE_SEVERITIES,
     MAX_IMAGE_SEVERITY,
+    TEST_IMAGE_CORRUPTIONS,
+    VALIDATION_IMAGE_CORRUPTIONS,
     corrupt_image,
     corrupt_images,
 )
@@ -51,6 +54,7 @@ from .text import (
 from .wordnet import load_wordnet
 
 __all__ = [
+    "ALL_IMAGE_CORRUPTIONS",
     "CHAR_CORRUPTIONS",
     "DEFAULT_IMAGE_POOL",
     "DEFAULT_TEXT_MODELS",
@@ -65,8 +69,10 @@ __all__ = [
     "PAPER_TEXT_SEVERITIES",
     "SENTENCE_CORRUPTIONS",
     "Seq2SeqGenerator",
+    "TEST_IMAGE_CORRUPTIONS",
     "TEXT_CORRUPTIONS",
     "TEXT_CORRUPTION_ABBREVIATIONS",
+    "VALIDATION_IMAGE_CORRUPTIONS",
     "REDRAWN_TEXT_CORRUPTIONS",
     "TEXT_CORRUPTION_LEVELS",
     "TEXT_SEVERITIES",

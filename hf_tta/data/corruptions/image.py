@@ -45,6 +45,15 @@ IMAGE_CORRUPTIONS: tuple[str, ...] = (
     "pixelate",
     "jpeg_compression",
 )
+#: ImageNet-C's four *validation* corruptions (Hendrycks & Dietterich 2019, §3: "held-out corruptions" set aside
+#: for choosing hyper-parameters): speckle noise (also one of COCO-C's 16), Gaussian blur, spatter and saturate.
+VALIDATION_IMAGE_CORRUPTIONS: tuple[str, ...] = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+#: ImageNet-C's 15 test corruptions: COCO-C's 16 without the validation corruption speckle noise.
+TEST_IMAGE_CORRUPTIONS: tuple[str, ...] = tuple(n for n in IMAGE_CORRUPTIONS if n not in VALIDATION_IMAGE_CORRUPTIONS)
+#: Every image corruption :func:`corrupt_image` applies: COCO-C's 16 and the three other validation corruptions.
+ALL_IMAGE_CORRUPTIONS: tuple[str, ...] = IMAGE_CORRUPTIONS + tuple(
+    n for n in VALIDATION_IMAGE_CORRUPTIONS if n not in IMAGE_CORRUPTIONS
+)
 IMAGE_SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
 MAX_IMAGE_SEVERITY = 5
 
@@ -54,6 +63,10 @@ IMAGE_CORRUPTION_CATEGORIES: dict[str, str] = {
     **{n: "blur" for n in ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur")},
     **{n: "weather" for n in ("snow", "frost", "fog", "brightness")},
     **{n: "digital" for n in ("contrast", "elastic_transform", "pixelate", "jpeg_compression")},
+    # the validation corruptions' families (ImageNet-C, Hendrycks & Dietterich 2019, Appendix: "extra" corruptions)
+    "gaussian_blur": "blur",
+    "spatter": "weather",
+    "saturate": "digital",
 }
 
 #: The constants of each corruption for severities 1..5 (ImageNet-C, Hendrycks & Dietterich 2019, as in
@@ -85,6 +98,18 @@ IMAGE_CORRUPTION_CONSTANTS: dict[str, dict[str, Any]] = {
     "elastic_transform": {"param": "alpha (sigma = 1% of the image size)", "values": [12.5, 16.25, 21.25, 25.0, 30.0]},
     "pixelate": {"param": "downscale factor (BOX down, NEAREST up)", "values": [0.6, 0.5, 0.4, 0.3, 0.25]},
     "jpeg_compression": {"param": "JPEG quality", "values": [25, 18, 15, 10, 7]},
+    "gaussian_blur": {"param": "sigma of the Gaussian kernel (pixels)", "values": [1, 2, 3, 4, 6]},
+    "spatter": {
+        "param": "(loc, scale, sigma, threshold, intensity, mud): water (mud 0) or mud (mud 1) splashes",
+        "values": [
+            (0.65, 0.3, 4, 0.69, 0.6, 0),
+            (0.65, 0.3, 3, 0.68, 0.6, 0),
+            (0.65, 0.3, 2, 0.68, 0.5, 0),
+            (0.65, 0.3, 1, 0.65, 1.5, 1),
+            (0.67, 0.4, 1, 0.65, 1.5, 1),
+        ],
+    },
+    "saturate": {"param": "(factor, offset) on HSV saturation: s * c0 + c1", "values": [(0.3, 0), (0.1, 0), (2, 0), (5, 0.1), (20, 0.2)]},
 }
 
 
@@ -160,15 +185,15 @@ def corrupt_image(image, name: str, severity: int, seed: int | None = None):
     Args:
         image: a PIL image (any mode; processed as RGB, returned in its original mode when that is ``"RGB"`` or
             ``"L"``, as RGB otherwise) or an ``HxWx3`` (or ``HxW``) ``uint8`` NumPy array (same shape back).
-        name: one of :data:`IMAGE_CORRUPTIONS`.
+        name: one of :data:`ALL_IMAGE_CORRUPTIONS` (COCO-C's 16 and ImageNet-C's validation corruptions).
         severity: 1..5.
         seed: makes the result deterministic; ``None`` draws from the global NumPy RNG.
 
     Returns:
         The corrupted image, of the same type and size as the input.
     """
-    if name not in IMAGE_CORRUPTIONS:
-        raise ValueError(f"Unknown image corruption {name!r}; choose from {list(IMAGE_CORRUPTIONS)}.")
+    if name not in ALL_IMAGE_CORRUPTIONS:
+        raise ValueError(f"Unknown image corruption {name!r}; choose from {list(ALL_IMAGE_CORRUPTIONS)}.")
     severity = check_severity(name, severity, IMAGE_SEVERITIES)
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8:
@@ -197,7 +222,10 @@ def corrupt_images(images: Sequence, name: str, severity: int, seed: int | None 
 
 
 __all__ = [
+    "ALL_IMAGE_CORRUPTIONS",
     "IMAGE_CORRUPTIONS",
+    "TEST_IMAGE_CORRUPTIONS",
+    "VALIDATION_IMAGE_CORRUPTIONS",
     "IMAGE_CORRUPTION_CATEGORIES",
     "IMAGE_CORRUPTION_CONSTANTS",
     "IMAGE_SEVERITIES",

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Protocol v3's runs: every objective's learning rate chosen on the selection split, then the report on fresh seeds.
+
+The splits are :mod:`hf_tta.benchmarks.splits` (declared before any run); every row is prequential
+(``--scoring before_update``). Every run is an ``hf-tta run`` into its own folder (so its rows carry per-query hits
+and an interrupted run resumes from its ``rows.jsonl``); this script names the runs, shards them (``--shard k/n``
+takes every n-th run from the k-th: several machines or sessions split one phase) and runs ``--jobs`` of them at a
+time, one thread each. ``recipes/protocol_v3_summary.py`` makes every choice and table from the rows alone.
+
+Phases (each reads the choices of the earlier ones from the rows):
+
+1. ``select``: every objective (:data:`OBJECTIVES`) at every lr of its direction's grid (:data:`LR_GRID`) on the
+   selection split's corruption streams and its clean stream (seed 0, the 500-concept slice).
+2. ``degenerate``: the selection split's degenerate stream (:data:`DEGENERATE_BATCHES` constant batches, then the
+   clean slice) at the lrs the choice rule walks (``protocol_v3_summary.DEGENERATE_WALK`` best clean-passing lrs by
+   share, methods only: the ceilings are supervised and not deployable).
+3. ``extend``: one more lr beyond the grid's edge for every objective whose best lr sits at the edge.
+4. ``preset``: the preset's candidates on the selection split (TCR and REST at their selected lrs with DN and the
+   safety layer, default and without its drift rule), every stream of the split.
+5. ``report``: the report split on the default grid (seeds 3, 4, 5: source, Tent, TCR and REST at the paper's lr and
+   at their selected lrs, the preset and both ceilings; every other objective at both lrs on seed 3), then the report
+   split's streams for the preset and TCR/REST at their selected lrs.
+
+    python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
+    python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
+    python recipes/protocol_v3.py report --direction i2t --out runs/v3 --jobs 2 --shard 1/2
+    python recipes/protocol_v3_summary.py runs/v3 --export model_cards/results/protocol-v3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "recipes"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from hf_tta.benchmarks.splits import REPORT, SELECTION, run_arguments  # noqa: E402
+
+#: The methods and the two supervised ceilings, in the order of the issue.
+METHODS = ("tent", "eata", "sar", "read", "deyo", "shot", "pl", "cliptta", "titan", "tcr", "rest")
+CEILINGS = ("oracle", "oracle_all")
+OBJECTIVES = (*METHODS, *CEILINGS)
+#: Objectives run together in one ``hf-tta run`` of the select phase (one process loads the streams once).
+GROUPS = (("tent", "tcr", "rest"), CEILINGS, ("eata", "sar", "read", "titan"), ("deyo", "shot", "pl", "cliptta"))
+#: Each direction's lr grid: at least 1e-4 … 1e-2 (image tower) and 1e-5 … 3e-3 (text tower), half-decades.
+LR_GRID = {"i2t": ("1e-4", "3e-4", "1e-3", "3e-3", "1e-2"), "t2i": ("1e-5", "3e-5", "1e-4", "3e-4", "1e-3", "3e-3")}
+#: One half-decade past each end (the ``extend`` phase, only for objectives whose best lr is at that end).
+LR_BEYOND = {"i2t": ("3e-5", "3e-2"), "t2i": ("3e-6", "1e-2")}
+#: The papers' learning rate (the model adapters' default for both query modalities).
+PAPER_LR = "3e-4"
+#: Constant batches before the clean slice in the degenerate stream of both splits (the runner's default, 200, costs
+#: 7x a full stream; 50 already drove TCR 11 R@1 below the source under protocol v2).
+DEGENERATE_BATCHES = 50
+#: The preset's components on the report's default grid (TCR and REST at paper and selected lr next to Tent).
+REPORT_ALL_SEEDS = ("tent", "tcr", "rest")
+SAFETY_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
+
+
+def _run(folder: Path, args: list[str], cache: str) -> int:
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(folder), "--cache-dir", cache,
+           "--no-plots", "--quiet", "--threads", "1"]
+    (folder / "command.txt").write_text(" ".join(cmd) + "\n")
+    with open(folder / "log.txt", "a") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _objectives(names) -> list[str]:
+    return ["--objectives", ",".join(names)]
+
+
+def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
+    """The phase's runs as ``(folder under out, hf-tta run arguments)``."""
+    import protocol_v3_summary as summary  # noqa: PLC0415 (next to this file)
+
+    sel = run_arguments(SELECTION, direction, streams=False)
+    sel_clean = [*sel, "--clean"]
+    degenerate = [*run_arguments(SELECTION, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
+    degenerate = [a for a in degenerate if a != "--clean"]
+    out_jobs: list[tuple[str, list[str]]] = []
+    if phase == "select":
+        for group in GROUPS:  # the preset's components and the ceilings first
+            for lr in LR_GRID[direction]:
+                out_jobs.append((f"select/{direction}/{'+'.join(group)}-lr{lr}", [*sel_clean, *_objectives(group), "--lr", lr]))
+    elif phase == "extend":
+        for name, lr in summary.edge_lrs(summary.load(out), direction).items():
+            out_jobs.append((f"select/{direction}/{name}-lr{lr}", [*sel_clean, *_objectives([name]), "--lr", lr]))
+    elif phase == "degenerate":
+        for name, lr in summary.degenerate_walk(summary.load(out), direction):
+            out_jobs.append((f"degenerate/{direction}/{name}-lr{lr}", [*degenerate, *_objectives([name]), "--lr", lr]))
+    elif phase == "preset":
+        lrs = summary.selected_lrs(summary.load(out), direction)
+        for name in ("tcr", "rest"):
+            for lr in dict.fromkeys([lrs[name], PAPER_LR]):
+                for tag, extra in (("", []), ("-lite", ["--safety", SAFETY_LITE])):
+                    rows = _objectives([f"{name}+dn+safe"])
+                    out_jobs.append((f"preset/{direction}/{name}+dn+safe{tag}-lr{lr}", [*sel_clean, *rows, "--lr", lr, *extra]))
+                    out_jobs.append((f"preset/{direction}/{name}+dn+safe{tag}-lr{lr}-degenerate",
+                                     [*degenerate, *rows, "--lr", lr, *extra]))
+    elif phase == "report":
+        lrs = summary.selected_lrs(summary.load(out), direction)
+        grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
+        seeds3 = [a if a != "3,4,5" else "3" for a in grid]
+        for name in OBJECTIVES:  # the default grid: Tent, TCR, REST and the ceilings on every seed, the rest on seed 3
+            args = grid if name in (*REPORT_ALL_SEEDS, *CEILINGS) else seeds3
+            for lr in dict.fromkeys([PAPER_LR, lrs[name]] if name in METHODS else [lrs[name]]):
+                out_jobs.append((f"report/{direction}/{name}-lr{lr}", [*args, *_objectives([name]), "--lr", lr]))
+        preset = summary.selected_preset(summary.load(out), direction)
+        if preset is not None:
+            out_jobs.append((f"report/{direction}/{preset['name']}", [*grid, *_objectives([preset["row"]]), *preset["args"]]))
+        streams = [*run_arguments(REPORT, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
+        for name in ("tcr", "rest"):
+            out_jobs.append((f"report/{direction}/{name}-lr{lrs[name]}-streams", [*streams, *_objectives([name]), "--lr", lrs[name]]))
+        if preset is not None:
+            out_jobs.append((f"report/{direction}/{preset['name']}-streams", [*streams, *_objectives([preset["row"]]), *preset["args"]]))
+    return out_jobs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report"])
+    parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
+    parser.add_argument("--out", type=Path, default=Path("runs/v3"))
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--shard", default="1/1", help="k/n: every n-th run of the phase from the k-th")
+    parser.add_argument("--only", nargs="+", help="run only the runs whose folder contains one of these")
+    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
+    args = parser.parse_args(argv)
+    try:
+        k, n = (int(x) for x in args.shard.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        parser.error(f"--shard takes k/n with 1 <= k <= n, e.g. 1/2; got {args.shard!r}")
+    todo = [j for j in jobs(args.phase, args.direction, args.out) if not args.only or any(o in j[0] for o in args.only)]
+    todo = todo[k - 1 :: n]
+    if args.dry_run:
+        for name, a in todo:
+            print(name, " ".join(a))
+        return
+    with ThreadPoolExecutor(args.jobs) as pool:
+        codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir), todo))
+    failed = [name for (name, _), c in zip(todo, codes) if c != 0]
+    print(f"{len(todo) - len(failed)} of {len(todo)} runs finished" + (f"; failed: {failed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
