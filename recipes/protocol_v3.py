@@ -131,6 +131,7 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--shard", default="1/1", help="k/n: every n-th run of the phase from the k-th")
     parser.add_argument("--only", nargs="+", help="run only the runs whose folder contains one of these")
+    parser.add_argument("--skip", nargs="+", default=[], help="leave out the runs whose folder ends with one of these")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     args = parser.parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
     except (ValueError, AssertionError):
         parser.error(f"--shard takes k/n with 1 <= k <= n, e.g. 1/2; got {args.shard!r}")
     todo = [j for j in jobs(args.phase, args.direction, args.out) if not args.only or any(o in j[0] for o in args.only)]
-    todo = todo[k - 1 :: n]
+    todo = [j for j in todo[k - 1 :: n] if not any(j[0].endswith(x) for x in args.skip)]
     if args.dry_run:
         for name, a in todo:
             print(name, " ".join(a))

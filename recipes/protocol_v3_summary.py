@@ -1,15 +1,67 @@
 #!/usr/bin/env python
-"""Choices and tables of protocol v3 (``recipes/protocol_v3.py``) from its rows alone."""
+"""Choices and tables of protocol v3 (``recipes/protocol_v3.py``) from its rows alone.
+
+    python recipes/protocol_v3_summary.py /work/runs/v3 --direction i2t            # print the tables
+    python recipes/protocol_v3_summary.py /work/runs/v3 --export model_cards/results/protocol-v3
+    python recipes/protocol_v3_summary.py model_cards/results/protocol-v3/rows.jsonl   # the card's tables
+
+Every figure is computed from per-query hits and printed through :func:`hf_tta.benchmarks.figures.figure` (one
+rounding); every "not below the source" is :func:`hf_tta.benchmarks.intervals.non_inferiority` (one-sided 95 %
+lower bound above −0.5 R@1, items and seeds resampled jointly).
+
+**The choice rules, written before the selection runs were read** (selection split only, :mod:`hf_tta.benchmarks.splits`):
+
+* **share** of a row = the share of lost recall won back on the split's corruption columns, a ratio of sums over the
+  columns (and seeds): Σ (R@1_row − R@1_source) / Σ (R@1_clean − R@1_source).
+* **A method's lr**: among the lrs of its grid whose clean stream is not below the source, the highest share (ties:
+  the lower lr) whose degenerate stream is not below the source either, walking the :data:`DEGENERATE_WALK` best by
+  share. If neither passes the degenerate stream, the best clean-passing lr is chosen and flagged "degenerate below
+  the source" (the safety layer's job, reported). If no lr passes the clean stream, the paper's lr stays, flagged.
+  A choice at the grid's edge is flagged, and the ``extend`` phase adds the next half-decade before it is final.
+* **A ceiling's lr** (``oracle``, ``oracle_all``: supervised, not deployable): the highest share.
+* **The preset** (``preset`` phase: TCR and REST with DN and the safety layer, at their selected and the paper's lr,
+  the default safety layer and one without its drift rule): among candidates with no selection column and no stream
+  (clean, degenerate) below the source, the highest share; a candidate within :data:`PRESET_TIE` of the best share
+  that is simpler wins (TCR before REST, the paper's lr, the default safety layer: the current preset wins ties).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hf_tta.benchmarks.figures import figure  # noqa: E402
+from hf_tta.benchmarks.intervals import non_inferiority  # noqa: E402
+
+DEGENERATE_WALK = 2
+PRESET_TIE = 0.01
+SOURCE = "source"
+STREAMS = ("clean", "noto", "diverse", "switch", "degenerate")
+PAPER_LR = 3e-4
+LR_GRID = {"i2t": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2), "t2i": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3)}
+LR_BEYOND = {"i2t": (3e-5, 3e-2), "t2i": (3e-6, 1e-2)}
+CEILINGS = ("oracle", "oracle_all")
+
+
+def lr_name(lr: float) -> str:
+    """``3e-4`` for 0.0003: the lr as the recipe's folders name it."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
-    """Every finished run's row under ``out/<phase>/<direction>/<config>/rows.jsonl``, tagged with its phase and
-    config; or the rows of an exported ``rows.jsonl`` (already tagged)."""
+    """Every finished run's row under ``out/<phase>/<direction>/<config>/rows.jsonl``, tagged with its phase, config
+    and run settings (lr, scoring, safety, score transform, degenerate batches, slice); or the rows of an exported
+    ``rows.jsonl`` (already tagged)."""
     if isinstance(out, (list, tuple)):
         return [r for o in out for r in load(o, direction)]
     out = Path(out)
@@ -19,8 +71,287 @@ def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
         rows = []
         for path in sorted(out.glob("*/*/*/rows.jsonl")):
             phase, config = path.parts[-4], path.parts[-2]
-            for line in path.read_text().splitlines()[1:]:
+            lines = path.read_text().splitlines()
+            head = json.loads(lines[0]).get("hf-tta-run", {}) if lines else {}
+            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit")}
+            for line in lines[1:]:
                 row = json.loads(line)
                 if "error" not in row:
-                    rows.append({**row, "phase": phase, "config": config})
+                    rows.append({**row, "phase": phase, "config": config, **settings})
     return [r for r in rows if direction is None or r["direction"] == direction]
+
+
+def hits(row: dict) -> np.ndarray:
+    return np.frombuffer(row["hits"].encode("ascii"), dtype=np.uint8).astype(np.int8) - ord("0")
+
+
+def column(row: dict) -> tuple:
+    return (row["shift"], row.get("severity"))
+
+
+def label(row: dict) -> str:
+    """A row's name in the tables: its objective (row) and lr, and the preset phase's safety variant."""
+    variant = "-lite" if "-lite" in row["config"] else ""
+    return f"{row['objective']}{variant}@{lr_name(row['lr'])}"
+
+
+def sources(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """The source model's rows by column and seed; two runs of one source row must agree in their hits."""
+    out: dict[tuple, dict[int, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["objective"] == SOURCE:
+            held = out[column(r)].get(r["seed"])
+            if held is not None and held["hits"] != r["hits"]:
+                raise ValueError(f"two source rows of {column(r)} seed {r['seed']} differ in their hits.")
+            out[column(r)][r["seed"]] = r
+    return out
+
+
+def by_label(rows: list[dict], phases: tuple[str, ...]) -> dict[str, dict[tuple, dict[int, dict]]]:
+    out: dict[str, dict] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["objective"] != SOURCE and r["phase"] in phases:
+            out[label(r)][column(r)][r["seed"]] = r
+    return out
+
+
+def corruption_columns(cells: dict) -> list[tuple]:
+    return sorted((c for c in cells if c[0] not in STREAMS), key=lambda c: (c[1] or 0, c[0]))
+
+
+def selection_columns(direction: str) -> list[tuple]:
+    """The selection split's corruption columns in a direction (:data:`hf_tta.benchmarks.splits.SELECTION`)."""
+    from hf_tta.benchmarks.splits import SELECTION
+
+    if direction == "i2t":
+        return list(SELECTION.image_conditions)
+    return [(c, s) for c in SELECTION.text_corruptions for s in SELECTION.text_severities]
+
+
+def share(cells: dict, src: dict, columns: list[tuple]) -> float | None:
+    """Ratio of sums over columns and seeds: Σ (row − source) / Σ (clean − source), R@1 from hits."""
+    gain = lost = 0.0
+    for c in columns:
+        for seed, row in cells.get(c, {}).items():
+            s = src[c][seed]
+            clean = src[("clean", None)][seed]
+            gain += hits(row).mean() - hits(s).mean()
+            lost += hits(clean).mean() - hits(s).mean()
+    return gain / lost if lost > 0 else None
+
+
+def verdict(cells: dict, src: dict, columns: list[tuple]):
+    """:func:`non_inferiority` of the row against the source over ``columns`` (seeds and items jointly)."""
+    diffs = []
+    for c in columns:
+        seeds = sorted(cells[c])
+        diffs.append(np.stack([hits(cells[c][s]) - hits(src[c][s]) for s in seeds]))
+    return non_inferiority(diffs)
+
+
+def selection_table(rows: list[dict], direction: str) -> dict[str, dict[float, dict]]:
+    """Per objective and lr on the selection split: share, clean and degenerate verdicts (``None``: not run)."""
+    rows = [r for r in rows if r["direction"] == direction and r["seed"] == 0]
+    src = sources(rows)
+    table: dict[str, dict[float, dict]] = defaultdict(dict)
+    cells_by = by_label(rows, ("select", "degenerate"))
+    for name, cells in cells_by.items():
+        objective, lr = name.split("@")[0], next(iter(next(iter(cells.values())).values()))["lr"]
+        cols = selection_columns(direction)
+        if any(c not in cells for c in cols):
+            continue  # a run still going: every selection column or none
+        entry = {"share": share(cells, src, cols), "columns": len(cols)}
+        for stream in ("clean", "degenerate"):
+            key = (stream, None)
+            entry[stream] = verdict(cells, src, [key]) if key in cells else None
+        table[objective][lr] = entry
+    return table
+
+
+def choose(objective: str, lrs: dict[float, dict], direction: str) -> dict:
+    """The rule of the module docstring for one objective: ``{"lr", "flags", "walk"}``; ``walk`` lists the lrs whose
+    degenerate stream the rule still needs (run the ``degenerate`` phase)."""
+    ranked = sorted(lrs, key=lambda lr: (-(lrs[lr]["share"] or -np.inf), lr))
+    grid = sorted(lrs)  # the lrs run: the grid and any extension
+    flags: list[str] = []
+    if objective in CEILINGS:
+        lr = ranked[0]
+    else:
+        eligible = [lr for lr in ranked if lrs[lr]["clean"] is not None and not lrs[lr]["clean"].below]
+        if not eligible:
+            return {"lr": PAPER_LR, "flags": ["no lr passes the clean stream"], "walk": []}
+        walk = eligible[:DEGENERATE_WALK]
+        missing = [lr for lr in walk if lrs[lr]["degenerate"] is None]
+        passing = [lr for lr in walk if lrs[lr]["degenerate"] is not None and not lrs[lr]["degenerate"].below]
+        if missing and not (passing and walk.index(passing[0]) < min(walk.index(m) for m in missing)):
+            return {"lr": None, "flags": ["degenerate stream pending"], "walk": missing}
+        lr = passing[0] if passing else walk[0]
+        if not passing:
+            flags.append("degenerate below the source at its best lrs")
+    if lr in (min(grid), max(grid)) and len(grid) > 1:
+        flags.append("at the grid's edge")
+    return {"lr": lr, "flags": flags, "walk": []}
+
+
+def choices(rows: list[dict], direction: str) -> dict[str, dict]:
+    return {name: choose(name, lrs, direction) for name, lrs in selection_table(rows, direction).items()}
+
+
+def selected_lrs(rows: list[dict], direction: str) -> dict[str, str]:
+    """Each objective's chosen lr as a folder name; refuses while a choice is pending."""
+    chosen = choices(rows, direction)
+    pending = [n for n, c in chosen.items() if c["lr"] is None]
+    if pending:
+        raise SystemExit(f"the choice of {pending} waits for the degenerate phase: run it first.")
+    return {n: lr_name(c["lr"]) for n, c in chosen.items()}
+
+
+def degenerate_walk(rows: list[dict], direction: str) -> list[tuple[str, str]]:
+    return [(n, lr_name(lr)) for n, c in choices(rows, direction).items() for lr in c["walk"]]
+
+
+def edge_lrs(rows: list[dict], direction: str) -> dict[str, str]:
+    """The next half-decade beyond the edge for every objective chosen at its grid's edge."""
+    out = {}
+    table = selection_table(rows, direction)
+    for name, c in choices(rows, direction).items():
+        if c["lr"] is not None and "at the grid's edge" in c["flags"]:
+            low, high = LR_BEYOND[direction]
+            nxt = high if c["lr"] >= max(LR_GRID[direction]) else low
+            if nxt not in table[name]:
+                out[name] = lr_name(nxt)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the preset
+def preset_candidates(rows: list[dict], direction: str) -> dict[str, dict]:
+    """The preset phase's candidates on the selection split: share, worst column/stream verdict, eligibility."""
+    rows = [r for r in rows if r["direction"] == direction and r["seed"] == 0]
+    src = sources(rows)
+    out = {}
+    for name, cells in by_label(rows, ("preset",)).items():
+        cols = selection_columns(direction)
+        streams = [c for c in (("clean", None), ("degenerate", None)) if c in cells]
+        if any(c not in cells for c in cols) or len(streams) < 2:
+            continue  # not every selection column and stream ran yet
+        checks = {c: verdict(cells, src, [c]) for c in [*cols, *streams]}
+        worst = min(checks.items(), key=lambda kv: kv[1].lower)
+        out[name] = {"share": share(cells, src, cols), "worst": worst, "eligible": not any(v.below for v in checks.values()),
+                     "row": name.split("@")[0].replace("-lite", ""), "lr": next(iter(cells[cols[0]].values()))["lr"],
+                     "lite": "-lite" in name}
+    return out
+
+
+def _simplicity(c: dict) -> tuple:
+    """Tie order: TCR before REST, the paper's lr, the default safety layer."""
+    return (not c["row"].startswith("tcr"), c["lr"] != PAPER_LR, c["lite"])
+
+
+def selected_preset(rows: list[dict], direction: str) -> dict | None:
+    """The preset rule (module docstring): ``{"name", "row", "args"}`` for the report, or ``None`` (no candidate
+    rows yet, or none eligible)."""
+    cands = {n: c for n, c in preset_candidates(rows, direction).items() if c["eligible"] and c["share"] is not None}
+    if not cands:
+        return None
+    best = max(c["share"] for c in cands.values())
+    name = min((n for n, c in cands.items() if c["share"] >= best - PRESET_TIE), key=lambda n: _simplicity(cands[n]))
+    c = cands[name]
+    args = ["--lr", lr_name(c["lr"])] + (["--safety", '{"min_agreement": 0, "max_agreement_drop": 1}'] if c["lite"] else [])
+    return {"name": f"preset-{c['row']}{'-lite' if c['lite'] else ''}-lr{lr_name(c['lr'])}", "row": c["row"], "args": args,
+            "label": name}
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _ci(ni) -> str:
+    from hf_tta.benchmarks.figures import interval
+
+    return interval(ni.lower, ni.delta) if ni else "–"
+
+
+def selection_lines(rows: list[dict], direction: str) -> list[str]:
+    """The selection split's table: every objective's share at every lr, the choice in bold, its flags."""
+    table = selection_table(rows, direction)
+    chosen = choices(rows, direction)
+    lrs = sorted({lr for t in table.values() for lr in t})
+    lines = [f"| objective | {' | '.join(lr_name(lr) for lr in lrs)} | chosen | clean, degenerate at the chosen lr | flags |",
+             "|---|" + "---|" * (len(lrs) + 3)]
+    for name in sorted(table, key=lambda n: (n in CEILINGS, n)):
+        t, c = table[name], chosen[name]
+        cells = []
+        for lr in lrs:
+            text = figure(t[lr]["share"], percent=True) if lr in t else ""
+            cells.append(f"**{text}**" if lr == c["lr"] and text else text)
+        at = t.get(c["lr"], {})
+        streams = ", ".join(v.verdict if v else "not run" for v in (at.get("clean"), at.get("degenerate"))) if name not in CEILINGS else "–"
+        lines.append(f"| {name} | {' | '.join(cells)} | {lr_name(c['lr']) if c['lr'] else 'pending'} | {streams} | "
+                     f"{'; '.join(c['flags']) or '–'} |")
+    return lines
+
+
+def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
+    """The report split's table (default grid for i2t): R@1 per column, share, Δ with its one-sided bound, verdict."""
+    from hf_tta.benchmarks.report import abbreviation
+    from hf_tta.benchmarks.splits import check_report_rows
+
+    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == "report" and r["seed"] in seeds])
+    src = sources(rows)
+    cells_by = by_label(rows, ("report",))
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    clean = np.mean([hits(src[("clean", None)][s]).mean() * 100 for s in seeds])
+    head = f"| row | {' | '.join(f'{abbreviation(c[0])} {c[1]}' for c in cols)} | won back | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |"
+    lines = [head, "|---|" + "---|" * (len(cols) + 3),
+             f"| clean (source) | {' | '.join(figure(clean) for _ in cols)} | | | |",
+             f"| source | {' | '.join(figure(np.mean([hits(src[c][s]).mean() * 100 for s in seeds])) for c in cols)} | | | |"]
+    for name, cells in sorted(cells_by.items()):
+        if not all(c in cells and all(s in cells[c] for s in seeds) for c in cols):
+            continue
+        ni = verdict(cells, src, cols)
+        r1 = [figure(np.mean([hits(cells[c][s]).mean() * 100 for s in seeds])) for c in cols]
+        lines.append(f"| {name} | {' | '.join(r1)} | {figure(share(cells, src, cols), percent=True)} | "
+                     f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} |")
+    return lines
+
+
+def summarise(out, direction: str = "i2t") -> str:
+    rows = load(out, direction)
+    parts = [f"**Selection split ({direction}): share of lost recall won back per lr, seed 0, 500-concept slice**", "",
+             *selection_lines(rows, direction)]
+    preset = preset_candidates(rows, direction)
+    if preset:
+        parts += ["", "**Preset candidates (selection split)**", "", "| candidate | won back | worst column or stream | eligible |",
+                  "|---|---|---|---|"]
+        for name, c in sorted(preset.items()):
+            (col, ni) = c["worst"]
+            parts.append(f"| {name} | {figure(c['share'], percent=True)} | {col[0]} {col[1] or ''}: {ni.verdict} | "
+                         f"{'yes' if c['eligible'] else 'no'} |")
+        chosen = selected_preset(rows, direction)
+        parts.append(f"\nchosen: {chosen['label'] if chosen else 'none eligible'}")
+    if any(r["phase"] == "report" for r in rows):
+        parts += ["", f"**Report split ({direction}), seeds 3, 4, 5, prequential**", "", *report_lines(rows, direction)]
+    return "\n".join(parts)
+
+
+def export(out: Path, dest: Path) -> None:
+    """Every row (per-query hits included) into ``dest/rows.jsonl``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    rows = load(out)
+    with open(dest / "rows.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    print(f"wrote {len(rows)} rows to {dest / 'rows.jsonl'}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, nargs="+")
+    parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
+    parser.add_argument("--export", type=Path)
+    args = parser.parse_args(argv)
+    if args.export:
+        export(args.out[0], args.export)
+        return
+    print(summarise(args.out, args.direction))
+
+
+if __name__ == "__main__":
+    main()

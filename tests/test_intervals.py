@@ -67,3 +67,47 @@ def test_detection_limit_and_claim():
     assert below_source_claim(0.1, [-0.4, 0.6]) == "not below (limit 0.5)"
     assert below_source_claim(-1.0, [-1.5, -0.5]) == "below"
     assert below_source_claim(None, None) == "–"
+
+
+def test_non_inferiority_bound_is_the_fifth_percentile_of_the_same_replicates():
+    """The one-sided 95 % lower bound is the 5th percentile of the hierarchical bootstrap's replicates: for one
+    column of one seed it is the 5th percentile of the mean of n draws of the differences."""
+    from hf_tta.benchmarks.intervals import MARGIN, bootstrap_replicates, non_inferiority
+
+    rng = np.random.default_rng(2)
+    diffs = [rng.choice([-1, 0, 0, 0, 1], size=(2, 300)) for _ in range(3)]
+    mean, reps = bootstrap_replicates(diffs, samples=400, seed=5)
+    got = non_inferiority(diffs, samples=400, seed=5)
+    assert got.delta == mean and got.lower == pytest.approx(np.percentile(reps, 5.0)) and got.margin == MARGIN == 0.5
+    assert got.lower < got.delta < np.percentile(reps, 97.5)
+    assert non_inferiority(diffs, samples=400, seed=5) == got  # seeded
+
+
+@pytest.mark.parametrize(
+    ("lost", "gained", "below"),
+    [(0, 0, False),  # identical: delta 0, bound 0 > -0.5
+     (10, 0, True),  # 10 of 400 lost: delta -2.5, bound about -4: below
+     (3, 3, False),  # a wash with 6 of 400 items differing: the bound is what decides (checked in the test)
+     ],
+)
+def test_non_inferiority_verdict_against_the_margin(lost, gained, below):
+    from hf_tta.benchmarks.intervals import non_inferiority
+
+    d = np.zeros((1, 400))
+    d[0, :lost] = -1
+    d[0, lost : lost + gained] = 1
+    got = non_inferiority([d], samples=2000, seed=0)
+    assert got.delta == pytest.approx(100 * (gained - lost) / 400)
+    if (lost, gained) == (3, 3):  # 6 of 400 differ: the bound is about -1.645 * sqrt(6) / 4 = -1.0 R@1
+        below = got.lower <= -0.5
+        assert got.lower == pytest.approx(-1.645 * np.sqrt(6) / 4, abs=0.3)
+    assert got.below is below
+    assert got.verdict.startswith("below the source" if below else "not below the source")
+    assert ("≤ −0.5" if below else "> −0.5") in got.verdict
+
+
+def test_paired_bootstrap_no_longer_rounds():
+    d = np.zeros((1, 3))
+    d[0, 0] = 1
+    mean, _ = paired_bootstrap([d], samples=10)
+    assert mean == pytest.approx(100 / 3, abs=1e-12) and mean != 33.333  # unrounded

@@ -265,3 +265,70 @@ def test_batch_size_recall_summary_by_hand():
     (full,) = [x for x in table if x.startswith("| tcr | 64 |")]
     assert "+37.5 [" in full and "| — | — |" in full  # no share nor difference against itself
     assert not any(x.startswith("| source |") and "clean" in x for x in table)  # the clean reference is no column
+
+
+# ------------------------------------------------------------------------------------------------ protocol v3
+def _v3_row(objective, shift, severity, n_hits, lr=3e-4, phase="select", config="c", n=400, seed=0, **extra):
+    return {"direction": "i2t", "shift": shift, "severity": severity, "objective": objective, "seed": seed,
+            "hits": "1" * n_hits + "0" * (n - n_hits), "phase": phase, "config": config, "lr": lr, **extra}
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return _load("protocol_v3_summary")
+
+
+@pytest.fixture
+def v3_selection(v3, monkeypatch):
+    """Two selection columns (the split's are patched for a small case). Source: clean 400/400, Gaussian blur 5 200/400 (50 R@1), spatter 5 300/400 (75): 75 R@1 points lost.
+    TCR at 1e-4 / 3e-4 / 1e-3 gains 5 / 17.5 / 32.5 points (shares 6.7 / 23.3 / 43.3 %); at 1e-3 its clean stream
+    loses 10 of 400 queries (below the source by the margin)."""
+    monkeypatch.setattr(v3, "selection_columns", lambda direction: [("gaussian_blur", 5), ("spatter", 5)])
+    rows = [_v3_row("source", "clean", None, 400), _v3_row("source", "gaussian_blur", 5, 200),
+            _v3_row("source", "spatter", 5, 300), _v3_row("source", "degenerate", None, 400, phase="degenerate")]
+    for lr, blur, spatter, clean in ((1e-4, 220, 300, 400), (3e-4, 260, 310, 400), (1e-3, 300, 330, 390)):
+        rows += [_v3_row("tcr", "gaussian_blur", 5, blur, lr), _v3_row("tcr", "spatter", 5, spatter, lr),
+                 _v3_row("tcr", "clean", None, clean, lr)]
+    for lr, blur in ((1e-4, 240), (1e-3, 280)):  # the ceiling: 15 % / 35 %, nothing else needed
+        rows += [_v3_row("oracle", "gaussian_blur", 5, blur, lr), _v3_row("oracle", "spatter", 5, 305, lr)]
+    return rows
+
+
+def test_v3_shares_and_the_lr_rule_by_hand(v3, v3_selection):
+    table = v3.selection_table(v3_selection, "i2t")
+    assert [round(table["tcr"][lr]["share"], 6) for lr in (1e-4, 3e-4, 1e-3)] == [round(5 / 75, 6), round(17.5 / 75, 6), round(32.5 / 75, 6)]
+    assert table["tcr"][1e-3]["clean"].below and not table["tcr"][3e-4]["clean"].below
+    # the degenerate stream of the two best clean-passing lrs (3e-4, then 1e-4) is needed before the choice
+    assert v3.choices(v3_selection, "i2t")["tcr"] == {"lr": None, "flags": ["degenerate stream pending"], "walk": [3e-4, 1e-4]}
+    assert v3.degenerate_walk(v3_selection, "i2t") == [("tcr", "3e-4"), ("tcr", "1e-4")]
+    with pytest.raises(SystemExit, match="degenerate phase"):
+        v3.selected_lrs(v3_selection, "i2t")
+    # the ceiling needs no stream: the highest share, at the grid's edge here
+    assert v3.choices(v3_selection, "i2t")["oracle"] == {"lr": 1e-3, "flags": ["at the grid's edge"], "walk": []}
+
+
+@pytest.mark.parametrize(
+    ("degenerate", "lr", "flags"),
+    [({3e-4: 400}, 3e-4, []),  # the best passes: no need to wait for the second
+     ({3e-4: 380, 1e-4: 400}, 1e-4, ["at the grid's edge"]),  # the best collapses: the next passing one
+     ({3e-4: 380, 1e-4: 380}, 3e-4, ["degenerate below the source at its best lrs"])],
+)
+def test_v3_the_degenerate_walk(v3, v3_selection, degenerate, lr, flags):
+    rows = v3_selection + [_v3_row("tcr", "degenerate", None, h, k, phase="degenerate") for k, h in degenerate.items()]
+    assert v3.choices(rows, "i2t")["tcr"] == {"lr": lr, "flags": flags, "walk": []}
+    if lr == 1e-4:
+        assert v3.edge_lrs(rows, "i2t")["tcr"] == "3e-5"
+        assert "| tcr | **6.7 %** | 23.3 % | 43.3 % | 1e-4 |" in "\n".join(v3.selection_lines(rows, "i2t"))
+
+
+def test_v3_preset_rule_prefers_the_simpler_within_the_tie(v3, v3_selection):
+    rows = [r for r in v3_selection if r["objective"] == "source"]
+    for row, lr, blur, degenerate in (("tcr+dn+safe", 3e-4, 282, 400), ("tcr+dn+safe", 1e-3, 283, 400),
+                                      ("rest+dn+safe", 1e-3, 330, 390)):
+        rows += [_v3_row(row, "gaussian_blur", 5, blur, lr, "preset"), _v3_row(row, "spatter", 5, 300, lr, "preset"),
+                 _v3_row(row, "clean", None, 400, lr, "preset"), _v3_row(row, "degenerate", None, degenerate, lr, "preset")]
+    cands = v3.preset_candidates(rows, "i2t")
+    assert not cands["rest+dn+safe@1e-3"]["eligible"]  # its degenerate stream is below the source
+    assert cands["tcr+dn+safe@1e-3"]["share"] - cands["tcr+dn+safe@3e-4"]["share"] == pytest.approx(0.25 / 75)
+    chosen = v3.selected_preset(rows, "i2t")  # 1e-3 is better by 0.3 points of share: a tie, the paper's lr wins
+    assert chosen["label"] == "tcr+dn+safe@3e-4" and chosen["args"] == ["--lr", "3e-4"]
