@@ -85,6 +85,18 @@ def test_row_names_parse_their_options():
     for bad in ("tcr+fast", "tcr+safe+safe", "oracle_all+all"):
         with pytest.raises(ValueError, match="options are"):
             row_spec(bad)
+    # protocol v3: a row at its own learning rate
+    assert row_spec("tcr+safe@3e-3") == RowSpec("tcr", safe=True, lr=3e-3) and row_spec("oracle_all@1e-2").lr == 1e-2
+    for bad in ("tcr@", "tcr@fast", "tcr@-1e-3", "tcr@0", "tcr@inf", "tcr@nan"):
+        with pytest.raises(ValueError, match="learning rate, a positive number"):
+            row_spec(bad)
+
+
+def test_a_row_at_its_own_lr_runs_at_it_and_the_others_at_the_grids():
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, lr=1e-4))
+    cond = Condition("i2t", "clean")
+    assert runner.row_config("tcr@3e-3", cond, 0).lr == 3e-3 and runner.row_config("tcr", cond, 0).lr == 1e-4
+    assert runner.row_config("oracle_all@1e-2", cond, 0).target_modules  # the options still apply
 
 
 def test_safe_and_routed_rows_run_and_report_what_they_did():

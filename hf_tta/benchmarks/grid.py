@@ -244,13 +244,25 @@ class RowSpec:
     all_params: bool = False
     dn: bool = False
     key: bool = False
+    lr: float | None = None
     row: str = field(default="", compare=False)
 
 
 def row_spec(row: str) -> RowSpec:
     """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` ->
-    ``RowSpec("oracle", all_params=True)``. Raises ``ValueError`` for an unknown or repeated option."""
-    name, *options = row.split("+")
+    ``RowSpec("oracle", all_params=True)``; a trailing ``@<lr>`` runs the row at its own learning rate
+    (``"tcr+safe@3e-3"``: protocol v3 reports each method at the paper's lr and at the lr chosen for it). Raises
+    ``ValueError`` for an unknown or repeated option or an lr that is not a positive number."""
+    body, at, lr_text = row.partition("@")
+    lr = None
+    if at:
+        try:
+            lr = float(lr_text)
+        except ValueError:
+            lr = float("nan")
+        if not lr > 0 or lr == float("inf"):
+            raise ValueError(f"Row {row!r}: after @ comes the row's learning rate, a positive number such as 3e-3.")
+    name, *options = body.split("+")
     if name == RECOMMENDED:  # the preset of TTAConfig.recommended, as a row (tests check the two agree)
         from ..preset import RECOMMENDED_ROW
 
@@ -263,7 +275,7 @@ def row_spec(row: str) -> RowSpec:
         raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
     if "key" in options and "route" in options:
         raise ValueError(f"Row {row!r}: +key routes by the true shift, +route by the unsupervised router; pick one.")
-    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options}, row=row)
+    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options}, lr=lr, row=row)
 
 
 def row_objective(row: str) -> tuple[str, bool]:

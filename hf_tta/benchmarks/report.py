@@ -431,7 +431,7 @@ def canonical_order():
         shifts.get(r["shift"], len(shifts)),
         r["shift"],
         r.get("severity") or 0,
-        -1 if r["objective"] == SOURCE else objectives.get(r["objective"].split("+")[0], len(objectives)),
+        -1 if r["objective"] == SOURCE else objectives.get(r["objective"].split("@")[0].split("+")[0], len(objectives)),
         r["objective"],  # an objective's variants (tcr, tcr+gd, tcr+safe) stay together
         r.get("seed") or 0,
     )

@@ -192,7 +192,7 @@ class GridRunner:
             "query_modality": modality,
             "gallery_modality": GALLERY_MODALITY[cond.direction],
             "steps": s.steps,
-            "lr": s.lr,
+            "lr": s.lr if spec.lr is None else spec.lr,
             "seed": seed,
             "target_modules": targets if spec.all_params else base.get("target_modules"),
             "gradient_decoupling": gd,
