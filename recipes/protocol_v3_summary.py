@@ -261,6 +261,61 @@ def selected_preset(rows: list[dict], direction: str) -> dict | None:
             "label": name}
 
 
+# ------------------------------------------------------------------------------------------------ label-free proxies
+#: Label-free signals every row records (the adapted model's query embeddings at the end of the stream, TCR Fig. 1),
+#: each with the sign under which "higher is better" is its hypothesis: more uniform queries, a smaller query–gallery gap.
+PROXIES = {"uniformity": ("uniformity_after", 1.0), "gap": ("gap_after", -1.0)}
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (average ranks for ties); NaN when either side is constant."""
+    def ranks(x):
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # ties share their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+
+    if np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    return float(np.corrcoef(ranks(np.asarray(a, float)), ranks(np.asarray(b, float)))[0, 1])
+
+
+def proxy_study(rows: list[dict], direction: str) -> dict[str, dict[str, dict]]:
+    """Per objective and proxy, over the lrs of its selection runs: Spearman's rank correlation of the proxy (mean
+    over the selection columns, signed so that higher is better) with the true share, and the regret: the share lost
+    by taking the proxy's best lr instead of the labels' best (issue 37's proxy study, from the selection rows)."""
+    sel = [r for r in rows if r["direction"] == direction and r["seed"] == 0 and r["phase"] == "select"]
+    table = selection_table(rows, direction)
+    cols = set(selection_columns(direction))
+    out: dict[str, dict[str, dict]] = {}
+    for name, lrs in table.items():
+        ordered = sorted(lrs)
+        if len(ordered) < 3:
+            continue
+        truth = np.array([lrs[lr]["share"] for lr in ordered])
+        out[name] = {}
+        for proxy, (key, sign) in PROXIES.items():
+            values = np.array([np.mean([r[key] for r in sel if r["objective"] == name and r["lr"] == lr and column(r) in cols])
+                               for lr in ordered]) * sign
+            rho = spearman(values, truth)
+            out[name][proxy] = {"rho": float(rho), "regret": float(truth.max() - truth[int(np.argmax(values))]),
+                                "proxy_lr": ordered[int(np.argmax(values))], "label_lr": ordered[int(np.argmax(truth))]}
+    return out
+
+
+def proxy_lines(rows: list[dict], direction: str) -> list[str]:
+    study = proxy_study(rows, direction)
+    lines = ["| objective | " + " | ".join(f"{p}: ρ, lr, regret" for p in PROXIES) + " | labels' lr |",
+             "|---|" + "---|" * (len(PROXIES) + 1)]
+    for name in sorted(study, key=lambda n: (n in CEILINGS, n)):
+        cells = [f"{figure(v['rho'], 2, sign=True)}, {lr_name(v['proxy_lr'])}, {figure(v['regret'], percent=True)}"
+                 for v in study[name].values()]
+        lines.append(f"| {name} | {' | '.join(cells)} | {lr_name(next(iter(study[name].values()))['label_lr'])} |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ tables
 def _ci(ni) -> str:
     from hf_tta.benchmarks.figures import interval
@@ -316,6 +371,9 @@ def summarise(out, direction: str = "i2t") -> str:
     rows = load(out, direction)
     parts = [f"**Selection split ({direction}): share of lost recall won back per lr, seed 0, 500-concept slice**", "",
              *selection_lines(rows, direction)]
+    if proxy_study(rows, direction):
+        parts += ["", f"**Label-free proxies against the true share across the lr grid ({direction}, selection split)**", "",
+                  *proxy_lines(rows, direction)]
     preset = preset_candidates(rows, direction)
     if preset:
         parts += ["", "**Preset candidates (selection split)**", "", "| candidate | won back | worst column or stream | eligible |",

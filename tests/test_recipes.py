@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,3 +333,15 @@ def test_v3_preset_rule_prefers_the_simpler_within_the_tie(v3, v3_selection):
     assert cands["tcr+dn+safe@1e-3"]["share"] - cands["tcr+dn+safe@3e-4"]["share"] == pytest.approx(0.25 / 75)
     chosen = v3.selected_preset(rows, "i2t")  # 1e-3 is better by 0.3 points of share: a tie, the paper's lr wins
     assert chosen["label"] == "tcr+dn+safe@3e-4" and chosen["args"] == ["--lr", "3e-4"]
+
+
+def test_v3_proxy_study_by_hand(v3, v3_selection):
+    """TCR's three lrs have shares 6.7 / 23.3 / 43.3 %; a gap proxy falling with the share ranks them exactly
+    (ρ = +1, no regret); uniformity peaking at the middle lr picks it and loses 43.3 − 23.3 = 20 points of share."""
+    gap = {1e-4: 0.5, 3e-4: 0.4, 1e-3: 0.3}
+    uni = {1e-4: 0.1, 3e-4: 0.9, 1e-3: 0.5}
+    rows = [{**r, "gap_after": gap[r["lr"]], "uniformity_after": uni[r["lr"]]} for r in v3_selection]
+    got = v3.proxy_study(rows, "i2t")["tcr"]
+    assert got["gap"]["rho"] == pytest.approx(1.0) and got["gap"]["regret"] == 0 and got["gap"]["proxy_lr"] == 1e-3
+    assert got["uniformity"]["rho"] == pytest.approx(0.5) and got["uniformity"]["regret"] == pytest.approx(0.20)
+    assert v3.spearman(np.array([1.0, 1.0, 2.0]), np.array([3.0, 2.0, 1.0])) == pytest.approx(-np.sqrt(3) / 2)
