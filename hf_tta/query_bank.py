@@ -128,4 +128,4 @@ def column_chunks(bank: torch.Tensor, rows: torch.Tensor) -> Iterator[tuple[int,
     step = max(1, CHUNK_ELEMENTS // per_row)
     bank = bank.to(rows.dtype)
     for start in range(0, rows.shape[0], step):
-        yield start, item_scores(bank, rows[start : start + step]).float()
+        yield start, item_scores(bank, rows[start : start + step])
