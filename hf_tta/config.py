@@ -338,7 +338,7 @@ class TTAConfig(ConfigMixin):
         if self.score_transform is not None:
             if get_objective_class(self.score_transform).requires_grad:
                 raise ValueError(
-                    f"`score_transform` must be a training-free objective (e.g. 'dn'); {self.score_transform!r} "
+                    f"`score_transform` must be a training-free objective ('dn', 'nnn' or 'qbnorm'); {self.score_transform!r} "
                     "trains parameters: use it as `objective` instead."
                 )
             self.build_score_transform_config()

@@ -96,6 +96,10 @@ def test_refusals(tmp_path):
         TTAConfig(score_transform="nnn", score_transform_config={"reference_bank": str(tmp_path / "missing.safetensors")})
     with pytest.raises(ValueError, match="`k` must be an integer >= 1"):
         TTAConfig(score_transform="nnn", score_transform_config={"k": 0})
+    with pytest.raises(ValueError, match="`bank_size` must be >= k"):
+        TTAConfig(score_transform="nnn", score_transform_config={"bank_size": 64})
+    with pytest.raises(ValueError, match="holds 6 queries; NNN averages k=128"):
+        TTAWrapper(make_model("clip"), TTAConfig(objective="nnn", query_modality="image", objective_config={"reference_bank": bank}))
     with pytest.raises(ValueError, match="L2-normalised"):
         save_reference_bank(tmp_path / "raw.safetensors", torch.randn(4, 8) * 3)
     save_file({"other": _unit(4, 8, 0)}, str(tmp_path / "other.safetensors"))

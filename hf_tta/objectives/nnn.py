@@ -51,6 +51,8 @@ class NNNConfig(QueryBankConfig):
         super().__post_init__()
         check_positive_int("k", self.k)
         check_positive("alpha", self.alpha, allow_zero=True)
+        if self.reference_bank is None and self.k > self.bank_size:
+            raise ValueError(f"NNN averages k={self.k} reference queries per item: `bank_size` must be >= k, got {self.bank_size}.")
 
 
 def nnn_bias(bank: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -73,7 +75,11 @@ class NearestNeighborNormalization(Objective):
     multi_vector_queries = False  # the bank holds single-vector queries
 
     def init_state(self, device="cpu") -> ObjectiveState:
-        return init_bank(self.config, device)
+        state = init_bank(self.config, device)
+        if self.config.reference_bank is not None and state["bank"].shape[0] < self.config.k:
+            raise ValueError(f"`reference_bank` holds {state['bank'].shape[0]} queries; NNN averages k={self.config.k}: "
+                             "give more reference queries or a smaller k.")
+        return state
 
     def __call__(self, inputs: ObjectiveInputs, state: ObjectiveState) -> LossOutput:
         scores = inputs.scores.detach().float()
