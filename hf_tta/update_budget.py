@@ -21,8 +21,14 @@ Two rules, one of them per budget (:class:`UpdateBudgetConfig`):
 rows), the RNG and the safety monitor stay bit-identical; the batch counter advances (the schedule goes on), and the
 score transform (DN, NNN, QB-Norm) scores the answer and takes the batch into its state, as it does for every
 answered batch. The safety layer does not judge a skipped batch (nothing is adapted on it, so there is nothing to roll
-back, and judging it would cost the source model's forward the budget saves). ``TTAOutput.skipped`` names the rule,
-``TTAOutput.logs["update_budget_entropy"]`` holds the trigger's value.
+back, and judging it would cost the source model's forward the budget saves). ``TTAOutput.skipped`` names the rule, and
+on a skipped batch ``TTAOutput.logs["update_budget_entropy"]`` holds the trigger's value (an adapted batch's logs are
+the objective's).
+
+**Where it applies.** :class:`~hf_tta.TTAWrapper` and what runs its step: each domain of a
+:class:`~hf_tta.RoutedTTAWrapper` keeps its own batch counter, so its own schedule; a
+:class:`~hf_tta.DistributedTTAWrapper`'s ranks see the same counter and the same all-gathered scores, so they decide
+alike.
 """
 
 from __future__ import annotations
