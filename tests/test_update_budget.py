@@ -146,3 +146,12 @@ def test_save_resume_of_a_budgeted_stream_equals_uninterrupted(budget, tmp_path)
     tta, g = _wrapper(budget, score_transform="dn")
     assert [tta.adapt_step(q, g).num_updates for q in STREAM][2:] == [3, 0, 3]  # both kinds of batch around the cut
     check_resume(lambda: _wrapper(budget, score_transform="dn"), STREAM, cut=3, folder=tmp_path / "ckpt")
+
+
+def test_each_routed_domain_keeps_its_own_schedule():
+    from hf_tta import RoutedTTAWrapper
+
+    tta = RoutedTTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", update_budget={"fraction": 0.5}))
+    g = tta.encode_gallery(batch("text", 20, seed=1))
+    updates = [tta.adapt_step(q, g, domain=d).num_updates for q, d in zip(STREAM, "aabab")]
+    assert updates == [3, 0, 3, 3, 0]  # a: batches 0, 1, 2 of its own; b: 0, 1
