@@ -21,6 +21,7 @@ from .objectives import (
 from .outputs import TTAOutput
 from .router import DomainRouter, RoutingConfig
 from .routing import RoutedTTAWrapper
+from .update_budget import UpdateBudgetConfig
 from .version import __version__
 from .wrapper import TTAWrapper
 
@@ -47,6 +48,7 @@ __all__ = [
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",
+    "UpdateBudgetConfig",
     "XCLIPAdapter",
     "available_objectives",
     "get_adapter",

@@ -63,6 +63,18 @@ def check_step_context(objective: Objective) -> None:
         )
 
 
+def check_query_vectors(adapter: ModelAdapter, modality: str, objectives: Sequence[Objective | None]) -> None:
+    """Refuse (one line) an objective that keeps single-vector query embeddings to score against the gallery
+    (``Objective.multi_vector_queries`` false: NNN's and QB-Norm's reference banks) when ``modality``'s queries are
+    multi-vector (BLIP-2 images)."""
+    for obj in objectives:
+        if obj is not None and not obj.multi_vector_queries and modality in adapter.multi_vector:
+            raise ValueError(
+                f"{obj.name!r} scores its reference queries as single vectors, but {modality} queries of "
+                f"{type(adapter.model).__name__} are multi-vector: use 'dn' there, or {obj.name!r} in the other direction."
+            )
+
+
 def warn_small_batch(n: int, objective: Objective, safety_min: int | None, window: int = 0) -> None:
     """Warn once per objective when a batch (with the ``window`` of recent queries, :mod:`hf_tta.window`) is smaller
     than its batch statistics need, naming what to do instead."""

@@ -12,6 +12,7 @@ from .configuration_utils import ConfigMixin, check_choice, check_field_types, c
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import RECOMMENDED
+from .update_budget import UpdateBudgetConfig, build_update_budget_config
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
 RESET_POLICIES = ("never", "episodic")
@@ -230,8 +231,9 @@ class TTAConfig(ConfigMixin):
     score_transform: str | None = field(
         default=None,
         metadata={
-            "help": "A training-free objective applied on top of the output scores of any objective, e.g. 'dn' "
-            "(Distribution Normalization). It changes scoring only; its state is saved and reset with the wrapper's."
+            "help": "A training-free objective applied on top of the output scores of any objective: 'dn' "
+            "(Distribution Normalization), 'nnn' (Nearest Neighbor Normalization) or 'qbnorm' (QB-Norm's Dynamic "
+            "Inverted Softmax). It changes scoring only; its state is saved and reset with the wrapper's."
         },
     )
     score_transform_config: dict[str, Any] = field(
@@ -266,6 +268,15 @@ class TTAConfig(ConfigMixin):
             "training-free objective (dn) it keeps degenerate batches out of its state."
         },
     )
+    update_budget: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Adapt on some batches only, answer every batch (hf_tta.update_budget): None = every batch (the "
+            "papers); {'fraction': f} = an evenly spaced share f of the batches; {'entropy_threshold': t} = only "
+            "batches whose mean normalised prediction entropy exceeds t. A skipped batch costs one no-grad forward "
+            "and changes nothing adapted."
+        },
+    )
 
     def __post_init__(self):
         get_objective_class(self.objective)  # raises with the list of available objectives
@@ -277,6 +288,8 @@ class TTAConfig(ConfigMixin):
             self.score_transform_config = self.score_transform_config.to_dict()
         if isinstance(self.safety, SafetyConfig):
             self.safety = self.safety.to_dict()
+        if isinstance(self.update_budget, UpdateBudgetConfig):
+            self.update_budget = self.update_budget.to_dict()
         check_field_types(self)
         for name in ("query_modality", "gallery_modality"):
             value = getattr(self, name)
@@ -325,7 +338,7 @@ class TTAConfig(ConfigMixin):
         if self.score_transform is not None:
             if get_objective_class(self.score_transform).requires_grad:
                 raise ValueError(
-                    f"`score_transform` must be a training-free objective (e.g. 'dn'); {self.score_transform!r} "
+                    f"`score_transform` must be a training-free objective ('dn', 'nnn' or 'qbnorm'); {self.score_transform!r} "
                     "trains parameters: use it as `objective` instead."
                 )
             self.build_score_transform_config()
@@ -339,6 +352,12 @@ class TTAConfig(ConfigMixin):
                              "after every batch: set window=0.")
         if self.safety is not None and self.reset_policy == "episodic":
             raise ValueError("`safety` protects a continual stream; with reset_policy='episodic' every batch starts from the source.")
+        budget = build_update_budget_config(self.update_budget)
+        if budget is not None and not get_objective_class(self.objective).requires_grad:
+            raise ValueError(f"`update_budget` limits updates; {self.objective!r} is training-free: drop update_budget.")
+        if budget is not None and budget.fraction is not None and self.reset_policy == "episodic":
+            raise ValueError("`update_budget={'fraction': ...}` spaces updates by the batch counter, which "
+                             "reset_policy='episodic' resets every batch: use {'entropy_threshold': ...} or reset_policy='never'.")
 
     @classmethod
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
@@ -380,6 +399,9 @@ class TTAConfig(ConfigMixin):
     def build_safety_config(self) -> SafetyConfig | None:
         return build_safety_config(self.safety)
 
+    def build_update_budget_config(self) -> UpdateBudgetConfig | None:
+        return build_update_budget_config(self.update_budget)
+
     def build_score_transform_config(self) -> ObjectiveConfig | None:
         if self.score_transform is None:
             return None
@@ -389,12 +411,13 @@ class TTAConfig(ConfigMixin):
         """This config with every default written out, as PEFT saves its configs: the objective's, the score
         transform's and the safety layer's full hyper-parameters, plus ``values`` (e.g. the wrapper's resolved ``lr`` and
         ``gallery_modality``). Saved checkpoints keep their meaning when a default changes."""
-        transform, safety = self.build_score_transform_config(), self.build_safety_config()
+        transform, safety, budget = self.build_score_transform_config(), self.build_safety_config(), self.build_update_budget_config()
         return dataclasses.replace(
             self,
             objective_config=self.build_objective_config().to_dict(),
             score_transform_config=transform.to_dict() if transform is not None else {},
             safety=safety.to_dict() if safety is not None else None,
+            update_budget=budget.to_dict() if budget is not None else None,
             **values,
         )
 

@@ -35,6 +35,7 @@ from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import KEEP, SafetyDecision, SafetyMonitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
+from .update_budget import UpdateBudget
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,9 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.adapter.check_modality(self.gallery_modality)
         self.objective = build_objective(cfg.objective, cfg.build_objective_config())
         # a training-free objective applied to the output scores of any objective (e.g. Distribution Normalization)
-        self.score_transform = (
-            build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
-        )
+        self.score_transform = build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
+        batching.check_query_vectors(self.adapter, self.query_modality, (self.objective, self.score_transform))
+        self.budget = UpdateBudget(cfg.build_update_budget_config()) if cfg.update_budget is not None else None
         self._tensor_gallery: tuple | None = None  # (tensor, its version, its GalleryCache): a raw gallery, wrapped once
         self._gallery_versions: dict[int, int] = {}  # the version of each live backend the objective state follows
         self._encoder_id: str | None = None  # which model encoded this wrapper's galleries (encode_gallery)
@@ -266,6 +267,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             generator=self.generator, reencode=reencode, source_scores=source_scores, query_modality=self.query_modality,
             queries=queries, params=self.params or None, source_params=self._source_params if self.params else None,
             labels=batch.labels, candidate_ids=ids, backend=backend, window=window.view(self.state, self.config.window),
+            gallery_items=gallery.embeddings if gallery.embeddings.dim() == 3 else None,  # multi-vector rows (NNN, QB-Norm)
         )
 
     @torch.no_grad()
@@ -310,6 +312,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
 
     def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
         batch = self._prepare(queries, gallery, labels)
+        if self.budget is not None and (skipped := self.budget.answer(self, batch)) is not None:
+            return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
         if self.safety is not None and self.safety.last_good is None:
             self.safety.remember(self)
         source = self._view(batch, self.config.steps - 1, source=True) if self.safety is not None else None

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from hf_tta import TTAConfig, TTAWrapper, available_objectives
 from hf_tta.gallery import ChunkedGallery, FaissGallery
 from hf_tta.gallery import stats as gallery_stats
+from hf_tta.models import get_adapter
 from hf_tta.objectives import get_objective_class
 from hf_tta.objectives.base import gallery_fingerprint
 from hf_tta.objectives.rest import spherical_kmeans
@@ -42,6 +43,8 @@ OBJECTIVE_CASES = [
     ObjectiveCase("rest"),
     ObjectiveCase("cliptta"),
     ObjectiveCase("dn", {"num_samples": 4}),
+    ObjectiveCase("nnn", {"k": 3}),  # the stream's bank holds k = 3 queries after the first tiny batch
+    ObjectiveCase("qbnorm"),
     ObjectiveCase("titan", {"hub_threshold": 0}),  # every item a hub: counterfactual text queries on tiny batches
     # Untrained tiny models predict almost uniformly: the baselines' entropy/PLPD filters are opened so that updates
     # happen (the filters themselves are checked in tests/test_objectives_<name>.py).
@@ -85,6 +88,10 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("query,gallery", DIRECTIONS)
 @pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=str)
 def test_only_intended_parameters_change(case, model_name, query, gallery):
+    if not get_objective_class(case.name).multi_vector_queries and query in get_adapter(make_model(model_name)).multi_vector:
+        with pytest.raises(ValueError, match="multi-vector: use 'dn' there"):  # NNN's and QB-Norm's single-vector bank
+            _wrapper(case, model_name, query)
+        return
     tta = _wrapper(case, model_name, query)
     g = tta.encode_gallery(batch(gallery, GALLERY, seed=1))
     cached = g.embeddings.clone()

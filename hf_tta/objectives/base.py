@@ -76,6 +76,10 @@ class ObjectiveInputs:
             (``backend.statistics()``, ``backend.kmeans(...)``, ``len(backend)``); ``None`` for a dense gallery.
         window (`WindowView`, *optional*): the recent queries' detached rows (``TTAConfig.window``, :mod:`hf_tta.window`),
             for objectives whose statistics are over the batch; ``None`` when the window is off (the papers' batch).
+        gallery_items (`torch.Tensor` of shape `(N, Q, D)`, *optional*): a multi-vector gallery's rows as the model
+            scores them (a max over each item's vectors), for objectives that score other queries against the gallery
+            (NNN's and QB-Norm's reference queries); ``None`` for a single-vector gallery (``gallery_emb`` is then the
+            rows themselves).
     """
 
     query_emb: torch.Tensor
@@ -95,6 +99,7 @@ class ObjectiveInputs:
     candidate_ids: torch.Tensor | None = None
     backend: Any = None
     window: WindowView | None = None
+    gallery_items: torch.Tensor | None = None
 
     @property
     def num_items(self) -> int:
@@ -166,6 +171,8 @@ class Objective:
         gallery_k: the neighbours per query the objective needs (the backend searches ``max(k, gallery_k)``).
         score_after_update: ``True`` asks the wrapper to report scores from a fresh forward after the batch's last
             update (ClipTTA's own protocol); ``False`` (default) reports the last step's forward, as TCR's code does.
+        multi_vector_queries: ``False`` for objectives that keep single-vector query embeddings to score against the
+            gallery (NNN's and QB-Norm's reference banks): the wrapper refuses them for multi-vector queries.
 
     Objectives must not write state tensors in place: they replace entries of ``state`` (the wrapper keeps the
     previous dict to roll back a step whose loss is not finite). An optimiser returned by :meth:`make_optimizer`
@@ -179,6 +186,7 @@ class Objective:
     gallery_access: ClassVar[str] = "softmax"
     gallery_k: ClassVar[int] = 0
     score_after_update: ClassVar[bool] = False
+    multi_vector_queries: ClassVar[bool] = True
 
     def __init__(self, config: ObjectiveConfig | None = None):
         self.config = config if config is not None else self.config_class()

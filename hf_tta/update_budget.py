@@ -1,0 +1,167 @@
+"""An update budget: adapt on some batches only, answer every batch (``TTAConfig(update_budget={...})``).
+
+Every adapted batch costs ``steps`` forward and backward passes (TCR: 3 + 3). Sparse-update methods (SNAP, NeurIPS
+2025) and EATA's sample selection save time only if the skipped queries skip the kernel, not just the loss. With an
+update budget a batch is either adapted on as usual, or **skipped**: the current model answers it from one no-grad
+forward, and nothing else runs (no backward, no optimiser step, no source-model forward for the safety layer).
+
+Two rules, one of them per budget (:class:`UpdateBudgetConfig`):
+
+* ``fraction``: a deterministic share of the batches, evenly spaced by the wrapper's batch counter ``i`` (the batches
+  since the last reset, saved with the checkpoint): batch ``i`` is adapted on iff ``ceil((i + 1) f) > ceil(i f)``,
+  computed in exact rational arithmetic. So batch 0 is adapted on, and after ``n`` batches exactly ``ceil(n f)`` were
+  (``f = 0.25``: batches 0, 4, 8, ...). No random draw: a resumed stream takes the same decisions.
+* ``entropy_threshold``: a label-free trigger. The current model's one no-grad forward scores the batch; the batch is
+  adapted on iff the mean over its queries of the normalised prediction entropy ``H(softmax(s / T)) / ln C`` (``C``
+  the gallery size, or the candidate set's with a top-k backend; ``T = entropy_temperature``, 0.01 as TCR's gallery
+  softmax) exceeds the threshold: the model is unsure of the batch. Below it, that forward is the answer. Above it,
+  the batch adapts as usual, after one extra no-grad forward (the trigger's).
+
+**What a skipped batch changes.** Nothing of the adaptation: parameters, optimiser, objective state (and the window's
+rows), the RNG and the safety monitor stay bit-identical; the batch counter advances (the schedule goes on), and the
+score transform (DN, NNN, QB-Norm) scores the answer and takes the batch into its state, as it does for every
+answered batch. The safety layer does not judge a skipped batch (nothing is adapted on it, so there is nothing to roll
+back, and judging it would cost the source model's forward the budget saves). ``TTAOutput.skipped`` names the rule, and
+on a skipped batch ``TTAOutput.logs["update_budget_entropy"]`` holds the trigger's value (an adapted batch's logs are
+the objective's).
+
+**Where it applies.** :class:`~hf_tta.TTAWrapper` and what runs its step: each domain of a
+:class:`~hf_tta.RoutedTTAWrapper` keeps its own batch counter, so its own schedule; a
+:class:`~hf_tta.DistributedTTAWrapper`'s ranks see the same counter and the same all-gathered scores, so they decide
+alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import partial
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .configuration_utils import ConfigMixin, check_field_types, check_positive
+from .objectives.base import ObjectiveInputs, softmax_entropy
+from .outputs import TTAOutput
+
+DEFAULT_TEMPERATURE = 0.01
+
+
+@dataclass
+class UpdateBudgetConfig(ConfigMixin):
+    """Which batches are adapted on (see :mod:`hf_tta.update_budget`): set exactly one of ``fraction`` and
+    ``entropy_threshold``.
+
+    Example:
+        >>> cfg = UpdateBudgetConfig(fraction=0.25)
+        >>> [i for i in range(10) if cfg.adapts_on(i)]
+        [0, 4, 8]
+        >>> UpdateBudgetConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    fraction: float | None = field(
+        default=None,
+        metadata={"help": "Adapt on this share of the batches, in (0, 1], evenly spaced by the batch counter (batch 0 first)."},
+    )
+    entropy_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Adapt only on batches whose mean normalised prediction entropy H(softmax(s / T)) / ln C, from "
+            "the current model's one no-grad forward, exceeds this value in [0, 1)."
+        },
+    )
+    entropy_temperature: float = field(
+        default=DEFAULT_TEMPERATURE,
+        metadata={"help": "T of the entropy trigger's softmax over the gallery (0.01: TCR's gallery softmax)."},
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        if (self.fraction is None) == (self.entropy_threshold is None):
+            raise ValueError(
+                "UpdateBudgetConfig needs exactly one rule: `fraction` (a share of the batches) or `entropy_threshold` "
+                f"(a label-free trigger); got fraction={self.fraction!r}, entropy_threshold={self.entropy_threshold!r}."
+            )
+        if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"UpdateBudgetConfig `fraction` must be in (0, 1], got {self.fraction!r}.")
+        if self.entropy_threshold is not None and not 0.0 <= self.entropy_threshold < 1.0:
+            raise ValueError(f"UpdateBudgetConfig `entropy_threshold` must be in [0, 1), got {self.entropy_threshold!r}.")
+        check_positive("entropy_temperature", self.entropy_temperature)
+        if self.entropy_threshold is None and self.entropy_temperature != DEFAULT_TEMPERATURE:
+            raise ValueError("UpdateBudgetConfig `entropy_temperature` applies to the entropy trigger: set "
+                             "`entropy_threshold` or drop `entropy_temperature`.")
+
+    def adapts_on(self, batch_index: int) -> bool:
+        """The ``fraction`` rule: whether batch ``batch_index`` (0-based, since the last reset) is adapted on."""
+        if self.fraction is None:
+            raise ValueError("adapts_on is the fraction rule; this budget has an entropy trigger.")
+        f = Fraction(self.fraction).limit_denominator(10**9)  # exact: 0.1 * 30 is not 3 in floating point
+        return math.ceil((batch_index + 1) * f) > math.ceil(batch_index * f)
+
+
+def build_update_budget_config(value: UpdateBudgetConfig | Mapping[str, Any] | None) -> UpdateBudgetConfig | None:
+    """``TTAConfig.update_budget`` (``None``, a dict or an :class:`UpdateBudgetConfig`) as an :class:`UpdateBudgetConfig`."""
+    if value is None or isinstance(value, UpdateBudgetConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`update_budget` must be None, a dict of UpdateBudgetConfig fields or an UpdateBudgetConfig, got {value!r}.")
+    known = {f.name for f in dataclasses.fields(UpdateBudgetConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"`update_budget` has keys {unknown} that UpdateBudgetConfig does not define; valid keys: {sorted(known)}.")
+    return UpdateBudgetConfig(**value)
+
+
+def mean_normalised_entropy(scores: torch.Tensor, temperature: float, columns: int | None = None) -> torch.Tensor:
+    """Mean over the rows of ``H(softmax(s / T)) / ln C`` (0-d float64 tensor): 0 for a sure prediction, 1 for a
+    uniform one. ``columns``: the first ``C`` columns only (a top-k backend's candidates, before the extras)."""
+    s = scores if columns is None else scores[:, :columns]
+    c = s.shape[1]
+    if c < 2:
+        return torch.zeros((), dtype=torch.float64, device=s.device)
+    return (softmax_entropy(s.detach().double() / temperature) / math.log(c)).mean()
+
+
+class UpdateBudget:
+    """The budget's decision per batch (the wrapper asks before anything else runs on the batch)."""
+
+    def __init__(self, config: UpdateBudgetConfig):
+        self.config = config
+
+    def decide(
+        self, batch_index: int, make_view: Callable[[], ObjectiveInputs]
+    ) -> tuple[str | None, dict[str, float], ObjectiveInputs | None]:
+        """``(why the batch is skipped or None, logs, the current model's view)`` for batch ``batch_index``.
+        ``make_view()`` runs the current model's no-grad forward: called for the entropy trigger and for a batch that
+        the fraction rule skips (the answer), never for a batch the fraction rule adapts on."""
+        cfg = self.config
+        if cfg.fraction is not None:
+            if cfg.adapts_on(batch_index):
+                return None, {}, None
+            return f"update budget: batch {batch_index} is outside fraction={cfg.fraction} (answered, not adapted)", {}, make_view()
+        view = make_view()
+        columns = None if view.candidate_ids is None else view.candidate_ids.numel()
+        value = float(mean_normalised_entropy(view.scores, cfg.entropy_temperature, columns))  # the one host sync
+        logs = {"update_budget_entropy": value}
+        if value > cfg.entropy_threshold:
+            return None, logs, view
+        reason = f"update budget: mean normalised entropy {value:.4g} <= {cfg.entropy_threshold} (answered, not adapted)"
+        return reason, logs, view
+
+    def answer(self, wrapper: Any, batch: Any) -> TTAOutput | None:
+        """``wrapper.adapt_step``'s answer to ``batch`` when the budget skips it, else ``None`` (the batch adapts as
+        usual). A skipped batch is answered from the current model's one no-grad forward through the score transform
+        (the wrapper's ``_view`` and ``_scored``, as :mod:`hf_tta.answering` answers); the batch counter advances and,
+        with ``reset_policy="episodic"``, the wrapper resets as after any batch. Nothing adapted changes."""
+        reason, logs, view = self.decide(wrapper.batch_index, partial(wrapper._view, batch, wrapper.config.steps - 1))
+        if reason is None:
+            return None
+        out = wrapper._scored(batch, view, view.scores)
+        out.skipped, out.logs = [reason], logs
+        wrapper.batch_index += 1
+        if wrapper.config.reset_policy == "episodic":
+            wrapper.reset()
+        return out
