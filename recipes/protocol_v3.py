@@ -108,18 +108,26 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         lrs = summary.selected_lrs(summary.load(out), direction)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         seeds3 = [a if a != "3,4,5" else "3" for a in grid]
-        for name in OBJECTIVES:  # the default grid: Tent, TCR, REST and the ceilings on every seed, the rest on seed 3
-            args = grid if name in (*REPORT_ALL_SEEDS, *CEILINGS) else seeds3
-            for lr in dict.fromkeys([PAPER_LR, lrs[name]] if name in METHODS else [lrs[name]]):
-                out_jobs.append((f"report/{direction}/{name}-lr{lr}", [*args, *_objectives([name]), "--lr", lr]))
-        preset = summary.selected_preset(summary.load(out), direction)
-        if preset is not None:
-            out_jobs.append((f"report/{direction}/{preset['name']}", [*grid, *_objectives([preset["row"]]), *preset["args"]]))
         streams = [*run_arguments(REPORT, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
-        for name in ("tcr", "rest"):
-            out_jobs.append((f"report/{direction}/{name}-lr{lrs[name]}-streams", [*streams, *_objectives([name]), "--lr", lrs[name]]))
-        if preset is not None:
-            out_jobs.append((f"report/{direction}/{preset['name']}-streams", [*streams, *_objectives([preset["row"]]), *preset["args"]]))
+        preset = summary.selected_preset(summary.load(out), direction)
+        if preset is None:  # the preset phase has not run: the current TTAConfig.recommended (the `recommended` row)
+            preset = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--lr", PAPER_LR]}
+
+        def at(name, lr, args=grid):
+            return (f"report/{direction}/{name}-lr{lr}", [*args, *_objectives([name]), "--lr", lr])
+
+        for name in ("tcr", "rest"):  # in the order the card needs them, most needed first
+            out_jobs += [at(name, lr) for lr in dict.fromkeys([PAPER_LR, lrs[name]])]
+        out_jobs.append(at("oracle", lrs["oracle"]))
+        out_jobs += [at("tent", lr) for lr in dict.fromkeys([PAPER_LR, lrs["tent"]])]
+        out_jobs.append((f"report/{direction}/{preset['name']}", [*grid, *_objectives([preset["row"]]), *preset["args"]]))
+        out_jobs += [at(name, lrs[name], streams) for name in ("tcr", "rest")]
+        out_jobs[-2:] = [(f"{n}-streams", a) for n, a in out_jobs[-2:]]
+        out_jobs.append((f"report/{direction}/{preset['name']}-streams", [*streams, *_objectives([preset["row"]]), *preset["args"]]))
+        out_jobs.append(at("oracle_all", lrs["oracle_all"]))
+        for name in METHODS:  # every other objective at both lrs on seed 3
+            if name not in REPORT_ALL_SEEDS:
+                out_jobs += [at(name, lr, seeds3) for lr in dict.fromkeys([PAPER_LR, lrs[name]])]
     return out_jobs
 
 

@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from hf_tta.data.corruptions import (
+    ALL_IMAGE_CORRUPTION_CATEGORIES,
     ALL_IMAGE_CORRUPTIONS,
     CHAR_CORRUPTIONS,
     DEFAULT_IMAGE_POOL,
@@ -145,8 +146,9 @@ def test_imagenet_c_validation_and_test_corruptions_partition_the_library():
     assert len(TEST_IMAGE_CORRUPTIONS) == 15 and not set(TEST_IMAGE_CORRUPTIONS) & set(VALIDATION_IMAGE_CORRUPTIONS)
     assert set(ALL_IMAGE_CORRUPTIONS) == set(TEST_IMAGE_CORRUPTIONS) | set(VALIDATION_IMAGE_CORRUPTIONS)
     for name in ALL_IMAGE_CORRUPTIONS:  # every corruption has its family and its 5 severities' constants
-        assert IMAGE_CORRUPTION_CATEGORIES[name] in ("noise", "blur", "weather", "digital")
+        assert ALL_IMAGE_CORRUPTION_CATEGORIES[name] in ("noise", "blur", "weather", "digital")
         assert len(IMAGE_CORRUPTION_CONSTANTS[name]["values"]) == 5
+    assert list(IMAGE_CORRUPTION_CATEGORIES) == list(IMAGE_CORRUPTIONS)  # COCO-C's 16 (REST Table A.1)
 
 
 @pytest.mark.parametrize("name", ["gaussian_blur", "spatter", "saturate"])

@@ -89,8 +89,8 @@ CASES = [(card.name, line, spec) for card in sorted(CARDS.glob("*.md")) for line
 @pytest.mark.slow
 def test_the_results_card_marks_its_main_tables():
     names = {c[0] for c in CASES}
-    assert "emoji-benchmark-results.md" in names
-    assert sum(c[0] == "emoji-benchmark-results.md" for c in CASES) >= 10
+    assert "emoji-benchmark-results-v2.md" in names
+    assert sum(c[0] == "emoji-benchmark-results-v2.md" for c in CASES) >= 10
 
 
 @pytest.mark.parametrize("card, line, spec", CASES, ids=[f"{c}:{n}" for c, n, _ in CASES])
@@ -157,7 +157,7 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None) -> str:
     return _recipe("batch_size_recall").summary_of(rows)
 
 
-@pytest.mark.parametrize("card,kind", [("emoji-benchmark-results.md", "study"), ("serving.md", "batch-size")])
+@pytest.mark.parametrize("card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size")])
 def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     """Each recipe block of the card is the summary script's output on the committed rows."""
     blocks = [b for b in RECIPE_BLOCK.finditer((CARDS / card).read_text()) if b["kind"] == kind]

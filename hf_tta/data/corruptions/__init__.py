@@ -23,6 +23,7 @@ from .diverse import (
     make_pool,
 )
 from .image import (
+    ALL_IMAGE_CORRUPTION_CATEGORIES,
     ALL_IMAGE_CORRUPTIONS,
     IMAGE_CORRUPTION_CATEGORIES,
     IMAGE_CORRUPTION_CONSTANTS,
@@ -54,6 +55,7 @@ from .text import (
 from .wordnet import load_wordnet
 
 __all__ = [
+    "ALL_IMAGE_CORRUPTION_CATEGORIES",
     "ALL_IMAGE_CORRUPTIONS",
     "CHAR_CORRUPTIONS",
     "DEFAULT_IMAGE_POOL",

@@ -63,10 +63,10 @@ IMAGE_CORRUPTION_CATEGORIES: dict[str, str] = {
     **{n: "blur" for n in ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur")},
     **{n: "weather" for n in ("snow", "frost", "fog", "brightness")},
     **{n: "digital" for n in ("contrast", "elastic_transform", "pixelate", "jpeg_compression")},
-    # the validation corruptions' families (ImageNet-C, Hendrycks & Dietterich 2019, Appendix: "extra" corruptions)
-    "gaussian_blur": "blur",
-    "spatter": "weather",
-    "saturate": "digital",
+}
+#: Every corruption's family, the three other validation corruptions included (ImageNet-C's "extra" corruptions).
+ALL_IMAGE_CORRUPTION_CATEGORIES: dict[str, str] = {
+    **IMAGE_CORRUPTION_CATEGORIES, "gaussian_blur": "blur", "spatter": "weather", "saturate": "digital",
 }
 
 #: The constants of each corruption for severities 1..5 (ImageNet-C, Hendrycks & Dietterich 2019, as in
@@ -222,6 +222,7 @@ def corrupt_images(images: Sequence, name: str, severity: int, seed: int | None 
 
 
 __all__ = [
+    "ALL_IMAGE_CORRUPTION_CATEGORIES",
     "ALL_IMAGE_CORRUPTIONS",
     "IMAGE_CORRUPTIONS",
     "TEST_IMAGE_CORRUPTIONS",
