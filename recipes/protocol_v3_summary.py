@@ -367,6 +367,26 @@ def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 
     return lines
 
 
+def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
+    """The report split's streams per row: Δ R@1 against the source with its one-sided bound and the verdict."""
+    from hf_tta.benchmarks.report import abbreviation
+    from hf_tta.benchmarks.splits import check_report_rows
+
+    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == "report" and r["seed"] in seeds])
+    src = sources(rows)
+    lines = ["| row | stream | source R@1 | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |", "|---|---|---|---|---|"]
+    for name, cells in sorted(by_label(rows, ("report",)).items()):
+        for stream in STREAMS:
+            c = (stream, None)
+            if c not in cells or not all(s in cells[c] for s in seeds) or c not in src:
+                continue
+            ni = verdict(cells, src, [c])
+            r1 = np.mean([hits(src[c][s]).mean() * 100 for s in seeds])
+            lines.append(f"| {name} | {abbreviation(stream)} | {figure(r1)} | {figure(ni.delta, sign=True)} "
+                         f"[{figure(ni.lower, sign=True)}] | {ni.verdict} |")
+    return lines
+
+
 def summarise(out, direction: str = "i2t") -> str:
     rows = load(out, direction)
     parts = [f"**Selection split ({direction}): share of lost recall won back per lr, seed 0, 500-concept slice**", "",
@@ -385,7 +405,11 @@ def summarise(out, direction: str = "i2t") -> str:
         chosen = selected_preset(rows, direction)
         parts.append(f"\nchosen: {chosen['label'] if chosen else 'none eligible'}")
     if any(r["phase"] == "report" for r in rows):
-        parts += ["", f"**Report split ({direction}), seeds 3, 4, 5, prequential**", "", *report_lines(rows, direction)]
+        parts += ["", f"**Report split ({direction}), default grid, seeds 3, 4, 5, all queries, prequential**", "",
+                  *report_lines(rows, direction)]
+        streams = stream_lines(rows, direction)
+        if len(streams) > 2:
+            parts += ["", f"**Report split ({direction}): streams, seeds 3, 4, 5**", "", *streams]
     return "\n".join(parts)
 
 

@@ -136,9 +136,10 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
 #:
 #:     <!-- study: results/beyond-ln/rows.jsonl [t2i] -->  (recipes/beyond_ln_summary.py: issue 29's study, i2t or t2i)
 #:     <!-- batch-size: results/batch-size-recall -->      (recipes/batch_size_recall.py: its bs<B>/rows.jsonl)
+#:     <!-- v3: results/protocol-v3/rows.jsonl i2t -->     (recipes/protocol_v3_summary.py: protocol v3's choices and report)
 #:     ...the summary's output...
 #:     <!-- /study -->  or  <!-- /batch-size -->
-RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
+RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size|v3): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
 
 
 def _recipe(name: str):
@@ -154,10 +155,14 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None) -> str:
     """What the recipe's summary prints for the committed rows of a ``kind`` block."""
     if kind == "study":
         return _recipe("beyond_ln_summary").summarise(rows, direction or "i2t")
+    if kind == "v3":
+        return _recipe("protocol_v3_summary").summarise(rows, direction or "i2t")
     return _recipe("batch_size_recall").summary_of(rows)
 
 
-@pytest.mark.parametrize("card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size")])
+@pytest.mark.parametrize(
+    "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results.md", "v3")]
+)
 def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     """Each recipe block of the card is the summary script's output on the committed rows."""
     blocks = [b for b in RECIPE_BLOCK.finditer((CARDS / card).read_text()) if b["kind"] == kind]
