@@ -96,9 +96,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.batch_index = 0
         self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
         gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
         self._capture_source()
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd,
-                             penalties=tuning.penalties(cfg, self.model, self.params, self._source_params))
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
         targets = tuning.wrap_targets(self.adapter, self.query_modality, self.config)
@@ -107,11 +106,14 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
 
     def _capture_source(self) -> None:
-        """The source state that :meth:`reset` returns to (an :data:`~hf_tta.state.ALL` capture, fresh optimiser)."""
+        """The source state that :meth:`reset` returns to (an :data:`~hf_tta.state.ALL` capture, fresh optimiser), and
+        the loop's penalties built on it: a re-capture (``DistributedTTAWrapper`` after broadcasting the main process's
+        weights) moves the anchor's reference with it."""
         self._source_state = AdapterState.capture(self, ALL)
         if self._source_state.optimizer is not None:
             self._source_state.optimizer.fresh = True
         self._source_params = {n: self._source_state.params[n] for n in self.params}
+        self.loop.penalties = tuple(tuning.penalties(self.config, self.model, self.params, self._source_params))
 
     # ------------------------------------------------------------------------------------------ setup
     def _other_modality(self) -> str:
