@@ -46,7 +46,7 @@ from .router import (  # noqa: F401
     parse_domain_keys,
     style_statistics,
 )
-from .safety import SAFETY_ACTIONS, SafetyMonitor
+from .safety import SAFETY_ACTIONS, NullSafetyMonitor, SafetyMonitor
 from .state import ALL, AdapterState
 from .wrapper import TTAWrapper
 
@@ -93,7 +93,7 @@ class _Domain:
 
     key: DomainKey
     state: AdapterState | None = None
-    safety: SafetyMonitor | None = None
+    safety: SafetyMonitor | NullSafetyMonitor = field(default_factory=NullSafetyMonitor)
 
 
 class RoutedTTAWrapper(TTAWrapper):
@@ -145,7 +145,7 @@ class RoutedTTAWrapper(TTAWrapper):
         return len(self._domains)
 
     def _new_domain(self, key: DomainKey) -> int:
-        self._domains.append(_Domain(key, safety=SafetyMonitor(self.safety.config) if self.safety is not None else None))
+        self._domains.append(_Domain(key, safety=self.safety.fresh()))
         self._slots[key] = len(self._domains) - 1
         return len(self._domains) - 1
 
@@ -180,8 +180,8 @@ class RoutedTTAWrapper(TTAWrapper):
         state = self._domains[self._slots[key]].state or self._source_state
         return copy.deepcopy(state)
 
-    def domain_monitor(self, key: DomainKey) -> SafetyMonitor | None:
-        """Domain ``key``'s safety monitor (``None`` when the safety layer is off)."""
+    def domain_monitor(self, key: DomainKey) -> SafetyMonitor | NullSafetyMonitor:
+        """Domain ``key``'s safety monitor (a :class:`~hf_tta.safety.NullSafetyMonitor` when the safety layer is off)."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         return self._domains[self._slots[key]].safety
@@ -190,14 +190,14 @@ class RoutedTTAWrapper(TTAWrapper):
     def safety_counts(self) -> dict[str, int]:
         """How often the safety layer skipped, rolled back and reset since the last :meth:`reset`, summed over the
         domains (empty when off); :attr:`domain_safety_counts` has them per domain."""
-        if self.safety is None:
+        if not self.safety.active:
             return {}
         return {a: sum(d.safety.counts[a] for d in self._domains) for a in SAFETY_ACTIONS}
 
     @property
     def domain_safety_counts(self) -> dict[DomainKey, dict[str, int]]:
         """Each domain's safety counts, by key (empty when the safety layer is off)."""
-        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety is not None}
+        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety.active}
 
     # ------------------------------------------------------------------------------------------ routing
     def _user_slots(self, domain: Any, n: int, create: bool) -> torch.Tensor:
@@ -322,7 +322,7 @@ class RoutedTTAWrapper(TTAWrapper):
             topk = TopKScores(values, indices)
         with_loss = [(idx.numel(), out.loss) for _, idx, out in outputs if out.loss is not None]
         loss = sum(m * v for m, v in with_loss) / sum(m for m, _ in with_loss) if with_loss else None
-        actions = {d.key: out.safety_action for d, _, out in outputs} if self.safety is not None else {}
+        actions = {d.key: out.safety_action for d, _, out in outputs} if self.safety.active else {}
         flagged = [a for a in reversed(SAFETY_ACTIONS) if a in actions.values()]  # the most severe first
         return RoutedTTAOutput(
             scores=scores,
@@ -405,7 +405,7 @@ class RoutedTTAWrapper(TTAWrapper):
             TTAWrapper.reset(self)
             return
         self._live = None
-        self.safety = SafetyMonitor(self.safety.config) if self.safety is not None else None  # the dropped keep theirs
+        self.safety = self.safety.fresh()  # the dropped domains keep theirs
         TTAWrapper.reset(self)
         self._domains, self._slots, self._router_slots = [], {}, []
         self.router.reset()
@@ -421,10 +421,9 @@ class RoutedTTAWrapper(TTAWrapper):
             part, part_meta = (d.state or self._source_state).to_tensors(f"domain.{i}.")
             tensors.update(part)
             optimizers.append(part_meta.get("optimizer"))
-            if d.safety is not None:
-                safety_tensors, safety_meta = d.safety.state_tensors(f"domain.{i}.safety.")
-                tensors.update(safety_tensors)
-                safety.append(safety_meta)
+            safety_tensors, safety_meta = d.safety.state_tensors(f"domain.{i}.safety.")
+            tensors.update(safety_tensors)
+            safety.append(safety_meta)
         tensors.update({f"router.{k}": v for k, v in self.router.state_tensors().items()})
         meta: dict[str, Any] = {
             "param_names": None,  # a plain TTAWrapper refuses this checkpoint ("adapts other parameters")
@@ -433,7 +432,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 "keys": self.domain_keys,
                 "router_slots": self._router_slots,
                 "optimizers": optimizers,
-                "safety": safety if self.safety is not None else None,
+                "safety": safety if self.safety.active else None,
                 "routing": self.routing.to_dict(),
             },
         }
@@ -463,7 +462,7 @@ class RoutedTTAWrapper(TTAWrapper):
         for i, (key, state) in enumerate(zip(keys, states)):
             d = self._domains[self._new_domain(key)]
             d.state = state
-            if d.safety is not None and routed.get("safety"):  # saved without the safety layer: fresh monitors
+            if routed.get("safety"):  # saved without the safety layer: fresh monitors
                 d.safety.load_state_tensors(tensors, routed["safety"][i], names, on_cpu, prefix=f"domain.{i}.safety.")
         self._router_slots = list(routed["router_slots"])
         self.router.load_state_tensors({k[len("router.") :]: v for k, v in ckpt.tensors.items() if k.startswith("router.")})

@@ -33,7 +33,7 @@ from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import export_peft_adapter, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
-from .safety import KEEP, SafetyDecision, SafetyMonitor
+from .safety import SafetyDecision, build_monitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 from .update_budget import UpdateBudget
 
@@ -94,7 +94,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
-        self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
+        self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
         self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
         self._capture_source()
@@ -316,10 +316,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         batch = self._prepare(queries, gallery, labels)
         if self.budget is not None and (skipped := self.budget.answer(self, batch)) is not None:
             return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
-        if self.safety is not None and self.safety.last_good is None:
+        if self.safety.last_good is None:
             self.safety.remember(self)
-        source = self._view(batch, self.config.steps - 1, source=True) if self.safety is not None else None
-        decision = self.safety.before(source) if self.safety is not None else KEEP
+        source = self._view(batch, self.config.steps - 1, source=True) if self.safety.active else None
+        decision = self.safety.before(source)
         result = None
         if decision.action == "skip_degenerate":  # the source answers; the batch leaves no trace, not even in DN
             inputs, scores = source, source.scores
@@ -333,12 +333,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
                 result = self.loop.run(self, self.params, partial(self._inputs, batch, source_cache=cache), self._recover)
             if result.skipped:
                 logger.info("adapt_step skipped %s", "; ".join(result.skipped))
-            inputs, scores = window.record(self.state, self.config.window, *self._reported_view(batch, result), source)
-            if self.safety is not None:
-                decision = self.safety.after(inputs, scores)
-                self._apply(decision)
-                if decision.action is not None:  # a flagged batch returns the source model's scores
-                    inputs, scores = source, source.scores
+            inputs, scores = self._reported_view(batch, result)
+            window.record(self.state, self.config.window, inputs, scores, source)
+            decision = self.safety.after(inputs, scores)
+            self._apply(decision)
+            if decision.action is not None:  # a flagged batch returns the source model's scores
+                inputs, scores = source, source.scores
             if answer is not None:
                 inputs, scores = answer, answer.scores
         out = self._report(batch, inputs, scores, result, decision)
@@ -348,11 +348,11 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         return out
 
     def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
-        batching.check_step_context(self.objective)
+        batching.check_step_context()
         gallery = self._check_gallery(gallery)
         queries = self._check_inputs(queries, self.query_modality)
         n = batching.batch_size(queries)
-        batching.warn_small_batch(n, self.objective, self.safety.config.min_queries if self.safety else None, self.config.window)
+        batching.warn_small_batch(n, self.objective, self.safety.min_queries, self.config.window)
         return batching.Batch(queries, gallery, batching.label_mask(labels, self.objective, n, gallery, self.device), n)
 
     def _score_only(self, batch: batching.Batch, source: ObjectiveInputs | None) -> tuple[ObjectiveInputs, LoopResult]:
@@ -396,9 +396,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
                                       skipped=result.skipped, logs=result.logs)
         else:
             out.skipped = [decision.reason]
-        if self.safety is not None:
-            out = dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
-        return out
+        return dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
 
     def _scored(self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> TTAOutput:
         """The answer to ``batch``: ``scores`` through the score transform, or with a top-k backend each query's top-k
@@ -434,13 +432,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         """Return exactly to the source model: adapted parameters, optimiser, objective and score-transform state, batch
         counter, RNG and the safety monitor."""
         self._source_state.apply(self)
-        if self.safety is not None:
-            self.safety.clear()
+        self.safety.clear()
 
     @property
     def safety_counts(self) -> dict[str, int]:
         """How often the safety layer skipped, rolled back and reset since the last :meth:`reset` (empty when off)."""
-        return dict(self.safety.counts) if self.safety is not None else {}
+        return dict(self.safety.counts)
 
     def resolved_config(self) -> TTAConfig:
         """The config with every default written out (what ``tta_config.json`` records)."""
@@ -458,9 +455,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         """The checkpoint of this wrapper: its resolved config, its :data:`~hf_tta.state.ALL` state's tensors and the
         safety monitor's (see :mod:`hf_tta.checkpoint` for the layout)."""
         tensors, meta = AdapterState.capture(self, ALL).to_tensors()
-        if self.safety is not None:
-            safety_tensors, meta["safety"] = self.safety.state_tensors()
-            tensors.update(safety_tensors)
+        safety_tensors, safety_meta = self.safety.state_tensors()
+        tensors.update(safety_tensors)
+        if safety_meta is not None:  # the layer is on
+            meta["safety"] = safety_meta
         meta["param_names"] = list(self.params)
         return self.resolved_config().to_dict(), tensors, meta
 
@@ -475,8 +473,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         state = AdapterState.from_tensors(tensors, meta, ALL, names, step_on_cpu=self._step_on_cpu())
         self.rebuild_optimizer()
         state.apply(self)
-        if self.safety is not None:
-            self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
+        self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
 
     def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""

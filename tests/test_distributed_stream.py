@@ -85,7 +85,7 @@ def _run(tta, gallery, batches, start=0, save_after=None, save_dir=None):
         actions.append(ACTIONS.index(res.safety_action))
         if b + 1 == save_after:
             tta.save_pretrained(save_dir)
-    if tta.safety is not None:
+    if tta.safety.active:
         out["actions"] = torch.tensor(actions)
         out["counts"] = torch.tensor([tta.safety_counts[a] for a in ACTIONS[1:]])
     for key, value in tta.transform_state.items():
