@@ -3,9 +3,10 @@
 
 It runs the before-update path of ``adapt_step`` itself (the same view of the batch, the same score transform and
 top-k: the wrapper's ``_view``, ``_score_only`` and ``_scored``) on a *reader*: a shallow copy of the wrapper that shares
-the model and owns copies of everything else a step writes (the objective's and score transform's state, whose entries
-are replaced and never written in place, so copying the dicts suffices; the RNG, which DN's seeded gallery sample draws
-from; the gallery versions those states follow). So an answer is a read: concurrent answers may share a wrapper that
+the model and has the wrapper's :data:`~hf_tta.state.ANSWER` state applied from a captured
+:meth:`~hf_tta.state.AdapterState.view` (the objective's and score transform's state, whose entries are replaced and
+never written in place, so the view shares their tensors; the RNG, which DN's seeded gallery sample draws from), and
+its own record of the gallery versions those states follow. So an answer is a read: concurrent answers may share a wrapper that
 nothing adapts meanwhile (:mod:`hf_tta.serving` answers from frozen copies), and the wrapper's next ``adapt_step``
 advances DN's query mean exactly as it would have without the answers.
 """
@@ -22,6 +23,7 @@ from .gallery.base import GalleryBackend
 from .gallery.cache import GalleryCache
 from .objectives.base import Objective
 from .outputs import TTAOutput
+from .state import ANSWER, AdapterState
 
 
 class AnswerMixin:
@@ -47,11 +49,11 @@ class AnswerMixin:
         return batching.Batch(queries, gallery, None, batching.batch_size(queries))
 
     def _reader(self) -> AnswerMixin:
-        """A shallow copy sharing the model, with copies of the states, the RNG and the gallery versions followed."""
+        """A shallow copy sharing the model, with a view of the :data:`~hf_tta.state.ANSWER` state applied (its own
+        RNG) and its own record of the gallery versions followed."""
         reader = copy.copy(self)
-        reader.state, reader.transform_state = dict(self.state), dict(self.transform_state)
         reader.generator = torch.Generator(self.generator.device)
-        reader.generator.set_state(self.generator.get_state())
+        AdapterState.view(self, ANSWER).apply(reader)
         reader._gallery_versions = dict(self._gallery_versions)
         return reader
 

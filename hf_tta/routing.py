@@ -22,7 +22,6 @@ runner can construct rows with per-domain adapters.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -47,7 +46,7 @@ from .router import (  # noqa: F401
     style_statistics,
 )
 from .safety import SAFETY_ACTIONS, NullSafetyMonitor, SafetyMonitor
-from .state import ALL, AdapterState
+from .state import ALL, PARAMS, AdapterState
 from .wrapper import TTAWrapper
 
 
@@ -170,7 +169,7 @@ class RoutedTTAWrapper(TTAWrapper):
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         self._sync()
         state = self._domains[self._slots[key]].state or self._source_state
-        return {n: state.params[n].clone() for n in self.params}
+        return {n: t for n, t in state.only({PARAMS}).copy().params.items() if n in self.params}
 
     def domain_state(self, key: DomainKey) -> AdapterState:
         """An exact copy of domain ``key``'s :data:`~hf_tta.state.ALL` state (reading it changes nothing)."""
@@ -178,7 +177,7 @@ class RoutedTTAWrapper(TTAWrapper):
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         self._sync()
         state = self._domains[self._slots[key]].state or self._source_state
-        return copy.deepcopy(state)
+        return state.copy()
 
     def domain_monitor(self, key: DomainKey) -> SafetyMonitor | NullSafetyMonitor:
         """Domain ``key``'s safety monitor (a :class:`~hf_tta.safety.NullSafetyMonitor` when the safety layer is off)."""

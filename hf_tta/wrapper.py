@@ -34,7 +34,7 @@ from .models.peft_interop import export_peft_adapter, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
-from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
+from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, TRANSFORM, AdapterState
 from .update_budget import UpdateBudget
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         return self.loop.fast_applies(self.optimizer)
 
     def source_parameters(self) -> dict[str, torch.Tensor]:  # copies of the source values :meth:`reset` restores
-        return {n: t.clone() for n, t in self._source_params.items()}
+        return {n: t for n, t in self._source_state.only({PARAMS}).copy().params.items() if n in self.params}
 
     device = property(lambda self: next(self.model.parameters()).device)
 
@@ -411,7 +411,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         ``update_state=False`` on a copy of its state, so the batch leaves no trace (e.g. in DN's query mean)."""
         if self.score_transform is None:
             return scores
-        state = self.transform_state if update_state else {k: v.clone() for k, v in self.transform_state.items()}
+        state = self.transform_state if update_state else AdapterState.view(self, {TRANSFORM}).transform  # thrown away
         with torch.no_grad():
             view = dataclasses.replace(inputs, query_emb=inputs.query_emb.detach(), scores=scores.detach())
             res = self.score_transform(view, state)
