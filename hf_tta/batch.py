@@ -54,7 +54,7 @@ MIN_BATCH_QUERIES = 8
 warned_small_batches: set[str] = set()
 
 
-def check_step_context(objective: Objective) -> None:
+def check_step_context() -> None:
     """``adapt_step`` under ``torch.inference_mode`` cannot adapt: refused in one line."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError(

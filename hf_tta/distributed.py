@@ -100,6 +100,7 @@ class DistributedTTAWrapper(TTAWrapper):
         super().__init__(model, config)
         self.fast_step = self.loop.fast = False  # every update goes through the loop's gradient all-reduce
         self.loop.reduce_gradients = self._all_reduce_gradients
+        self.forward.embed = self._embed_shard  # every forward embeds this process's shard and all-gathers
         # and the optimiser is the one a reset (TTAWrapper.reset, the safety layer's reset, SAR's recovery) rebuilds:
         # not the fused AdamW that fast_step made above, so the update rule does not change mid-stream
         self.rebuild_optimizer()
@@ -107,13 +108,14 @@ class DistributedTTAWrapper(TTAWrapper):
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 dist.broadcast(t.data, src=src, group=group)
-        self._capture_source()
+        self.capture_source()  # the broadcast weights are the source (and the anchor's reference)
 
     @property
     def is_main_process(self) -> bool:
         return self.rank == 0
 
-    def _embed_queries(self, queries: dict) -> torch.Tensor:
+    def _embed_shard(self, queries: dict) -> torch.Tensor:
+        """The global batch's query embeddings, with grad: this process's rows embedded, all processes' gathered."""
         n = next(v.shape[0] for v in queries.values() if isinstance(v, torch.Tensor))
         if n < self.world_size:
             raise ValueError(
@@ -122,7 +124,7 @@ class DistributedTTAWrapper(TTAWrapper):
         bounds = shard_bounds(n, self.world_size)
         start, end = bounds[self.rank]
         local = {k: (v[start:end] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in queries.items()}
-        q = super()._embed_queries(local)
+        q = self.forward.encode(local)
         return all_gather_with_grad(q, [e - s for s, e in bounds], self.group)
 
     def _all_reduce_gradients(self, params: list[nn.Parameter]) -> None:

@@ -14,8 +14,10 @@ reduce) decides it on the device and feeds it to the fused AdamW as ``found_inf`
 and step count untouched), with one device-to-host transfer per batch; if a step was non-finite it restores the batch's
 :data:`~hf_tta.state.STEP_UNDO` capture and returns ``None``, and the checked loop replays the batch.
 
-**SAM** (an optimiser with ``requires_closure``, SAR): the closure re-evaluates the loss at the perturbed point; if that
-second pass is not finite, the step is undone from its :data:`~hf_tta.state.STEP_UNDO` capture.
+**SAM** (an optimiser with ``requires_closure``, SAR): the closure re-evaluates the loss at the perturbed point (on a
+throw-away view of the objective's state); if that second pass is not finite, the step is undone from its
+:data:`~hf_tta.state.STEP_UNDO` capture. A non-finite step restores the objective's state from the step's
+:data:`~hf_tta.state.STEP_OBJECTIVE` view.
 
 **Gradient decoupling** (REST Eq. 15-17, :mod:`hf_tta.gradient_decoupling`): the backward also takes the gradient of
 ``KL(source || adapted)``, projects out the conflicting component and scales the step size by ``W_d``.
@@ -34,7 +36,7 @@ from torch import nn
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .objectives.base import LossOutput, Objective, ObjectiveInputs
 from .outputs import float_logs
-from .state import STEP_UNDO, Adaptable, AdapterState
+from .state import STEP_OBJECTIVE, STEP_UNDO, Adaptable, AdapterState
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class StepLoop:
         opt = target.optimizer
         for step in range(self.steps):
             inputs = make_inputs(step)
-            previous_state = dict(target.state)  # objectives replace state tensors, never write them in place
+            before = AdapterState.view(target, STEP_OBJECTIVE)  # the objective's state as the step found it
             res = self.evaluate(inputs, target.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             last_loss = None if res.loss is None else float(res.loss.detach())
@@ -138,7 +140,7 @@ class StepLoop:
             if reason is not None:
                 opt.zero_grad(set_to_none=True)
                 if reason.startswith("non-finite"):  # nothing computed from a diverged step is kept
-                    target.state = previous_state
+                    before.apply(target)
                 skipped.append(f"step {step}: {reason}")
                 continue
             closure = undo = fault = None
@@ -192,7 +194,7 @@ class StepLoop:
         def closure() -> torch.Tensor:
             target.optimizer.zero_grad(set_to_none=True)
             inputs = dataclasses.replace(make_inputs(step), in_closure=True)
-            res = self.evaluate(inputs, dict(target.state))
+            res = self.evaluate(inputs, AdapterState.view(target, STEP_OBJECTIVE).objective)  # a throw-away state
             loss = res.loss if res.loss is not None and res.n_selected > 0 else None
             if loss is None:  # nothing selected: SAR's code still takes its zero-gradient base step
                 return torch.tensor(float("nan"))
@@ -216,14 +218,14 @@ class StepLoop:
         res = inputs = scores = None
         for step in range(self.steps):
             inputs = make_inputs(step)
-            previous_state = dict(target.state)
+            before = AdapterState.view(target, STEP_OBJECTIVE)
             res = self.evaluate(inputs, target.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             n_sel = res.n_selected
             if res.loss is None or not res.loss.requires_grad or (not torch.is_tensor(n_sel) and n_sel == 0):
                 reason = skip_reason(res)  # decided on the host (at most one sync, only in these cases)
                 if reason.startswith("non-finite"):
-                    target.state = previous_state
+                    before.apply(target)
                 skipped[step] = reason
                 continue
             opt.zero_grad(set_to_none=True)

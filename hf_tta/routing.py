@@ -22,21 +22,23 @@ runner can construct rows with per-domain adapters.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from . import checkpoint
+from .answering import answer_with
 from .batch import Batch, batch_size, pinned
 from .config import SCORING, TTAConfig
 from .configuration_utils import check_choice
-from .gallery.base import GalleryBackend, TopKScores
+from .gallery.base import GalleryBackend
 from .gallery.cache import GalleryCache
 from .models.base import ModelAdapter
 from .outputs import TTAOutput
+from .routed_output import RoutedTTAOutput, assemble
 from .router import (  # noqa: F401
     ROUTER_PREFIX,
     DomainKey,
@@ -46,8 +48,8 @@ from .router import (  # noqa: F401
     parse_domain_keys,
     style_statistics,
 )
-from .safety import SAFETY_ACTIONS, SafetyMonitor
-from .state import ALL, AdapterState
+from .safety import SAFETY_ACTIONS, NullSafetyMonitor, SafetyMonitor
+from .state import ALL, ANSWER, PARAMS, AdapterState
 from .wrapper import TTAWrapper
 
 
@@ -63,37 +65,13 @@ def _as_routing_config(routing: RoutingConfig | Mapping[str, Any] | None) -> Rou
 
 # ---------------------------------------------------------------------------------------------------- wrapper
 @dataclass
-class RoutedTTAOutput(TTAOutput):
-    """:class:`~hf_tta.TTAOutput` of a routed batch, in the original query order.
-
-    ``num_updates`` and ``n_selected`` are summed over the domains, ``loss`` is the query-weighted mean of the domains'
-    losses, ``skipped``, ``logs`` and ``safety_logs`` carry each domain's entries prefixed by its key
-    (``"auto:0/loss_na"``). With the safety layer, ``safety_action`` is the most severe action of the batch's domains
-    (``"reset"`` > ``"rollback"`` > ``"skip_degenerate"``; ``None`` when no sub-batch was flagged) and
-    ``safety_actions`` holds each domain's.
-
-    Args:
-        domains (`torch.Tensor` of shape `(B,)`): each query's domain id (an index into ``domain_keys``).
-        domain_keys (`list`): the wrapper's domain keys after this batch (user keys, or ``"auto:<k>"`` for the
-            domains the router opened).
-        new_domains (`list`): the keys of the domains this batch opened.
-        safety_actions (`dict`): with the safety layer, each of the batch's domains' action (key -> action or ``None``).
-    """
-
-    domains: torch.Tensor | None = None
-    domain_keys: list[DomainKey] = field(default_factory=list)
-    new_domains: list[DomainKey] = field(default_factory=list)
-    safety_actions: dict[DomainKey, str | None] = field(default_factory=dict)
-
-
-@dataclass
 class _Domain:
     """One domain: its adapted state while it is not in the model (``None`` = the source state, never adapted) and its
     own safety monitor."""
 
     key: DomainKey
     state: AdapterState | None = None
-    safety: SafetyMonitor | None = None
+    safety: SafetyMonitor | NullSafetyMonitor = field(default_factory=NullSafetyMonitor)
 
 
 class RoutedTTAWrapper(TTAWrapper):
@@ -131,7 +109,6 @@ class RoutedTTAWrapper(TTAWrapper):
         self._slots: dict[DomainKey, int] = {}
         self._router_slots: list[int] = []  # router domain k -> slot
         self._live: _Domain | None = None  # the domain whose state is in the model (and whose stored copy may be stale)
-        self._in_domain_step = False
         self._features = QueryFeatures(self.adapter, self.query_modality, self.routing.features)
 
     # ------------------------------------------------------------------------------------------ domains
@@ -145,7 +122,7 @@ class RoutedTTAWrapper(TTAWrapper):
         return len(self._domains)
 
     def _new_domain(self, key: DomainKey) -> int:
-        self._domains.append(_Domain(key, safety=SafetyMonitor(self.safety.config) if self.safety is not None else None))
+        self._domains.append(_Domain(key, safety=self.safety.fresh()))
         self._slots[key] = len(self._domains) - 1
         return len(self._domains) - 1
 
@@ -155,7 +132,7 @@ class RoutedTTAWrapper(TTAWrapper):
         if self._live is d:
             return
         self._sync()
-        (d.state or self._source_state).apply(self)
+        (d.state or self.source_state).apply(self)
         self.safety = d.safety
         self._live = d
 
@@ -168,20 +145,17 @@ class RoutedTTAWrapper(TTAWrapper):
         """Copies of domain ``key``'s adapted parameter values, by name."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
-        self._sync()
-        state = self._domains[self._slots[key]].state or self._source_state
-        return {n: state.params[n].clone() for n in self.params}
+        return {n: t for n, t in self.domain_state(key).params.items() if n in self.params}
 
     def domain_state(self, key: DomainKey) -> AdapterState:
         """An exact copy of domain ``key``'s :data:`~hf_tta.state.ALL` state (reading it changes nothing)."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         self._sync()
-        state = self._domains[self._slots[key]].state or self._source_state
-        return copy.deepcopy(state)
+        return (self._domains[self._slots[key]].state or self.source_state).copy()
 
-    def domain_monitor(self, key: DomainKey) -> SafetyMonitor | None:
-        """Domain ``key``'s safety monitor (``None`` when the safety layer is off)."""
+    def domain_monitor(self, key: DomainKey) -> SafetyMonitor | NullSafetyMonitor:
+        """Domain ``key``'s safety monitor (a :class:`~hf_tta.safety.NullSafetyMonitor` when the safety layer is off)."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
         return self._domains[self._slots[key]].safety
@@ -190,14 +164,42 @@ class RoutedTTAWrapper(TTAWrapper):
     def safety_counts(self) -> dict[str, int]:
         """How often the safety layer skipped, rolled back and reset since the last :meth:`reset`, summed over the
         domains (empty when off); :attr:`domain_safety_counts` has them per domain."""
-        if self.safety is None:
+        if not self.safety.active:
             return {}
         return {a: sum(d.safety.counts[a] for d in self._domains) for a in SAFETY_ACTIONS}
 
     @property
     def domain_safety_counts(self) -> dict[DomainKey, dict[str, int]]:
         """Each domain's safety counts, by key (empty when the safety layer is off)."""
-        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety is not None}
+        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety.active}
+
+    @contextlib.contextmanager
+    def _computing_as(self, d: _Domain | None) -> Iterator[AdapterState]:
+        """The model computes with domain ``d``'s parameters (a new domain's: the source's) and yields the domain's
+        :data:`~hf_tta.state.ANSWER` state to read; the loaded domain's parameters are back afterwards, exactly."""
+        if d is not None and d is self._live:
+            yield AdapterState.view(self, ANSWER)
+            return
+        state = (d.state if d is not None else None) or self.source_state
+        loaded = AdapterState.capture(self, {PARAMS})
+        state.only({PARAMS}).apply(self)
+        try:
+            yield state.only(ANSWER)
+        finally:
+            loaded.apply(self)
+
+    @staticmethod
+    def _per_domain(groups: torch.Tensor, batch: Batch, run: Callable[[int, Batch], Any]) -> list[tuple[int, torch.Tensor, Any]]:
+        """The one per-domain loop: for each group present (in id order) its rows of ``batch`` (labels included) and
+        ``run(group, sub_batch)``'s result."""
+        outputs = []
+        for group in torch.unique(groups).tolist():
+            idx = (groups == group).nonzero().flatten()
+            whole = idx.numel() == batch.size
+            queries = batch.queries if whole else {k: v.index_select(0, idx.to(v.device)) for k, v in batch.queries.items()}
+            labels = batch.labels if whole or batch.labels is None else batch.labels.index_select(0, idx.to(batch.labels.device))
+            outputs.append((group, idx, run(group, Batch(queries, batch.gallery, labels, idx.numel()))))
+        return outputs
 
     # ------------------------------------------------------------------------------------------ routing
     def _user_slots(self, domain: Any, n: int, create: bool) -> torch.Tensor:
@@ -244,7 +246,7 @@ class RoutedTTAWrapper(TTAWrapper):
     def assign_domains(self, queries: Mapping[str, torch.Tensor], domain: Any = None) -> torch.Tensor:
         """The domain id each query would go to now, without opening a domain or updating the router (``-1``: none
         yet, scored by the source model)."""
-        queries = self._check_inputs(queries, self.query_modality)
+        queries = self.forward.check_inputs(queries, self.query_modality)
         return self._route(queries, domain, update=False)[0]
 
     # ------------------------------------------------------------------------------------------ the online step
@@ -266,79 +268,32 @@ class RoutedTTAWrapper(TTAWrapper):
         :meth:`TTAWrapper.adapt_step`.
         """
         check_choice("scoring", scoring, SCORING, allow_none=True)
-        with pinned(gallery, self._gallery_versions, []):
+        with pinned(gallery, self.forward.gallery_versions, []):
             return self._routed_step(queries, gallery, labels, domain, scoring)
 
     def _routed_step(
         self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, domain: Any, scoring: str | None = None
     ) -> RoutedTTAOutput:
         batch = self._prepare(queries, gallery, labels)
-        queries, gallery, mask, n = batch.queries, batch.gallery, batch.labels, batch.size
-        slots, new_keys = self._route(queries, domain, update=True)
-        outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]] = []
-        for slot in torch.unique(slots).tolist():  # one pass per domain present, in domain order
-            idx = (slots == slot).nonzero().flatten()
-            whole = idx.numel() == n
-            sub = queries if whole else {k: v.index_select(0, idx.to(v.device)) for k, v in queries.items()}
-            sub_labels = None if mask is None else (mask if whole else mask.index_select(0, idx.to(mask.device)))
-            self._activate(slot)
-            self._in_domain_step = True
-            try:
-                if self.objective.requires_grad and idx.numel() < self.routing.min_domain_batch:
-                    out = self._score_frozen(sub, gallery)
-                else:
-                    out = TTAWrapper._adapt_step(self, sub, gallery, sub_labels, scoring)
-            finally:
-                self._in_domain_step = False
-            outputs.append((self._domains[slot], idx, out))
-        return self._assemble(outputs, slots, n, new_keys)
+        slots, new_keys = self._route(batch.queries, domain, update=True)
 
-    def _score_frozen(self, queries: dict, gallery: GalleryCache | GalleryBackend) -> TTAOutput:
+        def run(slot: int, sub: Batch) -> TTAOutput:  # the domain's state in the model, then one TTAWrapper step
+            self._activate(slot)
+            if self.objective.requires_grad and sub.size < self.routing.min_domain_batch:
+                return self._score_frozen(sub)
+            return self._adapt_step(sub.queries, sub.gallery, sub.labels, scoring)
+
+        outputs = [(self._domains[s].key, idx, out) for s, idx, out in self._per_domain(slots, batch, run)]
+        return assemble(outputs, slots, batch.size, self.domain_keys, new_keys, self.safety.active)
+
+    def _score_frozen(self, batch: Batch) -> TTAOutput:
         """A sub-batch below ``min_domain_batch``: the domain's current model scores it, nothing is updated (the score
         transform, if any, still sees it)."""
-        batch = Batch(queries, gallery, None, batch_size(queries))
         with torch.no_grad():
-            inputs = self._inputs(batch, step=0)
-            out = self._scored(batch, inputs, inputs.scores.detach())
+            inputs = self.forward.inputs(Batch(batch.queries, batch.gallery, None, batch.size), step=0)
+            out = self.forward.scored(batch, inputs, inputs.scores.detach())
         out.skipped = [f"{batch.size} queries < min_domain_batch={self.routing.min_domain_batch}: scored, not adapted"]
         return out
-
-    def _assemble(
-        self, outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]], slots: torch.Tensor, n: int, new_keys: list[DomainKey]
-    ) -> RoutedTTAOutput:
-        scores = topk = None
-        first = outputs[0][2]
-        if first.scores is not None:
-            scores = first.scores.new_empty(n, first.scores.shape[1])
-            for _, idx, out in outputs:
-                scores.index_copy_(0, idx.to(scores.device), out.scores)
-        else:
-            k = min(out.topk.k for _, _, out in outputs)  # equal unless the gallery is smaller than the backend's k
-            values = first.topk.values.new_empty(n, k)
-            indices = first.topk.indices.new_empty(n, k)
-            for _, idx, out in outputs:
-                values.index_copy_(0, idx.to(values.device), out.topk.values[:, :k])
-                indices.index_copy_(0, idx.to(indices.device), out.topk.indices[:, :k])
-            topk = TopKScores(values, indices)
-        with_loss = [(idx.numel(), out.loss) for _, idx, out in outputs if out.loss is not None]
-        loss = sum(m * v for m, v in with_loss) / sum(m for m, _ in with_loss) if with_loss else None
-        actions = {d.key: out.safety_action for d, _, out in outputs} if self.safety is not None else {}
-        flagged = [a for a in reversed(SAFETY_ACTIONS) if a in actions.values()]  # the most severe first
-        return RoutedTTAOutput(
-            scores=scores,
-            loss=loss,
-            num_updates=sum(out.num_updates for _, _, out in outputs),
-            n_selected=sum(int(out.n_selected) for _, _, out in outputs),
-            skipped=[f"{d.key}: {s}" for d, _, out in outputs for s in out.skipped],
-            logs={f"{d.key}/{name}": v for d, _, out in outputs for name, v in out.logs.items()},
-            topk=topk,
-            safety_action=flagged[0] if flagged else None,
-            safety_logs={f"{d.key}/{name}": v for d, _, out in outputs for name, v in out.safety_logs.items()},
-            safety_actions=actions,
-            domains=slots,
-            domain_keys=self.domain_keys,
-            new_domains=new_keys,
-        )
 
     @torch.no_grad()
     def answer(
@@ -346,67 +301,56 @@ class RoutedTTAWrapper(TTAWrapper):
     ) -> RoutedTTAOutput:
         """:meth:`TTAWrapper.answer` per domain: what :meth:`adapt_step` with ``scoring="before_update"`` answers, each
         query routed as :meth:`assign_domains` (``domains`` -1: a key with no domain yet, or the router's queries with
-        none, answered as a new domain from the source state). No domain's state changes, but the one in the model is
-        swapped: calls on one wrapper must not overlap."""
-        with pinned(gallery, dict(self._gallery_versions), [], warn=False):
-            batch = self._answer_batch(queries, gallery)
+        none, answered as a new domain from the source state). A read: no domain's state changes and the loaded domain
+        stays loaded (another domain's parameters are in the model only during its rows' forward)."""
+        with pinned(gallery, dict(self.forward.gallery_versions), [], warn=False):
+            batch = self.forward.answer_batch(queries, gallery)
             slots = self._route(batch.queries, domain, update=False)[0]
             keys, groups = parse_domain_keys(domain, batch.size) if domain is not None else (None, slots)
-            outputs: list[tuple[_Domain, torch.Tensor, TTAOutput]] = []
-            for group in torch.unique(groups).tolist():  # a known domain, or each new key its own new domain
-                idx = (groups == group).nonzero().flatten()
-                sub = {k: v.index_select(0, idx.to(v.device)) for k, v in batch.queries.items()} if idx.numel() < batch.size else batch.queries
-                slot = int(slots[idx[0]])
-                if slot >= 0:
-                    self._activate(slot)
-                else:  # what a new domain starts from
-                    self._sync()
-                    self._live = None
-                    self._source_state.apply(self)
-                small = self.objective.requires_grad and idx.numel() < self.routing.min_domain_batch  # _score_frozen's view
-                out = self._reader()._answer(Batch(sub, batch.gallery, None, idx.numel()), step=0 if small else None)
-                outputs.append((self._domains[slot] if slot >= 0 else _Domain(keys[group] if keys else "(new)"), idx, out))
-            return self._assemble(outputs, slots, batch.size, [])
+            firsts: dict[int, int] = {}
+
+            def run(group: int, sub: Batch) -> TTAOutput:
+                slot = firsts[group] = int(slots[(groups == group).nonzero()[0, 0]])
+                small = self.objective.requires_grad and sub.size < self.routing.min_domain_batch  # _score_frozen's view
+                with self._computing_as(self._domains[slot] if slot >= 0 else None) as state:
+                    return answer_with(self.forward.reading(state), sub, step=0 if small else None)
+
+            outputs = [(self._domains[firsts[g]].key if firsts[g] >= 0 else keys[g] if keys else "(new)", idx, out)
+                       for g, idx, out in self._per_domain(groups, batch, run)]
+            return assemble(outputs, slots, batch.size, self.domain_keys, [], self.safety.active)
 
     @torch.no_grad()
     def embed_and_score(
         self, queries: Mapping[str, torch.Tensor], gallery: GalleryCache | torch.Tensor, domain: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score a batch without adapting, each query with its domain's current model (routed as
-        :meth:`assign_domains`; a query with no domain yet is scored by the source model). Inside ``disabled()`` every
-        query is scored by the source model."""
-        gallery = self._check_gallery(gallery)
+        :meth:`assign_domains`; a query with no domain yet is scored by the source model); a read, as :meth:`answer`.
+        Inside ``disabled()`` every query is scored by the source model."""
+        gallery = self.forward.check_gallery(gallery)
         if isinstance(gallery, GalleryBackend):
             raise TypeError(f"embed_and_score needs the dense GalleryCache; for {type(gallery).__name__} use answer(...).")
-        queries = self._check_inputs(queries, self.query_modality)
-        n = batch_size(queries)
-        slots = self._route(queries, domain, update=False)[0]
-        emb = scores = None
-        for slot in torch.unique(slots).tolist():
-            idx = (slots == slot).nonzero().flatten()
-            sub = queries if idx.numel() == n else {k: v.index_select(0, idx.to(v.device)) for k, v in queries.items()}
-            if slot < 0:
-                with self.disabled():
-                    q, s = self._embed_and_score(sub, gallery)
-            else:
-                self._activate(slot)
-                q, s = self._embed_and_score(sub, gallery)
-            if emb is None:
-                emb, scores = q.new_empty(n, *q.shape[1:]), s.new_empty(n, *s.shape[1:])
+        batch = self.forward.answer_batch(self.forward.check_inputs(queries, self.query_modality), gallery)
+        slots = self._route(batch.queries, domain, update=False)[0]
+
+        def run(slot: int, sub: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            with self.disabled() if slot < 0 else self._computing_as(self._domains[slot]):
+                return self.forward.embed_and_score(sub.queries, gallery)
+
+        parts = self._per_domain(slots, batch, run)
+        q0, s0 = parts[0][2]
+        emb, scores = q0.new_empty(batch.size, *q0.shape[1:]), s0.new_empty(batch.size, *s0.shape[1:])
+        for _, idx, (q, s) in parts:
             emb.index_copy_(0, idx.to(emb.device), q)
             scores.index_copy_(0, idx.to(scores.device), s)
         return emb, scores
 
     # ------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
-        """Drop every domain and the router's statistics and return exactly to the source model. (Inside a domain's
-        sub-batch, ``reset_policy="episodic"`` resets that domain only.)"""
-        if self._in_domain_step:
-            TTAWrapper.reset(self)
-            return
+        """Drop every domain and the router's statistics and return exactly to the source model. (``reset_policy=
+        "episodic"`` restores the loaded domain only: :meth:`~hf_tta.TTAWrapper.restore_source`.)"""
         self._live = None
-        self.safety = SafetyMonitor(self.safety.config) if self.safety is not None else None  # the dropped keep theirs
-        TTAWrapper.reset(self)
+        self.safety = self.safety.fresh()  # the dropped domains keep theirs
+        super().reset()
         self._domains, self._slots, self._router_slots = [], {}, []
         self.router.reset()
 
@@ -418,13 +362,12 @@ class RoutedTTAWrapper(TTAWrapper):
         tensors: dict[str, torch.Tensor] = {}
         optimizers, safety = [], []
         for i, d in enumerate(self._domains):
-            part, part_meta = (d.state or self._source_state).to_tensors(f"domain.{i}.")
+            part, part_meta = (d.state or self.source_state).to_tensors(f"domain.{i}.")
             tensors.update(part)
             optimizers.append(part_meta.get("optimizer"))
-            if d.safety is not None:
-                safety_tensors, safety_meta = d.safety.state_tensors(f"domain.{i}.safety.")
-                tensors.update(safety_tensors)
-                safety.append(safety_meta)
+            safety_tensors, safety_meta = d.safety.state_tensors(f"domain.{i}.safety.")
+            tensors.update(safety_tensors)
+            safety.append(safety_meta)
         tensors.update({f"router.{k}": v for k, v in self.router.state_tensors().items()})
         meta: dict[str, Any] = {
             "param_names": None,  # a plain TTAWrapper refuses this checkpoint ("adapts other parameters")
@@ -433,7 +376,7 @@ class RoutedTTAWrapper(TTAWrapper):
                 "keys": self.domain_keys,
                 "router_slots": self._router_slots,
                 "optimizers": optimizers,
-                "safety": safety if self.safety is not None else None,
+                "safety": safety if self.safety.active else None,
                 "routing": self.routing.to_dict(),
             },
         }
@@ -458,12 +401,11 @@ class RoutedTTAWrapper(TTAWrapper):
             for i in range(len(keys))
         ]
         # validated: now replace everything
-        self._in_domain_step = False
         self.reset()
         for i, (key, state) in enumerate(zip(keys, states)):
             d = self._domains[self._new_domain(key)]
             d.state = state
-            if d.safety is not None and routed.get("safety"):  # saved without the safety layer: fresh monitors
+            if routed.get("safety"):  # saved without the safety layer: fresh monitors
                 d.safety.load_state_tensors(tensors, routed["safety"][i], names, on_cpu, prefix=f"domain.{i}.safety.")
         self._router_slots = list(routed["router_slots"])
         self.router.load_state_tensors({k[len("router.") :]: v for k, v in ckpt.tensors.items() if k.startswith("router.")})

@@ -90,6 +90,52 @@ class SafetyDecision:
 KEEP = SafetyDecision()
 
 
+class NullSafetyMonitor:
+    """The safety layer off (``TTAConfig.safety=None``): a monitor that never acts. Every decision is keep, it takes no
+    snapshot, counts nothing and saves nothing, and ``active`` is false, so the wrapper spends no source forward on it.
+    The wrapper holds one instead of ``None``, so it asks the same questions whether the layer is on or off."""
+
+    active = False
+    min_queries: int | None = None
+    config: SafetyConfig | None = None
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.agreement_ema: float | None = None
+        self.rollbacks_in_row = self.kept_in_row = 0
+        self.last_good: AdapterState | None = None
+        self.action: str | None = None
+        self.logs: dict[str, float] = {}
+
+    def fresh(self) -> NullSafetyMonitor:
+        return NullSafetyMonitor()
+
+    def remember(self, target: Adaptable) -> None:
+        """Nothing to remember."""
+
+    def before(self, source: ObjectiveInputs | None) -> SafetyDecision:
+        return KEEP
+
+    def after(self, inputs: ObjectiveInputs, scores: torch.Tensor) -> SafetyDecision:
+        return KEEP
+
+    def state_tensors(self, prefix: str = "safety.") -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """No tensors, and ``None`` metadata: a checkpoint without the safety layer has no ``safety`` entry."""
+        return {}, None
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None, names: list[str],
+                           step_on_cpu: bool, prefix: str = "safety.") -> None:
+        self.clear()
+
+
+def build_monitor(config: SafetyConfig | None) -> SafetyMonitor | NullSafetyMonitor:
+    """The monitor of ``config`` (:class:`NullSafetyMonitor` when the safety layer is off)."""
+    return SafetyMonitor(config) if config is not None else NullSafetyMonitor()
+
+
 class SafetyMonitor:
     """The per-stream state of the safety layer and its decisions (see :mod:`hf_tta.safety`).
 
@@ -99,9 +145,20 @@ class SafetyMonitor:
     own tensors (:meth:`state_tensors`, :meth:`load_state_tensors`) and never touches the wrapper otherwise.
     """
 
+    active = True
+
     def __init__(self, config: SafetyConfig):
         self.config = config
         self.clear()
+
+    @property
+    def min_queries(self) -> int:
+        """The smallest batch (with the window) the monitor judges."""
+        return self.config.min_queries
+
+    def fresh(self) -> SafetyMonitor:
+        """A new monitor with the same thresholds (a new domain's)."""
+        return SafetyMonitor(self.config)
 
     def clear(self) -> None:
         """Forget the stream: counts, EMA, streaks and the last-good state (taken again at the next batch)."""

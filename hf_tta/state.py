@@ -15,14 +15,27 @@ rng        the wrapper's random generator
 counter    the batch counter
 ========== ==============================================================================================
 
-Every place that copies state takes one of three named subsets (the only rules there are):
-:data:`STEP_UNDO` (a step's undo: SAM's diverged second pass, the fast path's replay), :data:`ROLLBACK` (the safety
-layer's last-good snapshot: the batch counter, RNG and score transform go on) and :data:`ALL` (a routed domain, a
-checkpoint, the source state that :meth:`~hf_tta.TTAWrapper.reset` applies). The safety monitor's own tensors are the
-monitor's (:meth:`hf_tta.safety.SafetyMonitor.state_tensors`).
+State is copied only here, and every copy takes one of the named subsets (the only rules there are):
 
-Copies are exact (``clone``; a refresh copies into the same buffers with one foreach call), so a rollback, a reset, a
-domain swap and a resumed checkpoint are bit-identical to the state captured. :meth:`AdapterState.to_tensors` writes
+* :data:`STEP_UNDO`: a step's undo (SAM's diverged second pass, the fast path's replay);
+* :data:`STEP_OBJECTIVE`: the checked loop's per-step undo of the objective's state after a non-finite step, and the
+  throw-away state SAM's second pass evaluates on (a :meth:`~AdapterState.view`);
+* :data:`ROLLBACK`: the safety layer's last-good snapshot (the batch counter, RNG and score transform go on);
+* :data:`ANSWER`: what an answer reads besides the model (:mod:`hf_tta.answering`: objective and score-transform state,
+  RNG; a :meth:`~AdapterState.view`), also the score transform's state that a degenerate batch must not change;
+* :data:`SERVED`: an answering copy of the adapted state (:data:`ANSWER` and the adapted parameters), which a service
+  captures after an adapted batch and applies to the copy it answers from (instead of a deep copy of the wrapper);
+* :data:`ALL`: a routed domain, a checkpoint, the source state that :meth:`~hf_tta.TTAWrapper.reset` applies.
+
+The safety monitor's own tensors are the monitor's (:meth:`hf_tta.safety.SafetyMonitor.state_tensors`).
+
+**Capture, view, apply.** :meth:`AdapterState.capture` copies (``clone``; a refresh copies into the same buffers with one
+foreach call), so a rollback, a reset, a domain swap and a resumed checkpoint are bit-identical to the state captured.
+:meth:`AdapterState.view` takes the objective's and score transform's state, the RNG and the counter *without copying
+the tensors*: new dicts sharing them. That is exact because those states are only ever replaced entry by entry, never
+written in place (every objective of the registry is checked: ``tests/test_objectives_base.py``); parameters and
+optimiser moments are written in place by the optimiser and cannot be viewed. :meth:`AdapterState.apply` puts a
+capture or a view back (copies again), :meth:`AdapterState.copy` gives an independent exact copy of a capture. :meth:`AdapterState.to_tensors` writes
 the checkpoint's keys (``param.*``, ``optim.<pid>.*`` or ``optim.<name>.*``, ``objective.*``, ``score_transform.*``,
 ``wrapper.batch_index``, ``wrapper.rng_state``) and :meth:`AdapterState.from_tensors` reads them back.
 """
@@ -39,7 +52,11 @@ import torch
 PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER = "params", "optimizer", "objective", "transform", "rng", "counter"
 ALL = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER})
 STEP_UNDO = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, RNG})
+STEP_OBJECTIVE = frozenset({OBJECTIVE})
 ROLLBACK = frozenset({PARAMS, OPTIMIZER, OBJECTIVE})
+ANSWER = frozenset({OBJECTIVE, TRANSFORM, RNG})
+SERVED = ANSWER | {PARAMS}
+VIEWABLE = frozenset({OBJECTIVE, TRANSFORM, RNG, COUNTER})  # the parts that are replaced, never written in place
 EXTRA_PREFIX = "optimizer.extra."
 
 
@@ -79,6 +96,7 @@ class AdapterState:
     transform: dict[str, torch.Tensor] = field(default_factory=dict)
     rng: torch.Tensor | None = None
     batch_index: int = 0
+    shared: bool = False  # a view: its tensors are the target's (applied as new dicts, not cloned)
 
     # ------------------------------------------------------------------------------------------ capture / apply
     @classmethod
@@ -130,6 +148,36 @@ class AdapterState:
             out.batch_index = int(target.batch_index)
         return out
 
+    @classmethod
+    def view(cls, target: Adaptable, parts: Iterable[str]) -> AdapterState:
+        """The ``parts`` of ``target``'s state without copying their tensors (new dicts sharing them; the RNG state is a
+        copy): an exact capture as long as those tensors are replaced, never written in place, which holds for the
+        :data:`VIEWABLE` parts only (see :mod:`hf_tta.state`)."""
+        parts = frozenset(parts)
+        if not parts <= VIEWABLE:
+            raise ValueError(f"{sorted(parts - VIEWABLE)} are written in place (by the optimiser): capture them instead.")
+        out = cls(parts, shared=True)
+        if OBJECTIVE in parts:
+            out.objective = dict(target.state)
+        if TRANSFORM in parts:
+            out.transform = dict(target.transform_state)
+        if RNG in parts:
+            out.rng = target.generator.get_state()
+        if COUNTER in parts:
+            out.batch_index = int(target.batch_index)
+        return out
+
+    def copy(self) -> AdapterState:
+        """An independent exact copy of this state's parts (their tensors cloned; the parts left out stay empty)."""
+        p, clone = self.parts, (lambda d: {k: v.clone() for k, v in d.items()})
+        return AdapterState(
+            p, params=clone(self.params) if PARAMS in p else {},
+            optimizer=copy.deepcopy(self.optimizer) if OPTIMIZER in p else None,
+            objective=clone(self.objective) if OBJECTIVE in p else {},
+            transform=clone(self.transform) if TRANSFORM in p else {},
+            rng=self.rng.clone() if RNG in p and self.rng is not None else None, batch_index=self.batch_index,
+        )
+
     def only(self, parts: Iterable[str]) -> AdapterState:
         """A view of this state restricted to ``parts`` (shares the tensors: apply copies them)."""
         return dataclasses.replace(self, parts=self.parts & frozenset(parts))
@@ -156,7 +204,8 @@ class AdapterState:
     def apply(self, target: Adaptable) -> None:
         """Put the captured parts back into ``target``, bit-exactly. Parameters are copied in place; the optimiser's
         state is replaced by copies (state created after the capture is dropped; a ``fresh`` optimiser is rebuilt);
-        objective and transform state are replaced by copies. ``target`` keeps what was not captured."""
+        objective and transform state are replaced by copies (by new dicts of the same tensors for a :meth:`view`, whose
+        tensors are never written in place). ``target`` keeps what was not captured."""
         if PARAMS in self.parts and self.params:
             live = dict(target.named_optimized_parameters())
             missing = sorted(set(self.params) - set(live))
@@ -174,10 +223,11 @@ class AdapterState:
                     opt.state.pop(p, None)
                 for name, st in self.optimizer.state.items():
                     opt.state[live[name]] = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
+        own = dict if self.shared else (lambda d: {k: v.clone() for k, v in d.items()})
         if OBJECTIVE in self.parts:
-            target.state = {k: v.clone() for k, v in self.objective.items()}
+            target.state = own(self.objective)
         if TRANSFORM in self.parts:
-            target.transform_state = {k: v.clone() for k, v in self.transform.items()}
+            target.transform_state = own(self.transform)
         if RNG in self.parts and self.rng is not None:
             target.generator.set_state(self.rng)
         if COUNTER in self.parts:

@@ -154,14 +154,14 @@ class UpdateBudget:
     def answer(self, wrapper: Any, batch: Any) -> TTAOutput | None:
         """``wrapper.adapt_step``'s answer to ``batch`` when the budget skips it, else ``None`` (the batch adapts as
         usual). A skipped batch is answered from the current model's one no-grad forward through the score transform
-        (the wrapper's ``_view`` and ``_scored``, as :mod:`hf_tta.answering` answers); the batch counter advances and,
+        (the wrapper's forward ``view`` and ``scored``, as :mod:`hf_tta.answering` answers); the batch counter advances and,
         with ``reset_policy="episodic"``, the wrapper resets as after any batch. Nothing adapted changes."""
-        reason, logs, view = self.decide(wrapper.batch_index, partial(wrapper._view, batch, wrapper.config.steps - 1))
+        reason, logs, view = self.decide(wrapper.batch_index, partial(wrapper.forward.view, batch, wrapper.config.steps - 1))
         if reason is None:
             return None
-        out = wrapper._scored(batch, view, view.scores)
+        out = wrapper.forward.scored(batch, view, view.scores)
         out.skipped, out.logs = [reason], logs
         wrapper.batch_index += 1
         if wrapper.config.reset_policy == "episodic":
-            wrapper.reset()
+            wrapper.restore_source()
         return out

@@ -104,14 +104,14 @@ def top1(scores: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def record(
     state: dict[str, torch.Tensor], size: int, inputs: Any, scores: torch.Tensor, source: Any,
-) -> tuple[Any, torch.Tensor]:
+) -> None:
     """Push the rows of the batch whose reported view is ``(inputs, scores)`` into the window in ``state`` (keeping the
-    last ``size``; nothing when ``size`` is 0) and return ``(inputs, scores)`` unchanged. ``source``: the source
+    last ``size``; nothing when ``size`` is 0). ``source``: the source
     model's view of the batch (the safety layer's), for each row's source top-1; ``None`` records ``-1``. ``inputs``
     and ``source`` are :class:`~hf_tta.objectives.base.ObjectiveInputs` (this module imports no objective). Entries of
     ``state`` are replaced, never written in place."""
     if not size:
-        return inputs, scores
+        return
     q = inputs.query_emb.detach().float()
     col, ids = top1(scores.detach(), inputs.candidate_ids)
     cand = inputs.gallery_emb.detach()[col.to(inputs.gallery_emb.device)].float().to(q.device)
@@ -123,7 +123,6 @@ def record(
         state[PREFIX + key] = rows[-size:].clone()
     seen = state.get(PREFIX + "seen", torch.zeros((), dtype=torch.long))
     state[PREFIX + "seen"] = seen + q.shape[0]
-    return inputs, scores
 
 
 # ---------------------------------------------------------------------------------------- helpers for the objectives

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from peft import PeftModel
@@ -24,22 +24,20 @@ from .answering import AnswerMixin
 from .checkpoint_hub import CheckpointMixin
 from .config import SCORING, TTAConfig
 from .configuration_utils import check_choice
+from .forward import BatchForward
 from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
-from .gallery.candidates import candidate_items, candidate_topk
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
 from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import export_peft_adapter, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
-from .safety import KEEP, SafetyDecision, SafetyMonitor
+from .safety import SafetyDecision, build_monitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 from .update_budget import UpdateBudget
 
 logger = logging.getLogger(__name__)
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TTAWrapper(CheckpointMixin, AnswerMixin):
@@ -77,9 +75,6 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.score_transform = build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
         batching.check_query_vectors(self.adapter, self.query_modality, (self.objective, self.score_transform))
         self.budget = UpdateBudget(cfg.build_update_budget_config()) if cfg.update_budget is not None else None
-        self._tensor_gallery: tuple | None = None  # (tensor, its version, its GalleryCache): a raw gallery, wrapped once
-        self._gallery_versions: dict[int, int] = {}  # the version of each live backend the objective state follows
-        self._encoder_id: str | None = None  # which model encoded this wrapper's galleries (encode_gallery)
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
         self.peft_model: PeftModel | None = None
         self.params: dict[str, nn.Parameter] = {}
@@ -87,6 +82,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.lr = cfg.lr
         if self.objective.requires_grad:
             self._wrap_targets()
+        self.forward = BatchForward(self.adapter, cfg, self.objective, self.score_transform, self.query_modality,
+                                    self.gallery_modality, self, lambda: self.disabled(), self.params)
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
         self.fast_step = cfg.fast_step if cfg.fast_step is not None else self.device.type == "cuda"
         self.optimizer = self._make_optimizer()
@@ -94,11 +91,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
-        self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
+        self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
-        self._capture_source()
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd,
-                             penalties=tuning.penalties(cfg, self.model, self.params, self._source_params))
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
+        self.capture_source()
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
         targets = tuning.wrap_targets(self.adapter, self.query_modality, self.config)
@@ -106,12 +102,15 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.lr = self.config.lr if self.config.lr is not None else self.adapter.default_lr[self.query_modality]
         logger.info("hf_tta adapts %d tensors in %d modules", len(self.params), len(self.target_modules))
 
-    def _capture_source(self) -> None:
-        """The source state that :meth:`reset` returns to (an :data:`~hf_tta.state.ALL` capture, fresh optimiser)."""
+    def capture_source(self) -> None:
+        """Take the current state as the source that :meth:`reset` returns to (an :data:`~hf_tta.state.ALL` capture,
+        fresh optimiser), and build the loop's penalties on it: a re-capture (``DistributedTTAWrapper`` after
+        broadcasting the main process's weights) moves the anchor's reference and the objectives' source values too."""
         self._source_state = AdapterState.capture(self, ALL)
         if self._source_state.optimizer is not None:
             self._source_state.optimizer.fresh = True
-        self._source_params = {n: self._source_state.params[n] for n in self.params}
+        self._source_params = self.forward.source_params = {n: self._source_state.params[n] for n in self.params}
+        self.loop.penalties = tuple(tuning.penalties(self.config, self.model, self.params, self._source_params))
 
     # ------------------------------------------------------------------------------------------ setup
     def _other_modality(self) -> str:
@@ -152,18 +151,13 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         return self.loop.fast_applies(self.optimizer)
 
     def source_parameters(self) -> dict[str, torch.Tensor]:  # copies of the source values :meth:`reset` restores
-        return {n: t.clone() for n, t in self._source_params.items()}
+        return {n: t for n, t in self._source_state.only({PARAMS}).copy().params.items() if n in self.params}
 
     device = property(lambda self: next(self.model.parameters()).device)
 
     def disabled(self) -> contextlib.AbstractContextManager:
         """Context in which the model computes exactly as the source model (adapters off)."""
         return self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext()
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.config.autocast_dtype])
 
     # ------------------------------------------------------------------------------------------ gallery
     @torch.no_grad()
@@ -186,96 +180,11 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         show = show_progress if show_progress is not None else (total is None or total > 4)
         with self.disabled():
             for chunk in tqdm(parts, total=total, desc=f"Encoding {self.gallery_modality} gallery", disable=not show):
-                chunk = self._check_inputs(chunk, self.gallery_modality)
+                chunk = self.forward.check_inputs(chunk, self.gallery_modality)
                 embs.append(self.adapter.encode(self.gallery_modality, chunk))
         if not embs:
             raise ValueError("The gallery is empty.")
-        return GalleryCache(torch.cat(embs), self.gallery_modality, self._gallery_encoder())
-
-    # ------------------------------------------------------------------------------------------ checks
-    def _check_inputs(self, inputs: Mapping[str, Any], modality: str) -> dict[str, torch.Tensor]:
-        return batching.check_inputs(self.adapter, modality, inputs, self.device)
-
-    def _check_gallery(self, gallery: GalleryCache | GalleryBackend | torch.Tensor) -> GalleryCache | GalleryBackend:
-        """A dense gallery, or a top-k backend (:func:`hf_tta.batch.check_gallery`); a raw tensor is wrapped once."""
-        if isinstance(gallery, torch.Tensor):
-            gallery, self._tensor_gallery = batching.wrap_tensor(gallery, self._tensor_gallery, self.gallery_modality,
-                                                                 next(self.model.parameters()).dtype)
-        roles = {"objective": self.objective, "score_transform": self.score_transform}
-        encoder = self._gallery_encoder() if isinstance(gallery, GalleryCache) and gallery.encoder is not None else None
-        return batching.check_gallery(gallery, self.gallery_modality, self.query_modality, self.device, roles, encoder)
-
-    def _gallery_encoder(self) -> str:  # computed once: the gallery tower never adapts
-        if self._encoder_id is None:
-            self._encoder_id = batching.encoder_id(self.adapter, self.gallery_modality)
-        return self._encoder_id
-
-    # ------------------------------------------------------------------------------------------ embed and score
-    def _embed_queries(self, queries: dict) -> torch.Tensor:
-        """The query embeddings with grad (``DistributedTTAWrapper`` embeds its shard and all-gathers them)."""
-        with self._autocast():
-            return self.adapter.encode(self.query_modality, queries)
-
-    def _embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._score(self._embed_queries(queries), gallery)
-
-    def _score(self, q: torch.Tensor, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.shape[-1] != gallery.dim:
-            raise ValueError(
-                f"Query embeddings have dimension {q.shape[-1]} but the gallery has {gallery.dim}: "
-                "was the gallery encoded by another model?"
-            )
-        scores = self.adapter.score(q, gallery.embeddings)
-        return self.adapter.single_vector(q, scores, gallery.single), scores
-
-    def _candidate_view(self, q: torch.Tensor, gallery: GalleryBackend, step: int) -> tuple[torch.Tensor, GalleryCache]:
-        """The batch's candidates (:func:`~hf_tta.gallery.candidates.candidate_items`) as a small dense gallery that
-        the queries are scored against exactly (so gradients flow as with the dense gallery); the score transform
-        (DN's shifted queries) searches too on the reported step."""
-        searchers = [(self.objective, self.state)]
-        if self.score_transform is not None and (step >= self.config.steps - 1 or not self.objective.requires_grad):
-            searchers.append((self.score_transform, self.transform_state))
-        ids, emb = candidate_items(q, gallery, self.objective, searchers, self.config.seed)
-        return ids, GalleryCache(emb, gallery.modality)
-
-    def _inputs(self, batch: batching.Batch, step: int, source_cache: list[torch.Tensor] | None = None) -> ObjectiveInputs:
-        """The objective's view of ``batch`` at the current parameters. ``source_cache`` (one list per batch) holds
-        the source model's scores once computed, so that they are computed once per batch (dense gallery)."""
-        queries, gallery = batch.queries, batch.gallery
-        backend = ids = None
-        if isinstance(gallery, GalleryBackend):  # objectives see the batch's candidates, re-scored exactly
-            q_raw = self._embed_queries(queries)
-            backend = gallery
-            ids, gallery = self._candidate_view(q_raw, gallery, step)
-            q, scores = self._score(q_raw, gallery)
-            source_cache = []  # the candidates change with every step: source scores are per step
-        else:
-            q, scores = self._embed_and_score(queries, gallery)
-        source_cache = [] if source_cache is None else source_cache
-
-        def source_scores() -> torch.Tensor:
-            if not source_cache:
-                with torch.no_grad(), self.disabled():
-                    source_cache.append(self._embed_and_score(queries, gallery)[1])
-            return source_cache[0]
-
-        def reencode(transform: Callable[[dict], dict]) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._embed_and_score(transform(dict(queries)), gallery)
-
-        return ObjectiveInputs(
-            query_emb=q, gallery_emb=gallery.single, scores=scores, step=step, batch_index=self.batch_index,
-            generator=self.generator, reencode=reencode, source_scores=source_scores, query_modality=self.query_modality,
-            queries=queries, params=self.params or None, source_params=self._source_params if self.params else None,
-            labels=batch.labels, candidate_ids=ids, backend=backend, window=window.view(self.state, self.config.window),
-            gallery_items=gallery.embeddings if gallery.embeddings.dim() == 3 else None,  # multi-vector rows (NNN, QB-Norm)
-        )
-
-    @torch.no_grad()
-    def _view(self, batch: batching.Batch, step: int, source: bool = False) -> ObjectiveInputs:
-        """A no-grad view of ``batch`` (the source model's with ``source``), detached."""
-        with self.disabled() if source else contextlib.nullcontext():
-            inputs = self._inputs(batch, step)
-        return dataclasses.replace(inputs, query_emb=inputs.query_emb.detach(), scores=inputs.scores.detach())
+        return GalleryCache(torch.cat(embs), self.gallery_modality, self.forward.gallery_encoder())
 
     @torch.no_grad()
     def embed_and_score(
@@ -285,11 +194,11 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
 
         Returns the single-vector query embeddings ``(B, D)`` (see ``ModelAdapter.single_vector``) and the scores
         ``(B, N)`` from the adapter's ``score`` (a max over vectors for multi-vector models); no score transform."""
-        gallery = self._check_gallery(gallery)
+        gallery = self.forward.check_gallery(gallery)
         if isinstance(gallery, GalleryBackend):
             raise TypeError(f"embed_and_score needs the dense GalleryCache; for {type(gallery).__name__} use answer(...).")
-        queries = self._check_inputs(queries, self.query_modality)
-        return self._embed_and_score(queries, gallery)
+        queries = self.forward.check_inputs(queries, self.query_modality)
+        return self.forward.embed_and_score(queries, gallery)
 
     # ------------------------------------------------------------------------------------------ the online step
     def adapt_step(
@@ -307,17 +216,17 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         for the step (:func:`hf_tta.batch.pinned`).
         """
         check_choice("scoring", scoring, SCORING, allow_none=True)
-        with batching.pinned(gallery, self._gallery_versions, [(self.objective, self.state), (self.score_transform, self.transform_state)]):
+        with batching.pinned(gallery, self.forward.gallery_versions, [(self.objective, self.state), (self.score_transform, self.transform_state)]):
             return self._adapt_step(queries, gallery, labels, scoring)
 
     def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
         batch = self._prepare(queries, gallery, labels)
         if self.budget is not None and (skipped := self.budget.answer(self, batch)) is not None:
             return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
-        if self.safety is not None and self.safety.last_good is None:
+        if self.safety.last_good is None:
             self.safety.remember(self)
-        source = self._view(batch, self.config.steps - 1, source=True) if self.safety is not None else None
-        decision = self.safety.before(source) if self.safety is not None else KEEP
+        source = self.forward.view(batch, self.config.steps - 1, source=True) if self.safety.active else None
+        decision = self.safety.before(source)
         result = None
         if decision.action == "skip_degenerate":  # the source answers; the batch leaves no trace, not even in DN
             inputs, scores = source, source.scores
@@ -325,48 +234,44 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             inputs, result = self._score_only(batch, source)
             scores = result.scores
         else:
-            answer = self._view(batch, self.config.steps - 1) if (scoring or self.config.scoring) == "before_update" else None
+            answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
             with torch.enable_grad():
-                result = self.loop.run(self, self.params, partial(self._inputs, batch, source_cache=cache), self._recover)
+                result = self.loop.run(self, self.params, partial(self.forward.inputs, batch, source_cache=cache), self._recover)
             if result.skipped:
                 logger.info("adapt_step skipped %s", "; ".join(result.skipped))
-            inputs, scores = window.record(self.state, self.config.window, *self._reported_view(batch, result), source)
-            if self.safety is not None:
-                decision = self.safety.after(inputs, scores)
-                self._apply(decision)
-                if decision.action is not None:  # a flagged batch returns the source model's scores
-                    inputs, scores = source, source.scores
+            inputs, scores = self._reported_view(batch, result)
+            window.record(self.state, self.config.window, inputs, scores, source)
+            decision = self.safety.after(inputs, scores)
+            self._apply(decision)
+            if decision.action is not None:  # a flagged batch returns the source model's scores
+                inputs, scores = source, source.scores
             if answer is not None:
                 inputs, scores = answer, answer.scores
         out = self._report(batch, inputs, scores, result, decision)
         self.batch_index += 1
         if self.config.reset_policy == "episodic":
-            self.reset()
+            self.restore_source()
         return out
 
     def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
-        batching.check_step_context(self.objective)
-        gallery = self._check_gallery(gallery)
-        queries = self._check_inputs(queries, self.query_modality)
+        batching.check_step_context()
+        gallery = self.forward.check_gallery(gallery)
+        queries = self.forward.check_inputs(queries, self.query_modality)
         n = batching.batch_size(queries)
-        batching.warn_small_batch(n, self.objective, self.safety.config.min_queries if self.safety else None, self.config.window)
+        batching.warn_small_batch(n, self.objective, self.safety.min_queries, self.config.window)
         return batching.Batch(queries, gallery, batching.label_mask(labels, self.objective, n, gallery, self.device), n)
 
     def _score_only(self, batch: batching.Batch, source: ObjectiveInputs | None) -> tuple[ObjectiveInputs, LoopResult]:
-        """A training-free objective: nothing is adapted, so the source view of a dense gallery is this forward."""
-        with torch.no_grad():
-            shared = source is not None and source.candidate_ids is None
-            inputs = dataclasses.replace(source, step=0) if shared else self._inputs(batch, step=0)
-            res = self.objective(inputs, self.state)
-        scores = (res.scores if res.scores is not None else inputs.scores).detach()
+        """A training-free objective: nothing is adapted (:meth:`hf_tta.forward.BatchForward.training_free`)."""
+        inputs, res, scores = self.forward.training_free(batch, source)
         return inputs, LoopResult(inputs, scores, None, 0, res.n_selected, logs=float_logs(res.logs))
 
     def _reported_view(self, batch: batching.Batch, result: LoopResult) -> tuple[ObjectiveInputs, torch.Tensor]:
         """The last step's forward (TCR's protocol), or for an objective with ``score_after_update`` (ClipTTA's own
         protocol) a fresh forward after the last update."""
         if getattr(self.objective, "score_after_update", False):
-            inputs = self._view(batch, self.config.steps)
+            inputs = self.forward.view(batch, self.config.steps)
             return inputs, inputs.scores
         return result.inputs, result.scores
 
@@ -388,34 +293,13 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, result: LoopResult | None, decision: SafetyDecision
     ) -> TTAOutput:
         """Scores through the score transform (a degenerate batch leaves its state untouched), and the batch's record."""
-        out = self._scored(batch, inputs, scores, update_state=decision.action != "skip_degenerate")
+        out = self.forward.scored(batch, inputs, scores, update_state=decision.action != "skip_degenerate")
         if result is not None:
             out = dataclasses.replace(out, loss=result.loss, num_updates=result.num_updates, n_selected=result.n_selected,
                                       skipped=result.skipped, logs=result.logs)
         else:
             out.skipped = [decision.reason]
-        if self.safety is not None:
-            out = dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
-        return out
-
-    def _scored(self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> TTAOutput:
-        """The answer to ``batch``: ``scores`` through the score transform, or with a top-k backend each query's top-k
-        of them (``TTAOutput.topk``, ``scores`` ``None``); nothing adapted."""
-        scores = self._transform_scores(inputs, scores, update_state)
-        if isinstance(batch.gallery, GalleryBackend):
-            return TTAOutput(None, None, 0, 0, topk=candidate_topk(scores, inputs.candidate_ids, batch.gallery.k))
-        return TTAOutput(scores, None, 0, 0)
-
-    def _transform_scores(self, inputs: ObjectiveInputs, scores: torch.Tensor, update_state: bool = True) -> torch.Tensor:
-        """Apply ``config.score_transform`` (a training-free objective, e.g. DN) to the output scores; with
-        ``update_state=False`` on a copy of its state, so the batch leaves no trace (e.g. in DN's query mean)."""
-        if self.score_transform is None:
-            return scores
-        state = self.transform_state if update_state else {k: v.clone() for k, v in self.transform_state.items()}
-        with torch.no_grad():
-            view = dataclasses.replace(inputs, query_emb=inputs.query_emb.detach(), scores=scores.detach())
-            res = self.score_transform(view, state)
-        return (res.scores if res.scores is not None else scores).detach()
+        return dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
 
     def adapt_stream(
         self, batches: Iterable[Mapping[str, torch.Tensor]], gallery: GalleryCache | GalleryBackend, show_progress: bool = True
@@ -431,14 +315,23 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
     def reset(self) -> None:
         """Return exactly to the source model: adapted parameters, optimiser, objective and score-transform state, batch
         counter, RNG and the safety monitor."""
+        self.restore_source()
+
+    def restore_source(self) -> None:
+        """Put the source state into the model and clear the monitor (:meth:`reset`; ``reset_policy="episodic"`` after
+        every batch; in a :class:`~hf_tta.routing.RoutedTTAWrapper`, the loaded domain's only)."""
         self._source_state.apply(self)
-        if self.safety is not None:
-            self.safety.clear()
+        self.safety.clear()
+
+    @property
+    def source_state(self) -> AdapterState:
+        """The captured :data:`~hf_tta.state.ALL` source state :meth:`reset` applies (read it, do not change it)."""
+        return self._source_state
 
     @property
     def safety_counts(self) -> dict[str, int]:
         """How often the safety layer skipped, rolled back and reset since the last :meth:`reset` (empty when off)."""
-        return dict(self.safety.counts) if self.safety is not None else {}
+        return dict(self.safety.counts)
 
     def resolved_config(self) -> TTAConfig:
         """The config with every default written out (what ``tta_config.json`` records)."""
@@ -456,9 +349,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         """The checkpoint of this wrapper: its resolved config, its :data:`~hf_tta.state.ALL` state's tensors and the
         safety monitor's (see :mod:`hf_tta.checkpoint` for the layout)."""
         tensors, meta = AdapterState.capture(self, ALL).to_tensors()
-        if self.safety is not None:
-            safety_tensors, meta["safety"] = self.safety.state_tensors()
-            tensors.update(safety_tensors)
+        safety_tensors, safety_meta = self.safety.state_tensors()
+        tensors.update(safety_tensors)
+        if safety_meta is not None:  # the layer is on
+            meta["safety"] = safety_meta
         meta["param_names"] = list(self.params)
         return self.resolved_config().to_dict(), tensors, meta
 
@@ -473,8 +367,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         state = AdapterState.from_tensors(tensors, meta, ALL, names, step_on_cpu=self._step_on_cpu())
         self.rebuild_optimizer()
         state.apply(self)
-        if self.safety is not None:
-            self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
+        self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
 
     def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""

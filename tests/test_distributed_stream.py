@@ -28,6 +28,21 @@ SAFE = TTAConfig(
 )
 SAVE_AFTER = 4  # the safety stream is saved after 4 batches (2 rollbacks in a row: the next one resets) and resumed
 REC_BATCH = 9  # the preset judges batches of >= 8 queries (SafetyConfig.min_queries); 5 + 4 rows
+# L2-SP's anchor with one step per batch: the first batch's logged penalty is its value at the source point
+ANCHORED = TTAConfig(objective="tcr", query_modality="image", steps=1, lr=5e-3, anchor_weight=50.0)
+
+
+def _model(rank: int):
+    """The tiny CLIP built from seed ``rank``, with rank > 0's LayerNorms moved off their (seed-free) 1 / 0 init, so
+    that the processes start from different values of the adapted tensors too."""
+    model = make_model("clip", seed=rank)
+    gen = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm) and rank:
+                m.weight.add_(0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.add_(0.1 * torch.randn(m.bias.shape, generator=gen))
+    return model
 
 
 def _captions():
@@ -65,10 +80,12 @@ def _run(tta, gallery, batches, start=0, save_after=None, save_dir=None):
             out[f"topk.values.{b}"], out[f"topk.indices.{b}"] = res.topk.values, res.topk.indices
         else:
             out[f"scores.{b}"] = res.scores
+        if "anchor" in res.logs:
+            out[f"anchor.{b}"] = torch.tensor(res.logs["anchor"])
         actions.append(ACTIONS.index(res.safety_action))
         if b + 1 == save_after:
             tta.save_pretrained(save_dir)
-    if tta.safety is not None:
+    if tta.safety.active:
         out["actions"] = torch.tensor(actions)
         out["counts"] = torch.tensor([tta.safety_counts[a] for a in ACTIONS[1:]])
     for key, value in tta.transform_state.items():
@@ -117,6 +134,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     {"values": res.values, "indices": res.indices, "rows": sharded.gather(cand)},
                     os.path.join(out_dir, f"sharded.rank{rank}.safetensors"),
                 )
+        # ranks built from different weights: the anchor's reference is the broadcast source, not each rank's own
+        tta = DistributedTTAWrapper(_model(rank), ANCHORED)
+        out = _run(tta, tta.encode_gallery(_captions(), show_progress=False), _batches())
+        save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"anchored.rank{rank}.safetensors"))
         _safety_worker(rank, out_dir)
     finally:
         dist.destroy_process_group()
@@ -175,6 +196,19 @@ def test_two_processes_equal_one(distributed_outputs, objective):
         assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs between the processes"
     # the adaptation did something (the comparison is not between two source models)
     assert any(not torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
+
+
+def test_anchor_follows_the_broadcast_source(distributed_outputs):
+    tta = TTAWrapper(_model(0), ANCHORED)
+    single = _run(tta, tta.encode_gallery(_captions(), show_progress=False), _batches())
+    ranks = _load_ranks(distributed_outputs, "anchored")
+    for r in (0, 1):  # zero at the source on every rank (rank 1 started from seed 1's weights)
+        assert float(ranks[r]["anchor.0"]) == 0.0, f"rank {r}: penalty {float(ranks[r]['anchor.0'])} at the source"
+    assert float(single["anchor.2"]) > 0  # the anchor is live once the weights have moved
+    assert set(ranks[0]) == set(single) == set(ranks[1])
+    for key, ref in single.items():
+        torch.testing.assert_close(ranks[0][key], ref, rtol=0, atol=1e-5, msg=key)
+        assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs between the processes"
 
 
 def test_resume_from_the_main_process_checkpoint(distributed_outputs):

@@ -176,7 +176,7 @@ def test_other_float_dtype_is_cast_once_to_the_models():
     assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
     assert q64["pixel_values"].dtype == torch.float64
     tta = TTAWrapper(make_model("clip").to(torch.bfloat16), TTAConfig(objective="dn", query_modality="image"))
-    checked = tta._check_inputs(q, "image")
+    checked = tta.forward.check_inputs(q, "image")
     assert checked["pixel_values"].dtype == torch.bfloat16 and q["pixel_values"].dtype == torch.float32
 
 
@@ -188,10 +188,10 @@ def test_blip2_accepts_the_processors_image_tokens():
     t = text_batch(2, seed=3)
     prefix = torch.full((2, model.config.num_query_tokens), 99)
     ids = torch.cat([prefix, t["input_ids"]], 1)
-    checked = tta._check_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "text")
+    checked = tta.forward.check_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "text")
     assert torch.equal(checked["input_ids"], ids)
     with pytest.raises(ValueError, match="image_token_index=99"):
-        tta._check_inputs({"input_ids": ids + 1}, "text")
+        tta.forward.check_inputs({"input_ids": ids + 1}, "text")
 
 
 class _TwoTower(nn.Module):
@@ -243,13 +243,13 @@ def test_gallery_tensors_are_checked_and_cast_once():
     assert tta.batch_index == 0  # refused before anything ran
     half = g.embeddings.half()  # another float dtype: cast once to the model's, as query features are
     out = tta.adapt_step(q, half)
-    assert out.scores.dtype == torch.float32 and tta._tensor_gallery[2].embeddings.dtype == torch.float32
-    held = tta._tensor_gallery[2]
+    held = tta.forward.check_gallery(half)  # the GalleryCache the step used
+    assert out.scores.dtype == torch.float32 and held.embeddings.dtype == torch.float32
     tta.adapt_step(batch("image", 4, seed=3), half)
-    assert tta._tensor_gallery[2] is held  # the same tensor is wrapped and NaN-checked once, not per batch
+    assert tta.forward.check_gallery(half) is held  # the same tensor is wrapped and NaN-checked once, not per batch
     half.mul_(1.0)  # modified in place: wrapped again
     tta.adapt_step(batch("image", 4, seed=4), half)
-    assert tta._tensor_gallery[2] is not held
+    assert tta.forward.check_gallery(half) is not held
 
 
 def test_a_model_already_wrapped_is_refused_in_one_line():

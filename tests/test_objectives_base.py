@@ -22,6 +22,7 @@ from hf_tta.models import get_adapter
 from hf_tta.objectives import get_objective_class
 from hf_tta.objectives.base import gallery_fingerprint
 from hf_tta.objectives.rest import spherical_kmeans
+from hf_tta.state import OBJECTIVE, TRANSFORM, AdapterState
 from tiny_models import TINY_MODELS, batch, make_model
 
 
@@ -137,6 +138,25 @@ def test_reset_is_exact(case):
     assert set(tta.state) == set(state0) and all(torch.equal(tta.state[k], state0[k]) for k in state0)
     # the stream replays bit-exactly after reset
     assert torch.equal(tta.adapt_step(q, g).scores, first)
+
+
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=str)
+def test_no_objective_writes_its_state_in_place(case):
+    """AdapterState.view shares the objective's and score transform's state tensors (the loop's undo of a non-finite
+    step, answers, a degenerate batch's score transform): exact only if every objective replaces its state's entries
+    and never writes them in place. A view and a copy taken after a first batch, two more batches (with DN as the score
+    transform where the objective is not DN, whose query mean then runs on): the view still equals the copy, though the
+    state moved on."""
+    if case.name == "dn":
+        case = ObjectiveCase("dn", {**case.config, "query_mean": "running"})
+    tta = _wrapper(case, "clip", "image", **({} if case.name == "dn" else {"score_transform": "dn"}))
+    g = tta.encode_gallery(batch("text", GALLERY, seed=1))
+    tta.adapt_step(batch("image", BATCH, seed=3), g)
+    view, kept = AdapterState.view(tta, {OBJECTIVE, TRANSFORM}), AdapterState.capture(tta, {OBJECTIVE, TRANSFORM})
+    for i in range(2):
+        tta.adapt_step(batch("image", BATCH, seed=30 + i), g)
+    assert view.equals(kept), "an objective or score transform wrote its state in place"
+    assert not AdapterState.capture(tta, {OBJECTIVE, TRANSFORM}).equals(kept)  # the state did change meanwhile
 
 
 TRAINABLE_CASES = [c for c in OBJECTIVE_CASES if get_objective_class(c.name).requires_grad]

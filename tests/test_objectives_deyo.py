@@ -175,3 +175,33 @@ def test_deyo_port_adapts_on_text_through_the_wrapper():
     assert out.n_selected == 2  # k = int(0.5 * 6) = 3, strictly below the 3rd smallest entropy
     assert not all(torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
     assert not torch.allclose(out.scores, source, atol=1e-6)  # the last step's forward, after two updates
+
+
+def test_deyo_port_gradient_flows_through_e0():
+    """Offsets 1308-1482: E_0 = topk(entropys, k', largest=False)[0][-1] on the entropies carrying the graph, and the
+    weight detaches only the per-query E. On the fixed batch (31 survivors, E_0 = E_52) the gradient of the loss with
+    respect to the scores is, by hand (tau = 1, dE/ds_j = -p_j (log p_j + E)):
+    row r: (1/n) w_r dE_r/ds_r, plus for r = 52 (1/n) sum_i E_i exp(E_i - E_0) / (exp(E_i - E_0) + 0.1)^2 dE_52/ds_52."""
+    scores, ent = fixed_batch()
+    scores.requires_grad_(True)
+    deyo = build_objective("deyo", {"tau": 1.0})
+    out = deyo(fixed_inputs(scores, reencode=uniform_views(), query_modality="image"), {})
+    (grad,) = torch.autograd.grad(out.loss, scores)
+    kept, e_0, n = list(range(33, 64)), ent[52], 31
+
+    def d_entropy(i: int) -> list[float]:
+        z = [0.1 * i, 0.0, 0.0]
+        p = [math.exp(v) / sum(math.exp(u) for u in z) for v in z]
+        return [-pj * (math.log(pj) + ent[i]) for pj in p]
+
+    through_e0 = sum(ent[i] * math.exp(ent[i] - e_0) / (math.exp(ent[i] - e_0) + 0.1) ** 2 for i in kept) / n
+    expected = torch.zeros(B, C, dtype=torch.float64)
+    for i in kept:
+        w = 1 / (math.exp(ent[i] - e_0) + 0.1) + math.exp(fixed_p_max(i) - 1 / 3) + 0.1
+        expected[i] = torch.tensor(d_entropy(i), dtype=torch.float64) * w / n
+    expected_detached = expected.clone()
+    expected[52] += torch.tensor(d_entropy(52), dtype=torch.float64) * through_e0
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+    # a detached E_0 (the paper's constant weights) gives another gradient: the test can tell them apart
+    assert (grad - expected_detached).abs().max() > 1e-3
+    torch.testing.assert_close(grad[:52], expected_detached[:52], rtol=0, atol=1e-12)

@@ -15,6 +15,7 @@ from hf_tta.routing import (
     make_wrapper,
     style_statistics,
 )
+from hf_tta.state import ALL, AdapterState
 from support import mixed_styles, style_images, style_stream
 from tiny_models import make_model, text_batch
 
@@ -223,6 +224,36 @@ def test_training_free_objective_keeps_one_state_per_domain():
         for key, ref in refs.items():
             mine = torch.tensor([k == key for k in keys])
             assert torch.equal(out.scores[mine], ref.adapt_step({"pixel_values": x[mine]}, gallery).scores)
+
+
+def test_answer_and_embed_and_score_only_read():
+    """After domains "a" then "b" adapt (b's state in the model), answers and scores for a's, b's and a new key's
+    queries equal those of plain wrappers that saw only their own queries, and change nothing: not the model's state
+    (b stays loaded), not any domain's, not the next step."""
+    tta = _routed(RoutingConfig(min_domain_batch=1), score_transform="dn")
+    gallery = _gallery(tta)
+    refs = {key: TTAWrapper(make_model("clip"), TTAConfig(query_modality="image", score_transform="dn")) for key in "ab"}
+    for key, seed in (("a", 0), ("b", 1)):
+        x, _ = mixed_styles(seed)
+        tta.adapt_step({"pixel_values": x}, gallery, domain=key)
+        refs[key].adapt_step({"pixel_values": x}, gallery)
+    refs["new"] = TTAWrapper(make_model("clip"), TTAConfig(query_modality="image", score_transform="dn"))
+    loaded = AdapterState.capture(tta, ALL)
+    domains = {key: tta.domain_state(key) for key in tta.domain_keys}
+    x, _ = mixed_styles(2)
+    keys = ["a", "b", "new"] * (x.shape[0] // 3) + ["a"] * (x.shape[0] % 3)
+    out = tta.answer({"pixel_values": x}, gallery, domain=keys)
+    _, scores = tta.embed_and_score({"pixel_values": x}, gallery, domain=keys)
+    for key, ref in refs.items():
+        rows = torch.tensor([k == key for k in keys])
+        assert torch.equal(out.scores[rows], ref.answer({"pixel_values": x[rows]}, gallery).scores), key
+        assert torch.equal(scores[rows], ref.embed_and_score({"pixel_values": x[rows]}, gallery)[1]), key
+    assert AdapterState.capture(tta, ALL).equals(loaded) and tta.domain_keys == ["a", "b"]
+    assert all(tta.domain_state(key).equals(state) for key, state in domains.items())
+    x, _ = mixed_styles(3)  # and the next steps go on as if nothing had been asked
+    for key in "ba":
+        assert torch.equal(tta.adapt_step({"pixel_values": x}, gallery, domain=key).scores,
+                           refs[key].adapt_step({"pixel_values": x}, gallery).scores), key
 
 
 # ------------------------------------------------------------------------------------- reset, save, resume

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_tta import ChunkedGallery, RoutedTTAWrapper, RoutingConfig, TTAConfig, TTAWrapper
-from hf_tta.state import ALL, OPTIMIZER, PARAMS, ROLLBACK, STEP_UNDO, AdapterState
+from hf_tta.state import ALL, ANSWER, OPTIMIZER, PARAMS, ROLLBACK, STEP_UNDO, AdapterState
 from support import check_resume, dense_gallery, image_stream, state_of, style_stream
 from tiny_models import TINY_MODELS, batch, make_model
 
@@ -61,6 +61,33 @@ def test_a_capture_is_a_copy_not_a_view():
     snap.apply(tta)
     tta.adapt_step(image_stream(1, seed=9)[0], gallery)  # in-place AdamW updates must not reach the capture
     assert snap.equals(frozen)
+
+
+def test_a_view_shares_the_replaced_parts_and_applies_exactly():
+    """A view (what answers and the loop's undo read) shares the objective's state tensors instead of copying them,
+    and applying it later restores that state exactly; parameters and moments (written in place) cannot be viewed."""
+    tta, gallery = _adapted(score_transform="dn")
+    view, kept = AdapterState.view(tta, ANSWER), AdapterState.capture(tta, ANSWER)
+    assert all(view.objective[k] is t for k, t in tta.state.items()) and view.transform.keys() == tta.transform_state.keys()
+    tta.adapt_step(image_stream(1, seed=7)[0], gallery)
+    assert not AdapterState.capture(tta, ANSWER).equals(kept)
+    view.apply(tta)
+    assert AdapterState.capture(tta, ANSWER).equals(kept)
+    for parts in (STEP_UNDO, {PARAMS}, {OPTIMIZER}):
+        with pytest.raises(ValueError, match="written in place"):
+            AdapterState.view(tta, parts)
+
+
+def test_a_copy_is_independent_and_limited_to_its_parts():
+    tta, gallery = _adapted()
+    snap = AdapterState.capture(tta, ALL)
+    dup = snap.copy()
+    assert dup.equals(snap) and all(dup.params[n] is not t for n, t in snap.params.items())
+    for t in snap.params.values():
+        t.add_(1.0)  # the copy does not see it
+    assert not dup.equals(snap) and dup.equals(AdapterState.capture(tta, ALL))
+    only = AdapterState.capture(tta, ALL).only({PARAMS}).copy()
+    assert only.parts == {PARAMS} and only.optimizer is None and not only.objective
 
 
 def test_applying_a_fresh_optimiser_rebuilds_it():

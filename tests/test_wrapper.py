@@ -339,7 +339,7 @@ def test_recommended_preset_round_trips_and_builds_a_wrapper(tmp_path):
     assert TTAConfig.from_pretrained(tmp_path) == cfg
     assert TTAConfig.recommended("image", safety={"min_agreement": 0.3}).safety == {"min_agreement": 0.3}
     tta = TTAWrapper(make_model("clip"), TTAConfig.recommended("image"))
-    assert (tta.safety is not None) == (RECOMMENDED.get("safety") is not None)
+    assert tta.safety.active == (RECOMMENDED.get("safety") is not None)
     out = tta.adapt_step(batch("image", 8, seed=2), tta.encode_gallery(batch("text", 10, seed=1)))
     assert torch.isfinite(out.scores).all()
     tta.save_pretrained(tmp_path / "ckpt")

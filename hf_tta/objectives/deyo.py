@@ -15,9 +15,13 @@ exists only as bytecode, ``models/tta_baselines/__pycache__/deyo.cpython-39.pyc`
      spent on them here), and it sets the PLPD threshold to -1 for them [752: ``args.plpd_threshold = -1``], so every
      entropy-selected text query trains (``plpd_threshold`` applies to the other modalities);
   3. PLPD filter: PLPD > ``plpd_threshold`` = 0.0 [1008-1022];
-  4. loss = mean over the kept queries of E * (1/(exp(E - E_0) + 0.1) + (exp(PLPD) + 0.1)) [1400-1482], weights
-     detached, E_0 the k'-th smallest entropy **of the queries that survived both filters**, k' = int(``margin_e0`` n)
-     [1308-1374]; E_0 = +inf (entropy weight 10) when k' = 0 [1378-1398].
+  4. loss = mean over the kept queries of E * (1/(exp(E - E_0) + 0.1) + (exp(PLPD) + 0.1)) [1400-1482], E_0 the
+     k'-th smallest entropy **of the queries that survived both filters**, k' = int(``margin_e0`` n), taken as
+     ``torch.topk(entropys, k', largest=False)[0][-1]`` on the entropies that still carry the graph [1308-1374]; E_0 =
+     +inf (entropy weight 10) when k' = 0 [1378-1398]. The weight detaches only the per-query entropy E (``coeff``
+     from ``entropys.clone().detach()``), so **the gradient also flows through E_0** into the query whose entropy is
+     the k'-th smallest: d loss / d E_0 = mean_i E_i exp(E_i - E_0) / (exp(E_i - E_0) + 0.1)^2. This follows the code;
+     DeYO's paper (and ``"paper"`` below) treats the weights, its E_0 = ``margin_e0`` ln C included, as constants.
 
 ``selection="paper"`` (DeYO as published, thresholds as fractions of ln C, C = the number of softmax columns, here the
 gallery size; ``plpd_threshold`` 0.2 in the paper — set it):
@@ -78,7 +82,7 @@ class DeYOConfig(ObjectiveConfig):
         "tcr_port",
         "'tcr_port' (default; TCR's port): E below the k-th smallest, k = int(deyo_margin B) (strict <), E_0 = the "
         "k'-th smallest of the survivors of both filters, k' = int(margin_e0 n), weights 1/(exp(E - E_0) + 0.1) + "
-        "(exp(PLPD) + 0.1); text queries not augmented and trained with PLPD threshold -1. "
+        "(exp(PLPD) + 0.1), E_0 keeping its gradient; text queries not augmented and trained with PLPD threshold -1. "
         "'paper' (DeYO): E < deyo_margin * ln C, E_0 = margin_e0 * ln C, weights exp(-(E - E_0)) + exp(PLPD), token shuffle.",
     )
     deyo_margin: float = config_field(0.5, "Entropy filter: batch fraction ('tcr_port', strict <) or fraction of ln C ('paper'); TCR code: 0.5.")
@@ -165,9 +169,10 @@ def plpd(probs: torch.Tensor, probs_view: torch.Tensor) -> torch.Tensor:
 
 def port_kth_smallest(values: torch.Tensor, fraction: float) -> torch.Tensor | None:
     """TCR's port: ``torch.topk(values, k, largest=False)[0][-1]``, the k-th smallest of ``values`` with
-    ``k = int(len(values) * fraction)`` (capped at ``len(values)``), or ``None`` when ``k = 0``."""
+    ``k = int(len(values) * fraction)`` (capped at ``len(values)``), or ``None`` when ``k = 0``. It keeps ``values``'
+    graph, as the port's does (E_0's gradient reaches the k-th smallest entry); pass detached values for a threshold."""
     k = min(int(values.shape[0] * fraction), values.shape[0])
-    return values.detach().kthvalue(k).values if k > 0 else None
+    return torch.topk(values, k, largest=False).values[-1] if k > 0 else None
 
 
 @register_objective("deyo", DeYOConfig)
@@ -223,13 +228,13 @@ class DeYO(Objective):
         loss = ent
         if c.reweight_ent or c.reweight_plpd:
             e = ent.detach()
-            if port:  # offsets 1308-1398: E_0 from the survivors of both filters, +inf when k' = 0
-                e_0 = port_kth_smallest(e if context is None else torch.cat([e, context]), c.margin_e0)
+            if port:  # offsets 1308-1398: E_0 from the survivors of both filters, with their graph; +inf when k' = 0
+                e_0 = port_kth_smallest(ent if context is None else torch.cat([ent, context.to(ent)]), c.margin_e0)
                 e_0 = e_0 if e_0 is not None else torch.full((), float("inf"), dtype=e.dtype, device=e.device)
                 w_ent, w_plpd = 1 / (torch.exp(e - e_0) + 0.1), torch.exp(d) + 0.1
             else:
                 e_0 = log_classes_margin(c.margin_e0, entropy, logits.shape[1])
                 w_ent, w_plpd = torch.exp(-(e - e_0)), torch.exp(d)
-            logs["e_0"] = e_0
+            logs["e_0"] = e_0.detach()
             loss = ent * (float(c.reweight_ent) * w_ent + float(c.reweight_plpd) * w_plpd)
         return LossOutput(loss=loss.mean(), n_selected=int(keep.sum()), logits=logits, temperature=c.tau, logs=logs)
