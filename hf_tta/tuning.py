@@ -75,20 +75,22 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
             "This model already carries PEFT adapter layers (does another TTAWrapper wrap it?): pass a fresh "
             "source model, or load a checkpoint into the existing wrapper with its load_state(path)."
         )
-    target = config.target_modules
-    if config.tuning == "lora" and target is None:
+    tuned = config.tuning  # a TuningConfig
+    target = tuned.target_modules
+    if tuned.method == "lora" and target is None:
         raise ValueError("tuning='lora' needs target_modules naming the Linear/Conv layers to adapt, e.g. "
                          "target_modules='.*vision_model.*pwconv[12]'.")
-    if config.tuning == "bias" and target is None:
+    if tuned.method == "bias" and target is None:
         target = bias_modules(adapter, modality)
-    modules = resolve_target_modules(adapter, modality, target, config.exclude_modules)
+    modules = resolve_target_modules(adapter, modality, target, tuned.exclude_modules)
     pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
     with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if config.tuning == "lora":
-            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_rank, lora_dropout=0.0, target_modules=pattern)
+        if tuned.method == "lora":
+            rank = tuned.resolved_lora_rank
+            lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=pattern)
             with torch.random.fork_rng(devices=[]):  # A's initialisation: drawn from the config's seed, not global state
                 torch.manual_seed(config.seed)
                 try:
@@ -97,16 +99,16 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
                     raise ValueError(f"tuning='lora' cannot wrap {modules[:3]}: {err}") from err
         else:
             peft_model = get_peft_model(model, LNTuningConfig(target_modules=pattern))
-    if config.tuning == "bias":
+    if tuned.method == "bias":
         for name, p in model.named_parameters():
             if p.requires_grad and not name.endswith(".bias"):
                 p.requires_grad_(False)
     model.eval()
-    if config.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
+    if config.run.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
         enable_gradient_checkpointing(adapter, modality)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
-        raise ValueError(f"tuning={config.tuning!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
+        raise ValueError(f"tuning={tuned.method!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
     return Targets(peft_model, params, modules)
 
 
@@ -163,8 +165,9 @@ class SourceConsistency:
 def penalties(config, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]) -> list:
     """The loss terms ``config`` (a :class:`~hf_tta.TTAConfig`) adds to every step: the anchor, the consistency."""
     terms: list = []
-    if config.anchor_weight and params:
-        terms.append(Anchor(config.anchor_weight, model, params, source))
-    if config.consistency_weight and params:
-        terms.append(SourceConsistency(config.consistency_weight, config.consistency_top_k, config.consistency_temperature))
+    anchor, consistency = config.tuning.anchor_weight, config.consistency
+    if anchor and params:
+        terms.append(Anchor(anchor, model, params, source))
+    if consistency is not None and params:
+        terms.append(SourceConsistency(consistency.weight, consistency.top_k, consistency.temperature))
     return terms

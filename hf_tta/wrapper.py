@@ -88,14 +88,15 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         if self.objective.requires_grad:
             self._wrap_targets()
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
-        self.fast_step = cfg.fast_step if cfg.fast_step is not None else self.device.type == "cuda"
+        self.fast_step = cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda"
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
-        gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
+        gdc = cfg.gradient_decoupling
+        gd = GradientDecoupling(cfg.objective, gdc.per_tensor, gdc.weight_on) if gdc is not None else None
         self._capture_source()
         self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd,
                              penalties=tuning.penalties(cfg, self.model, self.params, self._source_params))
@@ -123,7 +124,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
     def _make_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
-        groups = tuning.param_groups(self.params, self.lr, self.config.lr_multipliers)
+        groups = tuning.param_groups(self.params, self.lr, self.config.tuning.lr_multipliers)
         opt = self.objective.make_optimizer(groups, self.lr, self.config.weight_decay)
         if self.fast_step and type(opt) is torch.optim.AdamW and not opt.defaults["fused"]:
             # the same update in one fused kernel, which can also skip a step on the device (``found_inf``)
@@ -180,7 +181,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
                 of such dicts (e.g. a DataLoader over a large gallery).
             batch_size: chunk size for a dict input (default ``config.gallery_batch_size``).
         """
-        parts = list(batching.chunks(inputs, batch_size or self.config.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
+        parts = list(batching.chunks(inputs, batch_size or self.config.run.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
         embs = []
         total = len(parts) if hasattr(parts, "__len__") else None
         show = show_progress if show_progress is not None else (total is None or total > 4)
@@ -325,7 +326,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             inputs, result = self._score_only(batch, source)
             scores = result.scores
         else:
-            answer = self._view(batch, self.config.steps - 1) if (scoring or self.config.scoring) == "before_update" else None
+            answer = self._view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
             with torch.enable_grad():
                 result = self.loop.run(self, self.params, partial(self._inputs, batch, source_cache=cache), self._recover)
@@ -460,7 +461,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             safety_tensors, meta["safety"] = self.safety.state_tensors()
             tensors.update(safety_tensors)
         meta["param_names"] = list(self.params)
-        return self.resolved_config().to_dict(), tensors, meta
+        return self.config.checkpoint_dict(lr=self.lr, gallery_modality=self.gallery_modality), tensors, meta
 
     def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
         """Load a checkpoint of :meth:`_checkpoint_payload`; everything is checked before anything changes."""
