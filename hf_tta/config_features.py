@@ -93,8 +93,8 @@ class TuningConfig(ConfigMixin):
                                  "drop it or set method='lora'.")
             check_positive_int("lora_rank", self.lora_rank, owner="TuningConfig")
         if self.method == "lora" and self.target_modules is None:
-            raise ValueError("TuningConfig method='lora' needs target_modules naming the Linear/Conv layers to adapt, "
-                             "e.g. target_modules='.*vision_model.*mlp.fc[12]'.")
+            raise ValueError("TuningConfig `target_modules` is required with method='lora': name the Linear/Conv layers "
+                             "to adapt, e.g. target_modules='.*vision_model.*mlp.fc[12]'.")
         check_positive("anchor_weight", self.anchor_weight, allow_zero=True, owner="TuningConfig")
         for pattern, factor in self.lr_multipliers.items():
             if not isinstance(factor, (int, float)) or isinstance(factor, bool):
