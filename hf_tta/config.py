@@ -28,7 +28,14 @@ from .config_features import (
     build_safety_config,
 )
 from .config_flat import FLAT_FIELDS, flat_keys, nest
-from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_known_keys, check_positive
+from .configuration_utils import (
+    ConfigMixin,
+    ConfigTypeError,
+    check_choice,
+    check_field_types,
+    check_known_keys,
+    check_positive,
+)
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import RECOMMENDED
@@ -373,7 +380,7 @@ def _nested(name: str, value: Any) -> Any:
     if value is None or isinstance(value, config_class):
         return value
     optional = "None, " if name in ("gradient_decoupling", "consistency") else ""
-    raise TypeError(f"`{name}` must be {optional}a {config_class.__name__} or a dict of its fields, got {value!r}.")
+    raise ConfigTypeError(f"`{name}` must be {optional}a {config_class.__name__} or a dict of its fields, got {value!r}.")
 
 
 def _build(name: str, overrides: dict[str, Any], field_name: str) -> ObjectiveConfig:

@@ -87,6 +87,56 @@ def test_a_bad_or_dependent_field_is_refused_in_one_line(make, message):
     assert message in str(info.value) and len(str(info.value).splitlines()) == 1, str(info.value)
 
 
+def test_config_validation_names_the_fix():
+    with pytest.raises(ValueError, match="Unknown objective 'tnet'"):
+        TTAConfig(objective="tnet")
+    with pytest.raises(ValueError, match="valid keys"):
+        TTAConfig(objective="tcr", objective_config={"temperature": 0.1})
+    with pytest.raises(ValueError, match="steps"):
+        TTAConfig(steps=0)
+    with pytest.raises(ValueError, match="tau"):
+        TTAConfig(objective="tcr", objective_config={"tau": -1.0})
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"objective_config": {"tau": None}}, "tau"),  # None only where a field is optional
+        ({"objective_config": {"tau": "0.01"}}, "tau"),  # a string named, not a bare '>' TypeError
+        ({"objective_config": {"tau": float("nan")}}, "tau"),
+        ({"objective_config": {"queue_size": 64.5}}, "queue_size"),
+        ({"steps": True}, "steps"),  # bool is not an int here
+        ({"lr": float("inf")}, "lr"),
+        ({"run": {"gallery_batch_size": 2.5}}, "gallery_batch_size"),
+        ({"seed": "x"}, "seed"),
+        ({"gradient_decoupling": 1}, "gradient_decoupling"),
+        ({"safety": {"max_rollbacks": 2.0}}, "max_rollbacks"),
+    ],
+)
+def test_config_field_types_are_checked_and_named(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}` must be") as info:
+        TTAConfig(objective="tcr", **kwargs)
+    assert isinstance(info.value, TypeError)  # and a ValueError, like every other bad config value
+
+
+def test_every_registered_config_checks_its_field_types():
+    import dataclasses
+    import typing
+
+    from hf_tta.objectives import available_objectives
+    from hf_tta.objectives.base import get_objective_class
+
+    for name in available_objectives():
+        cls = get_objective_class(name).config_class
+        hints = typing.get_type_hints(cls)
+        number = next(f.name for f in dataclasses.fields(cls) if hints[f.name] in (int, float))
+        cls()  # the paper defaults pass
+        with pytest.raises(TypeError, match=f"{cls.__name__} `{number}`"):
+            cls(**{number: None})
+        with pytest.raises(TypeError, match=f"`{number}`"):
+            cls(**{number: True})
+
+
 @pytest.mark.parametrize("objective", available_objectives())
 def test_one_rule_for_every_objective(objective):
     """A feature that adapts parameters is refused by every training-free objective and validated the same way for
