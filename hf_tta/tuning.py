@@ -1,8 +1,8 @@
 """What a wrapper adapts and how fast: the PEFT wrapping of the query tower, per-group learning rates, and the pull
 towards the source weights.
 
-``TTAConfig.tuning`` picks how the selected modules (``target_modules``, default: the query tower's normalisation
-layers) adapt:
+``TTAConfig.tuning`` (a :class:`~hf_tta.TuningConfig`) picks with its ``method`` how the selected modules
+(``target_modules``, default: the query tower's normalisation layers) adapt:
 
 * ``"ln"`` (default, every seed's methods): every parameter of the selected modules, through PEFT's LN tuning (a
   trainable copy of each module; ``disable_adapter()`` computes with the frozen originals).
@@ -20,9 +20,9 @@ rate (the first match wins, others keep 1), so deeper parameters can move slower
 reference): ``(alpha / 2) * sum_i ||theta_i - theta_i^0||^2`` over the adapted tensors, where for a LoRA layer the
 distance is that of its effective weight, ``||ΔW||_F^2``. It is added to every step's loss (:class:`Anchor`).
 
-``consistency_weight`` adds a pull towards the source model's *predictions* instead of its weights
-(:class:`SourceConsistency`): ``w * mean_i KL(p^0_i || p_i)``, where ``p^0_i`` and ``p_i`` are the source's and the
-adapted model's softmax at temperature ``consistency_temperature`` over query ``i``'s ``consistency_top_k`` items of
+``TTAConfig.consistency`` (a :class:`~hf_tta.ConsistencyConfig`) adds a pull towards the source model's
+*predictions* instead of its weights (:class:`SourceConsistency`): ``weight * mean_i KL(p^0_i || p_i)``, where ``p^0_i``
+and ``p_i`` are the source's and the adapted model's softmax at ``temperature`` over query ``i``'s ``top_k`` items of
 highest source score (the top-k the safety layer compares; issue 29's "consistency with the source on the top-k").
 A query the source is sure of keeps its answer; where the source is unsure the target is flat, and the pull then also
 resists the adapted model becoming sure. On the emoji benchmark it cost TCR's gain at every weight tried (0.01 to 10;

@@ -179,7 +179,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         Args:
             inputs: a dict of tensors with one row per gallery item (e.g. a tokenizer's output), or an iterable
                 of such dicts (e.g. a DataLoader over a large gallery).
-            batch_size: chunk size for a dict input (default ``config.gallery_batch_size``).
+            batch_size: chunk size for a dict input (default ``config.run.gallery_batch_size``).
         """
         parts = list(batching.chunks(inputs, batch_size or self.config.run.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
         embs = []
@@ -303,7 +303,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         (:mod:`hf_tta.loop`). A step with nothing selected, or with a non-finite loss or gradient, updates nothing and
         is listed in ``TTAOutput.skipped``. ``labels`` (each query's relevant gallery items: a ``(B, N)`` bool mask or
         a list of index lists) is for supervised objectives only (``oracle``, the benchmark's ceilings) and refused
-        otherwise. With ``config.scoring="before_update"`` (or ``scoring=`` for this batch) the current model answers
+        otherwise. With ``config.run.scoring="before_update"`` (or ``scoring=`` for this batch) the current model answers
         before the batch adapts it (:meth:`answer` gives that answer alone). A live top-k backend stays at one version
         for the step (:func:`hf_tta.batch.pinned`).
         """
