@@ -52,7 +52,7 @@ class Penalty(Protocol):
 
 @dataclass
 class GradientDecoupling:
-    """REST's gradient decoupling settings (``TTAConfig.gradient_decoupling``: a ``GradientDecouplingConfig``)."""
+    """REST's gradient decoupling settings (``TTAConfig.gradient_decoupling``, ``gd_per_tensor``, ``gd_weight_on``)."""
 
     objective: str
     per_tensor: bool = False
