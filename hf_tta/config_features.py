@@ -67,7 +67,7 @@ class TuningConfig(ConfigMixin):
     )
     lora_rank: int | None = field(
         default=None,
-        metadata={"help": f"LoRA rank r with tuning='lora' (lora_alpha = r: scale 1); None = {DEFAULT_LORA_RANK}."},
+        metadata={"help": f"LoRA rank r with method 'lora' (lora_alpha = r: scale 1; default {DEFAULT_LORA_RANK}); refused with another method."},
     )
     lr_multipliers: dict[str, float] = field(
         default_factory=dict,

@@ -118,7 +118,7 @@ def test_all_params_and_dn_rows_configure_the_wrapper():
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
     noise = Condition("i2t", "gaussian_noise", 5)
     plain, wide = runner.row_config("tcr", noise, 0), runner.row_config("tcr+all+dn", noise, 0)
-    assert plain.target_modules is None and plain.score_transform is None
+    assert plain.tuning.target_modules is None and plain.score_transform is None
     assert wide.tuning.target_modules == runner.row_config("oracle_all", noise, 0).tuning.target_modules and wide.score_transform == "dn"
     row = runner.run(Job(noise, "tcr+all+dn", 0))
     assert "error" not in row, row.get("error")
