@@ -15,6 +15,7 @@ import torch
 from hf_tta import (
     ConsistencyConfig,
     GradientDecouplingConfig,
+    RoutedTTAWrapper,
     RunConfig,
     SafetyConfig,
     TTAConfig,
@@ -267,6 +268,16 @@ def test_from_pretrained_config_equals_the_config_saved_from(cfg, tmp_path):
     q = batch("image", 5, seed=99)
     g = tta.encode_gallery(batch("text", 10, seed=1))
     assert torch.equal(loaded.adapt_step(q, g).scores, tta.adapt_step(q, g).scores)
+
+
+def test_a_routed_checkpoint_keeps_the_config_as_given(tmp_path):
+    cfg = TTAConfig(objective="tent", safety={})
+    tta = RoutedTTAWrapper(make_model("clip"), cfg)
+    g = tta.encode_gallery(batch("text", 10, seed=1))
+    tta.adapt_step(batch("image", 8, seed=3), g)
+    tta.save_pretrained(tmp_path)
+    loaded = RoutedTTAWrapper.from_pretrained(make_model("clip"), tmp_path)
+    assert loaded.config == cfg and loaded.lr == tta.lr and loaded.domain_keys == tta.domain_keys
 
 
 def test_a_checkpoint_loads_across_run_settings_not_across_tuning(tmp_path):
