@@ -96,7 +96,7 @@ def test_a_row_at_its_own_lr_runs_at_it_and_the_others_at_the_grids():
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, lr=1e-4))
     cond = Condition("i2t", "clean")
     assert runner.row_config("tcr@3e-3", cond, 0).lr == 3e-3 and runner.row_config("tcr", cond, 0).lr == 1e-4
-    assert runner.row_config("oracle_all@1e-2", cond, 0).target_modules  # the options still apply
+    assert runner.row_config("oracle_all@1e-2", cond, 0).tuning.target_modules  # the options still apply
 
 
 def test_safe_and_routed_rows_run_and_report_what_they_did():
