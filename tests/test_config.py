@@ -304,3 +304,14 @@ def test_a_flat_checkpoint_of_v01_loads(tmp_path):
         loaded = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "old")
     assert loaded.config == tta.resolved_config() and loaded.batch_index == 2
     assert all(torch.equal(loaded.params[n], p) for n, p in tta.params.items())
+
+
+def test_the_config_modules_examples_run():
+    import doctest
+
+    import hf_tta.config
+    import hf_tta.config_features
+
+    for module in (hf_tta.config, hf_tta.config_features):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__
