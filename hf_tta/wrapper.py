@@ -95,8 +95,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.safety = SafetyMonitor(cfg.build_safety_config()) if cfg.safety is not None else None
-        gdc = cfg.gradient_decoupling
-        gd = GradientDecoupling(cfg.objective, gdc.per_tensor, gdc.weight_on) if gdc is not None else None
+        gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
         self._capture_source()
         self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd,
                              penalties=tuning.penalties(cfg, self.model, self.params, self._source_params))

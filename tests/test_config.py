@@ -27,6 +27,7 @@ from hf_tta.config_flat import FLAT_FIELDS, flatten, nest
 from hf_tta.configuration_utils import ConfigMixin
 from hf_tta.objectives import available_objectives
 from hf_tta.objectives.base import get_objective_class
+from hf_tta.update_budget import UpdateBudgetConfig
 from tiny_models import batch, make_model
 
 MLP = ".*vision_model.*mlp.fc[12]"
@@ -48,15 +49,16 @@ NESTED_V01 = TTAConfig(
 )
 
 
-def test_top_level_fields_30_before_18_after_each_feature_a_config():
+def test_top_level_fields_31_before_19_after_each_feature_a_config():
     fields = {f.name: f for f in dataclasses.fields(TTAConfig)}
-    assert len(fields) == 18  # 30 flat fields before the features nested (issue 35)
-    assert len(FLAT_FIELDS) + len(fields) - 4 == 29  # every flat name, the 4 groups, and gradient_decoupling's switch
+    assert len(fields) == 19  # 31 flat fields before the features nested (30 at issue 35's review, + update_budget)
+    flat = len(fields) - 4 + len(FLAT_FIELDS) + 1  # the plain fields, the flat names of 4 groups, gd's switch
+    assert flat == 31
     groups = {name: f.metadata["config_class"] for name, f in fields.items() if "config_class" in f.metadata}
-    assert groups == {"tuning": TuningConfig, "gradient_decoupling": GradientDecouplingConfig,
-                      "consistency": ConsistencyConfig, "safety": SafetyConfig, "run": RunConfig}
+    assert groups == {"tuning": TuningConfig, "gradient_decoupling": GradientDecouplingConfig, "consistency": ConsistencyConfig,
+                      "safety": SafetyConfig, "update_budget": UpdateBudgetConfig, "run": RunConfig}
     assert all(issubclass(c, ConfigMixin) for c in groups.values())
-    assert {n for n, c in groups.items() if c.loads_across_checkpoints} == {"safety", "run"}  # by type, not by name
+    assert {n for n, c in groups.items() if getattr(c, "loads_across_checkpoints", False)} == {"safety", "run"}  # by type
 
 
 # ------------------------------------------------------------------------------------- refusals
