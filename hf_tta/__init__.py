@@ -1,7 +1,14 @@
 """hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
 
 from . import logging  # noqa: F401  (hf_tta.logging.set_verbosity_*; first: configures the hf_tta logger)
-from .config import SafetyConfig, TTAConfig
+from .config import (
+    ConsistencyConfig,
+    GradientDecouplingConfig,
+    RunConfig,
+    SafetyConfig,
+    TTAConfig,
+    TuningConfig,
+)
 from .distributed import DistributedTTAWrapper, init_distributed
 from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
 from .gallery.cache import GalleryCache
@@ -33,10 +40,12 @@ __all__ = [
     "ShardedGallery",
     "TopKScores",
     "ClapAdapter",
+    "ConsistencyConfig",
     "DistributedTTAWrapper",
     "DomainRouter",
     "DualEncoderAdapter",
     "GalleryCache",
+    "GradientDecouplingConfig",
     "LossOutput",
     "ModelAdapter",
     "Objective",
@@ -44,10 +53,12 @@ __all__ = [
     "ObjectiveInputs",
     "RoutedTTAWrapper",
     "RoutingConfig",
+    "RunConfig",
     "SafetyConfig",
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",
+    "TuningConfig",
     "UpdateBudgetConfig",
     "XCLIPAdapter",
     "available_objectives",

@@ -85,7 +85,7 @@ def warn_small_batch(n: int, objective: Objective, safety_min: int | None, windo
     logger.warning(
         "adapt_step got %d queries (%r's batch statistics and the safety layer want at least %d): set "
         "TTAConfig(window=%d) so the batch statistics also cover the recent queries (gradients only through the current "
-        "ones), buffer queries into larger batches, or answer single queries with TTAConfig(scoring='before_update') "
+        "ones), buffer queries into larger batches, or answer single queries with TTAConfig(run=RunConfig(scoring='before_update')) "
         "and adapt on buffered batches (this warning is shown once).", n, objective.name, floor, max(64 - n, floor - n),
     )
 

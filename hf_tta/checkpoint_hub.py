@@ -160,7 +160,11 @@ class CheckpointMixin:
 
     @classmethod
     def _init_kwargs(cls, config: dict[str, Any]) -> dict[str, Any]:
-        """The constructor's keyword arguments from a checkpoint's config."""
+        """The constructor's keyword arguments from a checkpoint's config (a routed checkpoint's is refused here,
+        before the model is wrapped: TTAConfig refuses keys it does not define)."""
+        if "routing" in config:
+            raise ValueError("This checkpoint holds one adapter per domain (saved by RoutedTTAWrapper): load it with "
+                             "RoutedTTAWrapper.from_pretrained.")
         return {"config": TTAConfig.from_dict(config)}
 
     @classmethod

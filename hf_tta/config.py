@@ -1,106 +1,57 @@
-"""``TTAConfig``: everything the wrapper needs to know, serialisable to ``tta_config.json``."""
+"""``TTAConfig``: everything the wrapper needs to know, serialisable to ``tta_config.json``.
+
+Its optional features are configs of their own (:mod:`hf_tta.config_features`, grouped as ``peft`` groups a tuner's
+fields): ``tuning`` (:class:`TuningConfig`), ``gradient_decoupling`` (:class:`GradientDecouplingConfig` or ``None``),
+``consistency`` (:class:`ConsistencyConfig` or ``None``), ``safety`` (:class:`SafetyConfig` overrides or ``None``) and
+``run`` (:class:`RunConfig`: how to run, which a checkpoint loads across). The flat spelling of hf_tta 0.1 and of the
+command line (``lora_rank=8``) converts in one place, :func:`hf_tta.config_flat.nest`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import re
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .configuration_utils import ConfigMixin, check_choice, check_field_types, check_positive, check_positive_int
+from .config_features import (
+    DEFAULT_LORA_RANK,
+    SCORING,
+    TUNINGS,
+    ConsistencyConfig,
+    GradientDecouplingConfig,
+    RunConfig,
+    SafetyConfig,
+    TuningConfig,
+    build_safety_config,
+)
+from .config_flat import FLAT_FIELDS, flat_keys, nest
+from .configuration_utils import (
+    ConfigMixin,
+    ConfigTypeError,
+    check_choice,
+    check_field_types,
+    check_known_keys,
+    check_positive,
+)
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import RECOMMENDED
 from .update_budget import UpdateBudgetConfig, build_update_budget_config
 
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TTAConfig", "TuningConfig", "GradientDecouplingConfig", "ConsistencyConfig", "SafetyConfig", "RunConfig",
+    "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
+]
+
 AUTOCAST_DTYPES = ("bf16", "fp16")
 RESET_POLICIES = ("never", "episodic")
-TUNINGS = ("ln", "bias", "lora")  # hf_tta.tuning
-SCORING = ("after_update", "before_update")
-#: Config fields that say how to run, not what the adapted state means: a checkpoint loads across them (a checkpoint
-#: saved without the safety layer loads into a wrapper with it, whose monitors then start fresh).
-RUN_ONLY_FIELDS = ("fast_step", "gallery_batch_size", "safety", "scoring", "gradient_checkpointing")
-
-
-@dataclass
-class SafetyConfig(ConfigMixin):
-    """Thresholds of the safety layer (see :mod:`hf_tta.safety` for the rule). Defaults are set a priori, before
-    any tuning; every threshold can be switched off (the value given in its help).
-
-    Example:
-        >>> cfg = SafetyConfig(min_agreement=0.3)
-        >>> SafetyConfig.from_dict(cfg.to_dict()) == cfg
-        True
-    """
-
-    min_queries: int = field(
-        default=8, metadata={"help": "Batches with fewer queries are adapted on without judgement (noisy signals)."}
-    )
-    min_source_diversity: float = field(
-        default=0.1,
-        metadata={
-            "help": "A batch whose source top-1 diversity ((distinct - 1) / (B - 1)) is below this is degenerate and "
-            "not adapted on (any value > 0 flags a batch whose queries all retrieve one item). 0 disables."
-        },
-    )
-    collapse_ratio: float = field(
-        default=0.5,
-        metadata={"help": "Adapted diversity < collapse_ratio x source diversity = collapse: reset. 0 disables."},
-    )
-    min_agreement: float = field(
-        default=0.2, metadata={"help": "Adapted-vs-source top-1 agreement below this floor: rollback. 0 disables."}
-    )
-    max_agreement_drop: float = field(
-        default=0.5,
-        metadata={"help": "Agreement < (1 - max_agreement_drop) x its EMA over kept batches: rollback. 1 disables."},
-    )
-    agreement_ema_decay: float = field(
-        default=0.9, metadata={"help": "Decay of the agreement's EMA (the first kept batch initialises it)."}
-    )
-    max_rollbacks: int = field(
-        default=3, metadata={"help": "This many rollbacks in a row reset to the source model instead."}
-    )
-    snapshot_every: int = field(
-        default=1, metadata={"help": "Refresh the last-good snapshot after this many kept batches in a row."}
-    )
-    entropy_temperature: float = field(
-        default=0.01, metadata={"help": "Temperature of the logged refined-prediction entropy (a log, not a trigger)."}
-    )
-
-    def __post_init__(self):
-        check_field_types(self)
-        for name in ("min_queries", "max_rollbacks", "snapshot_every"):
-            check_positive_int(name, getattr(self, name), owner="SafetyConfig")
-        ranges = {
-            "min_source_diversity": (0.0, 1.0, "[0, 1]", True),
-            "collapse_ratio": (0.0, 1.0, "[0, 1]", True),
-            "min_agreement": (0.0, 1.0, "[0, 1]", True),
-            "max_agreement_drop": (0.0, 1.0, "(0, 1]", True),
-            "agreement_ema_decay": (0.0, 1.0, "[0, 1)", False),
-        }
-        for name, (lo, hi, text, hi_ok) in ranges.items():
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
-            ok = ok and (hi_ok or value < hi) and not (name == "max_agreement_drop" and value == 0)
-            if not ok:
-                raise ValueError(f"SafetyConfig `{name}` must be in {text}, got {value!r}.")
-        if not isinstance(self.entropy_temperature, (int, float)) or not self.entropy_temperature > 0:
-            raise ValueError(f"SafetyConfig `entropy_temperature` must be > 0, got {self.entropy_temperature!r}.")
-
-
-def build_safety_config(value: SafetyConfig | Mapping[str, Any] | None) -> SafetyConfig | None:
-    """``TTAConfig.safety`` (``None``, a dict of overrides or a :class:`SafetyConfig`) as a :class:`SafetyConfig`."""
-    if value is None or isinstance(value, SafetyConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise TypeError(f"`safety` must be None, a dict of SafetyConfig overrides or a SafetyConfig, got {value!r}.")
-    known = {f.name for f in dataclasses.fields(SafetyConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"`safety` has keys {unknown} that SafetyConfig does not define; valid keys: {sorted(known)}.")
-    return SafetyConfig(**value)
-
+#: The key of a checkpoint's ``tta_config.json`` that keeps the config as the user gave it (the rest is resolved).
+AS_GIVEN = "as_given"
 
 
 @dataclass
@@ -112,9 +63,13 @@ class TTAConfig(ConfigMixin):
     BLIP-style text queries, 3e-4 for CLIP text), LayerNorm affine parameters of the query tower only.
 
     Example:
-        >>> cfg = TTAConfig(objective="tcr", query_modality="image", objective_config={"tau": 0.02})
+        >>> cfg = TTAConfig(objective="tcr", query_modality="image", objective_config={"tau": 0.02},
+        ...                 tuning=TuningConfig(method="lora", target_modules=".*mlp.fc[12]", lora_rank=8),
+        ...                 consistency=ConsistencyConfig(weight=1.0))
         >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
         True
+        >>> cfg.to_dict()["tuning"]["lora_rank"], cfg.to_dict()["gradient_decoupling"]
+        (8, None)
     """
 
     config_file_name = "tta_config.json"
@@ -137,95 +92,31 @@ class TTAConfig(ConfigMixin):
         default="never",
         metadata={"help": "'never' = continual adaptation over the stream (TCR); 'episodic' = reset after every batch."},
     )
-    target_modules: list[str] | str | None = field(
+    tuning: TuningConfig = field(
+        default_factory=TuningConfig,
+        metadata={
+            "config_class": TuningConfig,
+            "help": "What adapts and how (hf_tta.tuning): a TuningConfig (method 'ln' / 'bias' / 'lora', target_modules, "
+            "exclude_modules, lora_rank, lr_multipliers, anchor_weight) or a dict of its fields. Default: every "
+            "parameter of the query tower's normalisation layers; a training-free objective takes the default only.",
+        },
+    )
+    gradient_decoupling: GradientDecouplingConfig | None = field(
         default=None,
         metadata={
-            "help": "Modules to adapt (PEFT semantics: a regex that full-matches, or a list of names/suffixes). "
-            "None = the normalisation layers of the query tower."
+            "config_class": GradientDecouplingConfig,
+            "help": "REST's gradient decoupling (Eq. 15-17) around any gradient objective: a GradientDecouplingConfig "
+            "(or a dict of its fields; True = its defaults) turns it on, None = off. The source prediction comes from "
+            "the frozen source model over the objective's own candidates. REST uses it under diverse query shift.",
         },
     )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Modules never to adapt (same semantics as target_modules)."}
-    )
-    tuning: str = field(
-        default="ln",
-        metadata={
-            "help": "How the selected modules adapt (hf_tta.tuning): 'ln' = all their parameters (PEFT LN tuning; the "
-            "papers' choice on norm layers), 'bias' = their biases only (BitFit; default selection: every module of the "
-            "query tower with a bias), 'lora' = a rank-`lora_rank` LoRA update of each selected Linear/Conv."
-        },
-    )
-    lora_rank: int = field(default=4, metadata={"help": "LoRA rank r with tuning='lora' (lora_alpha = r: scale 1)."})
-    lr_multipliers: dict[str, float] = field(
-        default_factory=dict,
-        metadata={
-            "help": "Per-group learning rates: {regex: factor}, searched in each adapted parameter's name, first match "
-            "wins, others x1; e.g. {'pwconv': 0.1} moves the MLPs ten times slower than the norms."
-        },
-    )
-    anchor_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "L2-SP pull towards the source weights added to every step's loss: (anchor_weight / 2) * "
-            "sum ||theta - theta_source||^2 (for LoRA: ||delta W||_F^2); 0 = off (the papers' methods)."
-        },
-    )
-    consistency_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "Consistency with the source model's predictions added to every step's loss: consistency_weight * "
-            "mean KL(p_source || p_adapted) over each query's `consistency_top_k` source top items at temperature "
-            "`consistency_temperature` (hf_tta.tuning.SourceConsistency); 0 = off (the papers' methods)."
-        },
-    )
-    consistency_top_k: int = field(default=5, metadata={"help": "Source top-k items the consistency term compares."})
-    consistency_temperature: float = field(
-        default=0.01, metadata={"help": "Temperature of the consistency term's softmax over the top-k scores."}
-    )
-    gallery_batch_size: int = field(default=256, metadata={"help": "Chunk size when encoding the gallery (no grad)."})
-    autocast_dtype: str | None = field(
-        default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Recompute the query tower's transformer layers in the backward pass (transformers' activation "
-            "checkpointing): ViT-B/16 CLIP at batch 64 peaks at 2.5 GiB instead of 7.6 GiB on CPU "
-            "(recipes/memory_peak.py), one extra forward per step, identical gradients."
-        },
-    )
-    seed: int = field(default=0, metadata={"help": "Seed of the wrapper's RNG (used by objectives that sample)."})
-    fast_step: bool | None = field(
+    consistency: ConsistencyConfig | None = field(
         default=None,
         metadata={
-            "help": "One host sync per adapt_step: fused AdamW, with steps that select nothing or are non-finite skipped "
-            "on the device (a non-finite step rolls the batch back and replays it with per-step checks, so results "
-            "equal the checked loop). None = on when the model is on CUDA; False = the per-step checked loop."
-        },
-    )
-    gradient_decoupling: bool = field(
-        default=False,
-        metadata={
-            "help": "REST's gradient decoupling (Eq. 15-17) around any gradient objective: the gradient's component that "
-            "conflicts with the gradient of KL(source prediction || adapted prediction) is removed and the update is "
-            "scaled by exp(-KL). The source prediction comes from the frozen source model (PEFT disable-adapter) over "
-            "the objective's own candidates. REST uses it under diverse query shift."
-        },
-    )
-    gd_weight_on: str = field(
-        default="step_size",
-        metadata={
-            "help": "Where gradient decoupling's weight W_d = exp(-KL) acts: 'step_size' (default) multiplies the "
-            "learning rate of that step by W_d, so the AdamW update shrinks by exactly W_d (AdamW ignores a constant "
-            "scale on the gradient); 'gradient' multiplies the gradient (REST Eq. 17 literally, almost no effect "
-            "under AdamW)."
-        },
-    )
-    gd_per_tensor: bool = field(
-        default=False,
-        metadata={
-            "help": "Project each adapted tensor's gradient separately; default False = one flattened vector of all "
-            "adapted parameters."
+            "config_class": ConsistencyConfig,
+            "help": "A pull towards the source model's predictions added to every step's loss (hf_tta.tuning."
+            "SourceConsistency): a ConsistencyConfig (weight, top_k, temperature) or a dict of its fields turns it "
+            "on; None = off (the papers' methods).",
         },
     )
     score_transform: str | None = field(
@@ -239,16 +130,6 @@ class TTAConfig(ConfigMixin):
     score_transform_config: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Overrides of the score transform's hyper-parameters."}
     )
-    scoring: str = field(
-        default="after_update",
-        metadata={
-            "help": "Which model answers a batch: 'after_update' (the papers' protocol: the forward of the last step) "
-            "or 'before_update' (one no-grad forward of the current model answers, then the batch is adapted on: "
-            "the answer never waits for a backward pass; the parameter trajectory is the same). With a supervised "
-            "objective ('oracle') 'before_update' is the prequential protocol: each batch is scored before its labels "
-            "train the model."
-        },
-    )
     window: int = field(
         default=0,
         metadata={
@@ -261,6 +142,7 @@ class TTAConfig(ConfigMixin):
     safety: dict[str, Any] | None = field(
         default=None,
         metadata={
+            "config_class": SafetyConfig,
             "help": "The safety layer (hf_tta.safety): None = off (default: the papers' methods as published; "
             "TTAConfig.recommended turns it on); a dict of SafetyConfig "
             "overrides ({} = the defaults) or a SafetyConfig turns it on. It rolls back or resets adaptation that "
@@ -268,13 +150,27 @@ class TTAConfig(ConfigMixin):
             "training-free objective (dn) it keeps degenerate batches out of its state."
         },
     )
+
+    autocast_dtype: str | None = field(
+        default=None, metadata={"help": "Mixed precision for the query forward: 'bf16', 'fp16' or None (fp32)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the wrapper's RNG (used by objectives that sample)."})
     update_budget: dict[str, Any] | None = field(
         default=None,
         metadata={
+            "config_class": UpdateBudgetConfig,
             "help": "Adapt on some batches only, answer every batch (hf_tta.update_budget): None = every batch (the "
             "papers); {'fraction': f} = an evenly spaced share f of the batches; {'entropy_threshold': t} = only "
             "batches whose mean normalised prediction entropy exceeds t. A skipped batch costs one no-grad forward "
-            "and changes nothing adapted."
+            "and changes nothing adapted.",
+        },
+    )
+    run: RunConfig = field(
+        default_factory=RunConfig,
+        metadata={
+            "config_class": RunConfig,
+            "help": "How the wrapper runs (a RunConfig or a dict of its fields: gallery_batch_size, fast_step, scoring, "
+            "gradient_checkpointing); a checkpoint loads across these settings.",
         },
     )
 
@@ -290,6 +186,10 @@ class TTAConfig(ConfigMixin):
             self.safety = self.safety.to_dict()
         if isinstance(self.update_budget, UpdateBudgetConfig):
             self.update_budget = self.update_budget.to_dict()
+        if isinstance(self.gradient_decoupling, bool):  # True: the defaults; False: off
+            self.gradient_decoupling = GradientDecouplingConfig() if self.gradient_decoupling else None
+        for name in ("tuning", "gradient_decoupling", "consistency", "run"):
+            setattr(self, name, _nested(name, getattr(self, name)))
         check_field_types(self)
         for name in ("query_modality", "gallery_modality"):
             value = getattr(self, name)
@@ -301,38 +201,20 @@ class TTAConfig(ConfigMixin):
             raise ValueError(f"`steps` must be an integer >= 1, got {self.steps!r}.")
         check_positive("lr", self.lr)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
-        check_positive("gallery_batch_size", self.gallery_batch_size)
         check_choice("reset_policy", self.reset_policy, RESET_POLICIES)
-        check_choice("tuning", self.tuning, TUNINGS)
-        check_positive_int("lora_rank", self.lora_rank)
-        check_positive("anchor_weight", self.anchor_weight, allow_zero=True)
-        check_positive("consistency_weight", self.consistency_weight, allow_zero=True)
-        check_positive_int("consistency_top_k", self.consistency_top_k)
-        check_positive("consistency_temperature", self.consistency_temperature)
-        if not isinstance(self.lr_multipliers, dict):
-            raise TypeError("`lr_multipliers` must be a dict {regex: factor}, e.g. {'pwconv': 0.1}.")
-        for pattern, factor in self.lr_multipliers.items():
-            check_positive(f"lr_multipliers[{pattern!r}]", factor)
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"`lr_multipliers` key {pattern!r} is not a regular expression ({err}).") from None
-        check_choice("scoring", self.scoring, SCORING)
-        check_choice("gd_weight_on", self.gd_weight_on, ("step_size", "gradient"))
         check_choice("autocast_dtype", self.autocast_dtype, AUTOCAST_DTYPES, allow_none=True)
         if self.autocast_dtype == "fp16":
             raise ValueError(
                 "`autocast_dtype='fp16'` needs a gradient scaler that TTAWrapper does not run (fp16 gradients of the "
                 "adapted norms underflow); use autocast_dtype='bf16'."
             )
-        if self.fast_step is not None and not isinstance(self.fast_step, bool):
-            raise TypeError(f"`fast_step` must be True, False or None (auto: on for CUDA), got {self.fast_step!r}.")
         # Validate the overrides now, not at the first batch.
         self.build_objective_config()
-        if self.gradient_decoupling and not get_objective_class(self.objective).requires_grad:
-            raise ValueError(
-                f"`gradient_decoupling=True` needs a gradient objective; {self.objective!r} is training-free."
-            )
+        if not get_objective_class(self.objective).requires_grad:  # one rule for every training-free objective
+            for name, off in (("tuning", TuningConfig()), ("gradient_decoupling", None), ("consistency", None)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"`{name}` is set but objective {self.objective!r} is training-free (it adapts no "
+                                     f"parameters): leave {name} at its default or choose a gradient objective.")
         if not isinstance(self.score_transform_config, dict):
             raise TypeError("`score_transform_config` must be a dict of hyper-parameter overrides or an ObjectiveConfig.")
         if self.score_transform is not None:
@@ -360,6 +242,50 @@ class TTAConfig(ConfigMixin):
                              "reset_policy='episodic' resets every batch: use {'entropy_threshold': ...} or reset_policy='never'.")
 
     @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TTAConfig":
+        """The config of ``data``: :meth:`to_dict`'s output, a checkpoint's ``tta_config.json`` (the config as the user
+        gave it, under ``"as_given"``: see :meth:`checkpoint_dict`) or a flat config of hf_tta 0.1 (converted by
+        :func:`hf_tta.config_flat.nest`, with a deprecation warning). A key that is no field is refused in one line
+        naming the closest field.
+
+        Example:
+            >>> TTAConfig.from_dict({"lrr": 1e-3})
+            Traceback (most recent call last):
+            ...
+            ValueError: TTAConfig has no field 'lrr': did you mean 'lr'?
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"TTAConfig.from_dict needs a dict of its fields, got {type(data).__name__}.")
+        data = dict(data)
+        data.pop("hf_tta_version", None)
+        if AS_GIVEN in data:
+            return cls._from_checkpoint(data.pop(AS_GIVEN), data)
+        check_known_keys(cls, data, extra=FLAT_FIELDS)
+        if flat_keys(data):
+            data = nest(data, deprecated="This config (a tta_config.json written by hf_tta 0.1?)")
+        return cls(**data)
+
+    @classmethod
+    def _from_checkpoint(cls, given: Mapping[str, Any], resolved: Mapping[str, Any]) -> "TTAConfig":
+        """The config a checkpoint was saved from, unless this version resolves it differently (a default changed):
+        then the saved resolved values, so that the checkpoint keeps its meaning (logged)."""
+        saved, config = cls.from_dict(resolved), cls.from_dict(given)
+        fill = {name: getattr(saved, name) for name in ("lr", "gallery_modality") if getattr(config, name) is None}
+        now = config.resolved(**fill)
+        if now == saved:
+            return config
+        diff = [f.name for f in dataclasses.fields(cls) if getattr(now, f.name) != getattr(saved, f.name)]
+        logger.warning("The checkpoint's config resolves differently in this version of hf_tta (%s): using the values "
+                       "it was saved with.", ", ".join(diff))
+        return saved
+
+    def checkpoint_dict(self, **values: Any) -> dict[str, Any]:
+        """What a checkpoint's ``tta_config.json`` holds: :meth:`resolved` (with ``values``, e.g. the wrapper's ``lr``)
+        and, under ``"as_given"``, this config as given, which :meth:`from_dict` returns (so ``from_pretrained(...)
+        .config`` equals the config saved from)."""
+        return {**self.resolved(**values).to_dict(), AS_GIVEN: self.to_dict()}
+
+    @classmethod
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
         """The recommended preset (:mod:`hf_tta.preset`): TCR on the query tower's LayerNorms, DN on the scores and the
         safety layer, chosen on seed 0 of the benchmark's selection grid and reported on seeds 1 and 2. ``overrides``
@@ -376,15 +302,19 @@ class TTAConfig(ConfigMixin):
 
     def mismatch(self, saved: Mapping[str, Any], owner: str = "TTAWrapper") -> str | None:
         """A one-line error when a checkpoint's ``saved`` config differs from this one (both resolved, so a default
-        written out on one side equals the same value on the other) in anything but :data:`RUN_ONLY_FIELDS`; ``None``
-        if they agree. ``owner`` names the class whose ``from_pretrained`` the message recommends."""
+        written out on one side equals the same value on the other) in anything but the settings a checkpoint loads
+        across (fields whose config class sets ``loads_across_checkpoints``: ``run``, ``safety``); ``None`` if they
+        agree. ``owner`` names the class whose ``from_pretrained`` the message recommends."""
+        across = {f.name for f in dataclasses.fields(self)
+                  if getattr(f.metadata.get("config_class"), "loads_across_checkpoints", False)}
 
         def plain(config: TTAConfig) -> dict[str, Any]:
             data = json.loads(json.dumps(config.resolved().to_dict(), sort_keys=True))  # JSON's view: str keys, lists
-            return {k: v for k, v in data.items() if k not in RUN_ONLY_FIELDS}
+            return {k: v for k, v in data.items() if k not in across}
 
+        known = {f.name for f in dataclasses.fields(self)} | set(FLAT_FIELDS)
         ours = plain(self)
-        theirs = plain(TTAConfig.from_dict({k: v for k, v in saved.items() if k in ours or k in RUN_ONLY_FIELDS}))
+        theirs = plain(TTAConfig.from_dict({k: v for k, v in saved.items() if k in known}))
         diff = [f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in sorted(ours) if theirs.get(k) != ours[k]]
         if not diff:
             return None
@@ -409,8 +339,9 @@ class TTAConfig(ConfigMixin):
 
     def resolved(self, **values: Any) -> "TTAConfig":
         """This config with every default written out, as PEFT saves its configs: the objective's, the score
-        transform's and the safety layer's full hyper-parameters, plus ``values`` (e.g. the wrapper's resolved ``lr`` and
-        ``gallery_modality``). Saved checkpoints keep their meaning when a default changes."""
+        transform's and the safety layer's full hyper-parameters, the LoRA rank in use, plus ``values`` (e.g. the
+        wrapper's resolved ``lr`` and ``gallery_modality``). Saved checkpoints keep their meaning when a default
+        changes."""
         transform, safety, budget = self.build_score_transform_config(), self.build_safety_config(), self.build_update_budget_config()
         return dataclasses.replace(
             self,
@@ -418,8 +349,38 @@ class TTAConfig(ConfigMixin):
             score_transform_config=transform.to_dict() if transform is not None else {},
             safety=safety.to_dict() if safety is not None else None,
             update_budget=budget.to_dict() if budget is not None else None,
+            tuning=dataclasses.replace(self.tuning, lora_rank=self.tuning.resolved_lora_rank),
             **values,
         )
+
+
+_dataclass_init = TTAConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_accepting_flat_fields(self, *args: Any, **kwargs: Any) -> None:
+    """TTAConfig's dataclass ``__init__``; deprecated flat keyword arguments (``lora_rank=8``) are nested first."""
+    if flat_keys(kwargs):
+        kwargs = nest(kwargs, deprecated="TTAConfig(...) with flat keyword arguments")
+    _dataclass_init(self, *args, **kwargs)
+
+
+TTAConfig.__init__ = _init_accepting_flat_fields  # type: ignore[method-assign]
+
+
+def _nested(name: str, value: Any) -> Any:
+    """A nested field's value as its config class (a dict of its fields is read by ``from_dict``, which refuses a key
+    it does not define, naming the closest)."""
+    config_class = TTAConfig.__dataclass_fields__[name].metadata["config_class"]
+    if isinstance(value, Mapping):
+        try:
+            return config_class.from_dict(dict(value))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"`{name}`: {err}") from None
+    if value is None or isinstance(value, config_class):
+        return value
+    optional = "None, " if name in ("gradient_decoupling", "consistency") else ""
+    raise ConfigTypeError(f"`{name}` must be {optional}a {config_class.__name__} or a dict of its fields, got {value!r}.")
 
 
 def _build(name: str, overrides: dict[str, Any], field_name: str) -> ObjectiveConfig:

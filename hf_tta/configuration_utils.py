@@ -1,13 +1,14 @@
 """Serialisable dataclass configs, in the style of ``peft.PeftConfig``.
 
-Every config in hf_tta is a dataclass whose fields carry ``metadata={"help": ...}``. They
-serialise to sorted JSON, and loading warns about and drops unknown keys so that a checkpoint
-written by a newer version still loads (peft's forward-compatible behaviour).
+Every config in hf_tta is a dataclass whose fields carry ``metadata={"help": ...}``. They serialise to sorted JSON
+(nested configs as nested objects), and loading refuses a key the config does not define in one line naming the
+closest valid field (a misspelled ``lrr`` would otherwise run silently with the default ``lr``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -46,13 +47,12 @@ class ConfigMixin:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-        known = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            logger.warning(
-                "%s: ignoring unknown keys %s (written by another version of hf_tta?)", cls.__name__, unknown
-            )
-        return cls(**{k: v for k, v in data.items() if k in known})
+        """The config of ``data`` (what :meth:`to_dict` wrote); a key the config does not define is refused in one
+        line naming the closest field (:func:`check_known_keys`)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"{cls.__name__}.from_dict needs a dict of its fields, got {type(data).__name__}.")
+        check_known_keys(cls, data)
+        return cls(**data)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
         os.makedirs(save_directory, exist_ok=True)
@@ -81,6 +81,26 @@ class ConfigMixin:
             data = json.load(fh)
         data.pop("hf_tta_version", None)
         return cls.from_dict(data)
+
+
+def check_known_keys(config_class: type, data: Any, where: str = "", extra: Any = ()) -> None:
+    """Raise a ``ValueError`` naming the first key of ``data`` that ``config_class`` (a dataclass) does not define (nor
+    ``extra`` names) and the closest valid key (``difflib``), e.g. ``TTAConfig has no field 'lrr': did you mean 'lr'?``."""
+    known = [f.name for f in dataclasses.fields(config_class) if f.init] + list(extra)
+    message = unknown_key_message(data, known, config_class.__name__)
+    if message:
+        raise ValueError(where + message)
+
+
+def unknown_key_message(data: Any, known: list[str], owner: str) -> str | None:
+    """``"<owner> has no field 'key': did you mean 'closest'?"`` for the first key of ``data`` not in ``known``."""
+    unknown = sorted(set(data) - set(known), key=str)
+    if not unknown:
+        return None
+    key = unknown[0]
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(sorted(known))}."
+    return f"{owner} has no field {key!r}: {hint}"
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -127,7 +147,7 @@ def check_field_types(config: Any) -> None:
             raise ConfigTypeError(f"{type(config).__name__} `{f.name}` must be {expected}, got {value!r}.")
 
 
-def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+def check_positive(name: str, value: float, *, allow_zero: bool = False, owner: str = "") -> None:
     """Raise a ``ValueError`` naming the field unless ``value`` is (strictly) positive; ``None`` passes (an optional
     field left unset: :func:`check_field_types` refuses ``None`` where a field is not optional)."""
     if value is None:
@@ -135,7 +155,7 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
     ok = value >= 0 if allow_zero else value > 0
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"`{name}` must be {bound}, got {value!r}.")
+        raise ValueError(f"{owner + ' ' if owner else ''}`{name}` must be {bound}, got {value!r}.")
 
 
 def check_positive_int(name: str, value, owner: str = "") -> None:
@@ -149,10 +169,10 @@ def check_fraction(name: str, value: float) -> None:
         raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
 
 
-def check_choice(name: str, value, choices, allow_none: bool = False) -> None:
+def check_choice(name: str, value, choices, allow_none: bool = False, owner: str = "") -> None:
     """Raise a ``ValueError`` naming the field and its valid values unless ``value`` is one of ``choices``."""
     if allow_none and value is None:
         return
     if value not in choices:
         prefix = "None or one of" if allow_none else "one of"
-        raise ValueError(f"`{name}` must be {prefix} {list(choices)}, got {value!r}.")
+        raise ValueError(f"{owner + ' ' if owner else ''}`{name}` must be {prefix} {list(choices)}, got {value!r}.")

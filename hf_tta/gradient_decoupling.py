@@ -1,5 +1,5 @@
 """Gradient decoupling (GD), REST Eq. 15-17 (Li, Yang, Peng, "Toward Robust and Harmonious Adaptation for
-Cross-modal Retrieval"), as a method-agnostic option of :class:`~hf_tta.TTAWrapper` (``TTAConfig(gradient_decoupling=True)``).
+Cross-modal Retrieval"), as a method-agnostic option of :class:`~hf_tta.TTAWrapper` (``TTAConfig(gradient_decoupling=GradientDecouplingConfig())``).
 
 For any gradient objective whose :class:`~hf_tta.objectives.LossOutput` carries the prediction it is built on
 (``logits``, with ``candidates``/``temperature`` or ``logits_fn``):
@@ -10,7 +10,7 @@ For any gradient objective whose :class:`~hf_tta.objectives.LossOutput` carries 
 * if ``G_d · G_r < 0`` the component of ``G_d`` along ``G_r`` is removed; the update is scaled by
   ``W_d = exp(-D)`` (Eq. 17, D detached).
 
-Where ``W_d`` acts (``TTAConfig.gd_weight_on``). Eq. 17 multiplies the gradient by ``W_d``, which shrinks the step of
+Where ``W_d`` acts (``GradientDecouplingConfig.weight_on``). Eq. 17 multiplies the gradient by ``W_d``, which shrinks the step of
 plain SGD by ``W_d``. Under Adam(W), the optimiser of TCR's and REST's code, the update ``m / (sqrt(v) + eps)`` is
 invariant to a constant rescaling of the gradient, so a weight on the gradient barely acts (a weight of 0.3 changed
 the first step's norm by 0.01%, issue 13): GD would be a projection only. By default (``"step_size"``) ``W_d`` therefore
@@ -20,7 +20,7 @@ to an SGD step. ``"gradient"`` keeps the literal Eq. 17 (weight on the gradient)
 pass is decoupled too and the weight of the first pass sets the base optimiser's step.
 
 Granularity (the paper does not say): by default the dot product and the projection are taken over **one flattened
-vector of all adapted parameters**; ``TTAConfig(gd_per_tensor=True)`` projects each parameter tensor on its own
+vector of all adapted parameters**; ``GradientDecouplingConfig(per_tensor=True)`` projects each parameter tensor on its own
 (``W_d`` stays the global scalar). Theorem 2 (``Ĝ · G_r >= 0``) holds in both cases (per tensor, for each tensor).
 """
 

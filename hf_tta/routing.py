@@ -380,7 +380,8 @@ class RoutedTTAWrapper(TTAWrapper):
                 "routing": self.routing.to_dict(),
             },
         }
-        return {**self.resolved_config().to_dict(), "routing": self.routing.to_dict()}, tensors, meta
+        config = self.config.checkpoint_dict(lr=self.lr, gallery_modality=self.gallery_modality)
+        return {**config, "routing": self.routing.to_dict()}, tensors, meta
 
     def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
         routed = ckpt.metadata.get("routed")

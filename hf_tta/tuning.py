@@ -1,8 +1,8 @@
 """What a wrapper adapts and how fast: the PEFT wrapping of the query tower, per-group learning rates, and the pull
 towards the source weights.
 
-``TTAConfig.tuning`` picks how the selected modules (``target_modules``, default: the query tower's normalisation
-layers) adapt:
+``TTAConfig.tuning`` (a :class:`~hf_tta.TuningConfig`) picks with its ``method`` how the selected modules
+(``target_modules``, default: the query tower's normalisation layers) adapt:
 
 * ``"ln"`` (default, every seed's methods): every parameter of the selected modules, through PEFT's LN tuning (a
   trainable copy of each module; ``disable_adapter()`` computes with the frozen originals).
@@ -20,9 +20,9 @@ rate (the first match wins, others keep 1), so deeper parameters can move slower
 reference): ``(alpha / 2) * sum_i ||theta_i - theta_i^0||^2`` over the adapted tensors, where for a LoRA layer the
 distance is that of its effective weight, ``||ΔW||_F^2``. It is added to every step's loss (:class:`Anchor`).
 
-``consistency_weight`` adds a pull towards the source model's *predictions* instead of its weights
-(:class:`SourceConsistency`): ``w * mean_i KL(p^0_i || p_i)``, where ``p^0_i`` and ``p_i`` are the source's and the
-adapted model's softmax at temperature ``consistency_temperature`` over query ``i``'s ``consistency_top_k`` items of
+``TTAConfig.consistency`` (a :class:`~hf_tta.ConsistencyConfig`) adds a pull towards the source model's
+*predictions* instead of its weights (:class:`SourceConsistency`): ``weight * mean_i KL(p^0_i || p_i)``, where ``p^0_i``
+and ``p_i`` are the source's and the adapted model's softmax at ``temperature`` over query ``i``'s ``top_k`` items of
 highest source score (the top-k the safety layer compares; issue 29's "consistency with the source on the top-k").
 A query the source is sure of keeps its answer; where the source is unsure the target is flat, and the pull then also
 resists the adapted model becoming sure. On the emoji benchmark it cost TCR's gain at every weight tried (0.01 to 10;
@@ -75,20 +75,22 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
             "This model already carries PEFT adapter layers (does another TTAWrapper wrap it?): pass a fresh "
             "source model, or load a checkpoint into the existing wrapper with its load_state(path)."
         )
-    target = config.target_modules
-    if config.tuning == "lora" and target is None:
+    tuned = config.tuning  # a TuningConfig
+    target = tuned.target_modules
+    if tuned.method == "lora" and target is None:
         raise ValueError("tuning='lora' needs target_modules naming the Linear/Conv layers to adapt, e.g. "
                          "target_modules='.*vision_model.*pwconv[12]'.")
-    if config.tuning == "bias" and target is None:
+    if tuned.method == "bias" and target is None:
         target = bias_modules(adapter, modality)
-    modules = resolve_target_modules(adapter, modality, target, config.exclude_modules)
+    modules = resolve_target_modules(adapter, modality, target, tuned.exclude_modules)
     pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
     with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if config.tuning == "lora":
-            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_rank, lora_dropout=0.0, target_modules=pattern)
+        if tuned.method == "lora":
+            rank = tuned.resolved_lora_rank
+            lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=pattern)
             with torch.random.fork_rng(devices=[]):  # A's initialisation: drawn from the config's seed, not global state
                 torch.manual_seed(config.seed)
                 try:
@@ -97,16 +99,16 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
                     raise ValueError(f"tuning='lora' cannot wrap {modules[:3]}: {err}") from err
         else:
             peft_model = get_peft_model(model, LNTuningConfig(target_modules=pattern))
-    if config.tuning == "bias":
+    if tuned.method == "bias":
         for name, p in model.named_parameters():
             if p.requires_grad and not name.endswith(".bias"):
                 p.requires_grad_(False)
     model.eval()
-    if config.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
+    if config.run.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
         enable_gradient_checkpointing(adapter, modality)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
-        raise ValueError(f"tuning={config.tuning!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
+        raise ValueError(f"tuning={tuned.method!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
     return Targets(peft_model, params, modules)
 
 
@@ -163,8 +165,9 @@ class SourceConsistency:
 def penalties(config, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]) -> list:
     """The loss terms ``config`` (a :class:`~hf_tta.TTAConfig`) adds to every step: the anchor, the consistency."""
     terms: list = []
-    if config.anchor_weight and params:
-        terms.append(Anchor(config.anchor_weight, model, params, source))
-    if config.consistency_weight and params:
-        terms.append(SourceConsistency(config.consistency_weight, config.consistency_top_k, config.consistency_temperature))
+    anchor, consistency = config.tuning.anchor_weight, config.consistency
+    if anchor and params:
+        terms.append(Anchor(anchor, model, params, source))
+    if consistency is not None and params:
+        terms.append(SourceConsistency(consistency.weight, consistency.top_k, consistency.temperature))
     return terms

@@ -85,14 +85,14 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         self.forward = BatchForward(self.adapter, cfg, self.objective, self.score_transform, self.query_modality,
                                     self.gallery_modality, self, lambda: self.disabled(), self.params)
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
-        self.fast_step = cfg.fast_step if cfg.fast_step is not None else self.device.type == "cuda"
+        self.fast_step = cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda"
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
-        gd = GradientDecoupling(cfg.objective, cfg.gd_per_tensor, cfg.gd_weight_on) if cfg.gradient_decoupling else None
+        gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
         self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
         self.capture_source()
 
@@ -122,7 +122,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
     def _make_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
-        groups = tuning.param_groups(self.params, self.lr, self.config.lr_multipliers)
+        groups = tuning.param_groups(self.params, self.lr, self.config.tuning.lr_multipliers)
         opt = self.objective.make_optimizer(groups, self.lr, self.config.weight_decay)
         if self.fast_step and type(opt) is torch.optim.AdamW and not opt.defaults["fused"]:
             # the same update in one fused kernel, which can also skip a step on the device (``found_inf``)
@@ -172,9 +172,9 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         Args:
             inputs: a dict of tensors with one row per gallery item (e.g. a tokenizer's output), or an iterable
                 of such dicts (e.g. a DataLoader over a large gallery).
-            batch_size: chunk size for a dict input (default ``config.gallery_batch_size``).
+            batch_size: chunk size for a dict input (default ``config.run.gallery_batch_size``).
         """
-        parts = list(batching.chunks(inputs, batch_size or self.config.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
+        parts = list(batching.chunks(inputs, batch_size or self.config.run.gallery_batch_size)) if isinstance(inputs, Mapping) else inputs
         embs = []
         total = len(parts) if hasattr(parts, "__len__") else None
         show = show_progress if show_progress is not None else (total is None or total > 4)
@@ -211,7 +211,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         (:mod:`hf_tta.loop`). A step with nothing selected, or with a non-finite loss or gradient, updates nothing and
         is listed in ``TTAOutput.skipped``. ``labels`` (each query's relevant gallery items: a ``(B, N)`` bool mask or
         a list of index lists) is for supervised objectives only (``oracle``, the benchmark's ceilings) and refused
-        otherwise. With ``config.scoring="before_update"`` (or ``scoring=`` for this batch) the current model answers
+        otherwise. With ``config.run.scoring="before_update"`` (or ``scoring=`` for this batch) the current model answers
         before the batch adapts it (:meth:`answer` gives that answer alone). A live top-k backend stays at one version
         for the step (:func:`hf_tta.batch.pinned`).
         """
@@ -234,7 +234,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             inputs, result = self._score_only(batch, source)
             scores = result.scores
         else:
-            answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.scoring) == "before_update" else None
+            answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
             with torch.enable_grad():
                 result = self.loop.run(self, self.params, partial(self.forward.inputs, batch, source_cache=cache), self._recover)
@@ -354,7 +354,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         if safety_meta is not None:  # the layer is on
             meta["safety"] = safety_meta
         meta["param_names"] = list(self.params)
-        return self.resolved_config().to_dict(), tensors, meta
+        return self.config.checkpoint_dict(lr=self.lr, gallery_modality=self.gallery_modality), tensors, meta
 
     def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
         """Load a checkpoint of :meth:`_checkpoint_payload`; everything is checked before anything changes."""

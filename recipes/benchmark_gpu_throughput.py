@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from hf_tta import GalleryCache, TTAConfig, TTAWrapper
+from hf_tta import GalleryCache, RunConfig, TTAConfig, TTAWrapper
 from hf_tta.objectives.tcr import si_score
 
 PEAK_TFLOPS = {"bf16": 989.0, "tf32": 495.0, "fp32": 67.0}  # H100 SXM, dense
@@ -179,7 +179,7 @@ def autocast_ctx(device, dtype: str | None):
 
 def make_tta(model, dtype, fast: bool, lr=None):
     return TTAWrapper(
-        model, TTAConfig(objective="tcr", query_modality="image", autocast_dtype=dtype, fast_step=fast, lr=lr)
+        model, TTAConfig(objective="tcr", query_modality="image", autocast_dtype=dtype, run=RunConfig(fast_step=fast), lr=lr)
     )
 
 

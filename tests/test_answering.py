@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import RunConfig, TTAConfig, TTAWrapper
 from hf_tta.gallery import ChunkedGallery
 from hf_tta.state import ALL, AdapterState
 from support import dense_gallery, image_stream
@@ -29,7 +29,7 @@ def config(**kw) -> TTAConfig:
 def test_answer_is_the_before_update_answer_and_changes_nothing(name, kind):
     gallery = dense_gallery() if kind == "dense" else ChunkedGallery(dense_gallery().embeddings, "text", k=5)
     tta = TTAWrapper(make_model("clip"), config(**CONFIGS[name]))
-    ref = TTAWrapper(make_model("clip"), config(**CONFIGS[name], scoring="before_update"))
+    ref = TTAWrapper(make_model("clip"), config(**CONFIGS[name], run=RunConfig(scoring="before_update")))
     for x in image_stream(3, size=8):
         before = AdapterState.capture(tta, ALL)
         got, again = tta.answer(x, gallery), tta.answer(x, gallery)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tta import TTAConfig, TTAWrapper, get_adapter
+from hf_tta import TTAConfig, TTAWrapper, TuningConfig, get_adapter
 from hf_tta.models import ClapAdapter, CLIPVideoAdapter, XCLIPAdapter
 from tiny_av_models import (
     cav_mae_adapter,
@@ -138,7 +138,7 @@ def test_clap_batchnorm_is_left_alone_by_default_and_can_be_named():
     adapter = get_adapter(model)
     assert bn not in adapter.norm_layer_names("audio")
     names = adapter.norm_layer_names("audio") + [bn]
-    tta = TTAWrapper(model, TTAConfig(objective="tent", query_modality="audio", target_modules=names))
+    tta = TTAWrapper(model, TTAConfig(objective="tent", query_modality="audio", tuning=TuningConfig(target_modules=names)))
     g = tta.encode_gallery(text_batch(GALLERY, seed=1))
     stats = {k: v.clone() for k, v in tta.model.named_buffers() if "batch_norm" in k}
     tta.adapt_step(clap_audio_batch(BATCH), g)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import GradientDecouplingConfig, TTAConfig, TTAWrapper
 from hf_tta.benchmarks import (
     SOURCE,
     Condition,
@@ -168,13 +168,13 @@ def test_oracle_all_adapts_every_parameter_of_the_query_tower():
 def test_gradient_decoupling_rows_follow_rest_protocol():
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False))
     diverse, noise = Condition("i2t", "diverse"), Condition("i2t", "gaussian_noise", 5)
-    assert runner.row_config("rest", diverse, 0).gradient_decoupling is True  # REST's protocol on diverse shift
-    assert runner.row_config("rest", noise, 0).gradient_decoupling is False
-    assert runner.row_config("tent+gd", noise, 0).gradient_decoupling is True
+    assert runner.row_config("rest", diverse, 0).gradient_decoupling == GradientDecouplingConfig()  # REST's protocol on diverse shift
+    assert runner.row_config("rest", noise, 0).gradient_decoupling is None
+    assert runner.row_config("tent+gd", noise, 0).gradient_decoupling == GradientDecouplingConfig()
     assert row_objective("tent+gd") == ("tent", True) and row_objective("oracle_all") == ("oracle", False)
     chosen = GridRunner(runner.task, RunSettings(gradient_decoupling=("tent",), show_progress=False))
-    assert chosen.row_config("tent", noise, 0).gradient_decoupling is True
-    assert chosen.row_config("rest", diverse, 0).gradient_decoupling is False  # an explicit choice replaces the protocol
+    assert chosen.row_config("tent", noise, 0).gradient_decoupling == GradientDecouplingConfig()
+    assert chosen.row_config("rest", diverse, 0).gradient_decoupling is None  # an explicit choice replaces the protocol
 
 
 def test_seeds_change_the_stream_order_and_jobs():

@@ -96,7 +96,7 @@ def test_a_row_at_its_own_lr_runs_at_it_and_the_others_at_the_grids():
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, lr=1e-4))
     cond = Condition("i2t", "clean")
     assert runner.row_config("tcr@3e-3", cond, 0).lr == 3e-3 and runner.row_config("tcr", cond, 0).lr == 1e-4
-    assert runner.row_config("oracle_all@1e-2", cond, 0).target_modules  # the options still apply
+    assert runner.row_config("oracle_all@1e-2", cond, 0).tuning.target_modules  # the options still apply
 
 
 def test_safe_and_routed_rows_run_and_report_what_they_did():
@@ -118,8 +118,8 @@ def test_all_params_and_dn_rows_configure_the_wrapper():
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
     noise = Condition("i2t", "gaussian_noise", 5)
     plain, wide = runner.row_config("tcr", noise, 0), runner.row_config("tcr+all+dn", noise, 0)
-    assert plain.target_modules is None and plain.score_transform is None
-    assert wide.target_modules == runner.row_config("oracle_all", noise, 0).target_modules and wide.score_transform == "dn"
+    assert plain.tuning.target_modules is None and plain.score_transform is None
+    assert wide.tuning.target_modules == runner.row_config("oracle_all", noise, 0).tuning.target_modules and wide.score_transform == "dn"
     row = runner.run(Job(noise, "tcr+all+dn", 0))
     assert "error" not in row, row.get("error")
     n_ln, n_all = (sum(p.numel() for p in runner._wrapper(r, noise, 0).params.values()) for r in ("tcr", "tcr+all+dn"))

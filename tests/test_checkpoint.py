@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from hf_tta import TTAConfig, TTAWrapper, checkpoint
+from hf_tta import RunConfig, TTAConfig, TTAWrapper, checkpoint
 from hf_tta.checkpoint import CONFIG_FILE, STATE_FILE, read_checkpoint
 from hf_tta.objectives.base import get_objective_class
 from tiny_models import batch, make_model
@@ -140,7 +140,7 @@ def test_load_state_refuses_another_config_and_changes_nothing(tmp_path, other, 
         tta.load_state(tmp_path / "ckpt")
     assert "TTAWrapper.from_pretrained" in str(err.value) and "\n" not in str(err.value)
     assert _same_tensors(params, {n: p.detach() for n, p in tta.params.items()}) and tta.batch_index == 0
-    same = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", fast_step=False))
+    same = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", run=RunConfig(fast_step=False)))
     same.load_state(tmp_path / "ckpt")  # how to run (fast_step, gallery_batch_size) is not the config's meaning
     assert same.batch_index == 1 and _same_tensors(dict(saved.params), dict(same.params))
 

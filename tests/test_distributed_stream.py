@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from hf_tta import ChunkedGallery, GalleryCache, TTAConfig, TTAWrapper
+from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper
 from hf_tta.distributed import shard_bounds
 from tiny_models import make_model
 
@@ -165,7 +165,7 @@ def _safety_worker(rank: int, out_dir: str) -> None:
     tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig.recommended("image"))
     save("recommended_sharded", _run(tta, sharded, xs))
     # fast_step asked for: the fast path is off and the optimiser is the unfused AdamW a reset rebuilds, from the start
-    tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig(objective="tcr", query_modality="image", fast_step=True))
+    tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig(objective="tcr", query_modality="image", run=RunConfig(fast_step=True)))
     fused = [any(g.get("fused") for g in tta.optimizer.param_groups)]
     tta.reset()
     fused.append(any(g.get("fused") for g in tta.optimizer.param_groups))
@@ -289,5 +289,5 @@ def test_safety_resume_under_distributed(distributed_outputs):
 def test_fast_step_is_off_with_one_optimiser_kind(distributed_outputs):
     for got in _load_ranks(distributed_outputs, "fast_step"):
         assert not got["deferred"] and got["fused"].tolist() == [False, False]
-    one = TTAWrapper(make_model("clip", seed=0), TTAConfig(objective="tcr", query_modality="image", fast_step=True))
+    one = TTAWrapper(make_model("clip", seed=0), TTAConfig(objective="tcr", query_modality="image", run=RunConfig(fast_step=True)))
     assert any(g.get("fused") for g in one.optimizer.param_groups)  # what the distributed wrapper used to start with

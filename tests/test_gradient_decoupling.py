@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_tta.gradient_decoupling as gradient_decoupling
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import GradientDecouplingConfig, TTAConfig, TTAWrapper
 from hf_tta.gradient_decoupling import (
     apply_gradient_decoupling,
     decouple,
@@ -108,7 +108,8 @@ def test_gd_needs_logits_and_a_gradient_objective(monkeypatch):
 
 @pytest.mark.parametrize("objective", ["rest", "tcr", "cliptta", "titan"])
 def test_gd_runs_with_candidate_objectives(objective):
-    tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="text", gradient_decoupling=True, gd_per_tensor=objective == "tcr"))
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="text",
+                                                   gradient_decoupling=GradientDecouplingConfig(per_tensor=objective == "tcr")))
     g = tta.encode_gallery(batch("image", 15, seed=1))
     outs = [tta.adapt_step(batch("text", 6, seed=5 + i), g) for i in range(2)]
     assert sum(o.num_updates for o in outs) > 0 and "gd_kl" in outs[-1].logs
@@ -146,8 +147,8 @@ def _first_step_delta(monkeypatch, wd_value: float | None, weight_on: str = "ste
     if wd_value is not None:
         real = gradient_decoupling.prediction_kl
         monkeypatch.setattr(gradient_decoupling, "prediction_kl", lambda s, a: real(s, a) * 0 + (-math.log(wd_value)))
-    cfg = TTAConfig(objective="tent", query_modality="image", steps=1, lr=1e-3, gradient_decoupling=wd_value is not None,
-                    gd_weight_on=weight_on)
+    gd = GradientDecouplingConfig(weight_on=weight_on) if wd_value is not None else None
+    cfg = TTAConfig(objective="tent", query_modality="image", steps=1, lr=1e-3, gradient_decoupling=gd)
     tta = TTAWrapper(make_model("clip"), cfg)
     g = tta.encode_gallery(batch("text", 10, seed=1))
     out = tta.adapt_step(batch("image", 6, seed=2), g)
@@ -173,5 +174,5 @@ def test_gradient_decoupling_weight_scales_the_step(monkeypatch):
 
 
 def test_gd_weight_on_is_validated():
-    with pytest.raises(ValueError, match="gd_weight_on"):
-        TTAConfig(gradient_decoupling=True, gd_weight_on="lr")
+    with pytest.raises(ValueError, match="GradientDecouplingConfig `weight_on`"):
+        TTAConfig(gradient_decoupling={"weight_on": "lr"})

@@ -9,7 +9,17 @@ import json
 import pytest
 import torch
 
-from hf_tta import ChunkedGallery, SafetyConfig, TTAConfig, TTAWrapper, retrieval_metrics
+from hf_tta import (
+    ChunkedGallery,
+    ConsistencyConfig,
+    GradientDecouplingConfig,
+    RunConfig,
+    SafetyConfig,
+    TTAConfig,
+    TTAWrapper,
+    TuningConfig,
+    retrieval_metrics,
+)
 from hf_tta.objectives.base import (
     OBJECTIVES,
     get_objective_class,
@@ -57,9 +67,10 @@ def test_safety_config_round_trips_and_bad_values_are_refused(tmp_path):
 # ------------------------------------------------------------------------------------- rollback
 @pytest.mark.parametrize(
     "tuning",
-    [None, {"tuning": "bias"}, {"tuning": "lora", "target_modules": ".*vision_model.*mlp.fc[12]", "anchor_weight": 0.1},
-     {"target_modules": ".*vision_model.*(layer_norm1|mlp)", "lr_multipliers": {"fc": 0.1}},
-     {"consistency_weight": 1.0, "consistency_top_k": 1}],  # k = 1: in the loop (a source forward per step), exactly 0
+    [None, {"tuning": TuningConfig(method="bias")},
+     {"tuning": TuningConfig(method="lora", target_modules=".*vision_model.*mlp.fc[12]", anchor_weight=0.1)},
+     {"tuning": TuningConfig(target_modules=".*vision_model.*(layer_norm1|mlp)", lr_multipliers={"fc": 0.1})},
+     {"consistency": ConsistencyConfig(weight=1.0, top_k=1)}],  # k = 1: in the loop (a source forward per step), exactly 0
     ids=["layernorms", "bitfit", "lora-anchor", "per-group-lr", "consistency"],
 )
 def test_rollback_on_a_harmful_update_restores_the_snapshot_bit_exactly(push, tuning):
@@ -180,7 +191,8 @@ def test_a_degenerate_stream_leaves_no_trace_on_the_clean_stream(transform):
 
 @pytest.mark.parametrize(
     "objective,extra",
-    [("tcr", {}), ("tent", {}), ("rest", {"gradient_decoupling": True}), ("eata", {}), ("tcr", {"fast_step": True})],
+    [("tcr", {}), ("tent", {}), ("rest", {"gradient_decoupling": GradientDecouplingConfig()}), ("eata", {}),
+     ("tcr", {"run": RunConfig(fast_step=True)})],
 )
 def test_safety_that_never_fires_changes_nothing_and_shares_the_source_forward(objective, extra):
     gallery, xs = dense_gallery(), image_stream(3)
@@ -206,7 +218,7 @@ def test_safety_that_never_fires_changes_nothing_and_shares_the_source_forward(o
 def test_safety_on_the_fused_one_sync_path_equals_the_checked_loop(push):
     outs, states = {}, {}
     for fast in (False, True):
-        cfg = TTAConfig(objective="tcr", fast_step=fast, lr=1e-2, safety={"min_agreement": 0.9, "collapse_ratio": 0.0})
+        cfg = TTAConfig(objective="tcr", run=RunConfig(fast_step=fast), lr=1e-2, safety={"min_agreement": 0.9, "collapse_ratio": 0.0})
         tta = TTAWrapper(make_model("clip"), cfg)
         assert tta.fast_path_active == fast
         gallery = dense_gallery()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import RunConfig, TTAConfig, TTAWrapper
 from hf_tta.gallery import ChunkedGallery, FaissGallery, GalleryCache, ShardedGallery
 from hf_tta.gallery.live import LiveGallery
 from hf_tta.routing import RoutedTTAWrapper
@@ -55,7 +55,7 @@ def backend_of(kind: str, emb: torch.Tensor, ids, k: int):
 @pytest.mark.parametrize("pieces", [[B], [3, 5], [1] * B], ids=["whole", "3+5", "ones"])
 def test_sync_equals_before_update(name, pieces):
     gallery, stream = dense_gallery(), image_stream(4, size=B)
-    ref = TTAWrapper(make_model("clip"), named_config(name, scoring="before_update"))
+    ref = TTAWrapper(make_model("clip"), named_config(name, run=RunConfig(scoring="before_update")))
     online = OnlineRetriever(TTAWrapper(make_model("clip"), named_config(name)), gallery, batch_size=B, mode="sync")
     versions = []
     for x in stream:
@@ -84,7 +84,7 @@ def test_sync_equals_before_update(name, pieces):
 def test_sync_equals_before_update_topk_backend(name):
     emb = dense_gallery().embeddings
     backend = backend_of("chunked", emb, ids=range(1000, 1040), k=5)
-    ref = TTAWrapper(make_model("clip"), named_config(name, scoring="before_update"))
+    ref = TTAWrapper(make_model("clip"), named_config(name, run=RunConfig(scoring="before_update")))
     online = OnlineRetriever(TTAWrapper(make_model("clip"), named_config(name)), backend, batch_size=B, mode="sync")
     for i, x in enumerate(image_stream(4, size=B)):
         expected = ref.adapt_step(x, backend).topk
@@ -260,7 +260,7 @@ def test_tenants_route_to_domains():
 @pytest.mark.parametrize("kind", ["dense", "chunked"])
 def test_sync_routed_with_dn_equals_before_update(kind):
     gallery = dense_gallery() if kind == "dense" else backend_of(kind, dense_gallery().embeddings, range(1000, 1040), k=5)
-    ref = RoutedTTAWrapper(make_model("clip"), config(score_transform="dn", scoring="before_update"))
+    ref = RoutedTTAWrapper(make_model("clip"), config(score_transform="dn", run=RunConfig(scoring="before_update")))
     online = OnlineRetriever(RoutedTTAWrapper(make_model("clip"), config(score_transform="dn")), gallery, batch_size=B, mode="sync")
     keys = ["a"] * 3 + ["b"] * 5  # "a": 3 queries < min_domain_batch, scored and not adapted; each its own DN state
     for x in image_stream(3, size=B):

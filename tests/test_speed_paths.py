@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tta import GalleryCache, TTAConfig, TTAWrapper
+from hf_tta import GalleryCache, RunConfig, TTAConfig, TTAWrapper
 from tiny_models import batch, make_model
 
 BATCHES = 4
@@ -19,7 +19,7 @@ def _gallery(n=40, dim=16, seed=3):
 
 
 def _run(fast: bool, **cfg):
-    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", fast_step=fast, **cfg))
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", run=RunConfig(fast_step=fast), **cfg))
     torch.manual_seed(7)
     xs = [batch("image", 6) for _ in range(BATCHES)]
     gallery = _gallery()
@@ -134,5 +134,5 @@ def test_fast_step_non_finite_last_step_keeps_the_first_two_updates(nan_at):
 
 def test_fast_step_validation():
     with pytest.raises(TypeError, match="fast_step"):
-        TTAConfig(fast_step="yes")
+        TTAConfig(run={"fast_step": "yes"})
     assert TTAWrapper(make_model("clip"), TTAConfig(objective="tcr")).fast_step is False  # auto: CUDA only

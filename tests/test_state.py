@@ -9,7 +9,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_tta import ChunkedGallery, RoutedTTAWrapper, RoutingConfig, TTAConfig, TTAWrapper
+from hf_tta import (
+    ChunkedGallery,
+    ConsistencyConfig,
+    GradientDecouplingConfig,
+    RoutedTTAWrapper,
+    RoutingConfig,
+    RunConfig,
+    TTAConfig,
+    TTAWrapper,
+    TuningConfig,
+)
 from hf_tta.state import ALL, ANSWER, OPTIMIZER, PARAMS, ROLLBACK, STEP_UNDO, AdapterState
 from support import check_resume, dense_gallery, image_stream, state_of, style_stream
 from tiny_models import TINY_MODELS, batch, make_model
@@ -146,9 +156,9 @@ def _plain(model: str, query: str, objective: str = "tcr", **cfg):
 LORA_MLP = ".*vision_model.*mlp.fc[12]"
 LN_STEM_LIKE = ".*vision_model.*(layer_norm1|patch_embedding)"  # LayerNorms + the stem (issue 29's candidate)
 OBJECTIVE_CASES = [
-    ("rest", {}, {"gradient_decoupling": True}),
+    ("rest", {}, {"gradient_decoupling": GradientDecouplingConfig()}),
     ("tent", {}, {"score_transform": "dn", "score_transform_config": {"num_samples": 8}}),
-    ("tcr", {}, {"gradient_decoupling": True, "gd_per_tensor": True, "score_transform": "dn"}),
+    ("tcr", {}, {"gradient_decoupling": GradientDecouplingConfig(per_tensor=True), "score_transform": "dn"}),
     ("sar", {"selection": "paper", "margin_e0": 1.0}, {}),
     ("cliptta", {"open_set": True}, {}),
     ("eata", {"e_margin": 1.0, "d_margin": 1.01, "fisher_alpha": 10.0, "fisher_batches": 3}, {}),
@@ -213,19 +223,19 @@ def _routed_step(keyed: bool):
 CASES = (
     [pytest.param("plain", (m, q), id=f"plain-{m}-{q}") for m in sorted(TINY_MODELS) for q in ("image", "text")]
     + [pytest.param("plain", ("blip2", "image", "tent"), id="plain-blip2-image-tent")]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"fast_step": True}), id="plain-fast-path")]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"score_transform": "dn", "gradient_decoupling": True}), id="plain-gd-dn")]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"scoring": "before_update"}), id="plain-before-update")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"run": RunConfig(fast_step=True)}), id="plain-fast-path")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"score_transform": "dn", "gradient_decoupling": GradientDecouplingConfig()}), id="plain-gd-dn")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"run": RunConfig(scoring="before_update")}), id="plain-before-update")]
     + [pytest.param("plain", ("clip", "image", o, {"window": 8}), id=f"plain-window-{o}") for o in ("tcr", "sar")]
     + [pytest.param("objective", c, id=f"objective-{c[0]}" + ("-gd" if c[2].get("gradient_decoupling") else "")
                     + ("-dn" if c[2].get("score_transform") else "")) for c in OBJECTIVE_CASES]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "bias", "anchor_weight": 1.0}), id="plain-bitfit-anchor")]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": "lora", "target_modules": LORA_MLP,
-                                                       "lr_multipliers": {"lora_B": 0.5}, "anchor_weight": 1.0}), id="plain-lora")]
-    + [pytest.param("plain", ("clip", "image", "tcr", {"target_modules": LN_STEM_LIKE, "lr_multipliers": {"patch": 3.0},
-                                                       "consistency_weight": 1.0}), id="plain-stem-consistency")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": TuningConfig(method="bias", anchor_weight=1.0)}), id="plain-bitfit-anchor")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": TuningConfig(method="lora", target_modules=LORA_MLP,
+                                                       lr_multipliers={"lora_B": 0.5}, anchor_weight=1.0)}), id="plain-lora")]
+    + [pytest.param("plain", ("clip", "image", "tcr", {"tuning": TuningConfig(target_modules=LN_STEM_LIKE, lr_multipliers={"patch": 3.0}),
+                                                       "consistency": ConsistencyConfig(weight=1.0)}), id="plain-stem-consistency")]
     + [pytest.param("safety", (), id="safety")]
-    + [pytest.param("safety", ({"tuning": "lora", "target_modules": LORA_MLP},), id="safety-lora")]
+    + [pytest.param("safety", ({"tuning": TuningConfig(method="lora", target_modules=LORA_MLP)},), id="safety-lora")]
     + [pytest.param("topk", (o,), id=f"topk-{o}") for o in ("rest", "eata", "titan", "cliptta", "dn")]
     + [pytest.param("routed", (k, s), id=f"routed-{'keys' if k else 'router'}{'-safety' if s else ''}")
        for k in (False, True) for s in (False, True)]

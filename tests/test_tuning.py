@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import ConsistencyConfig, TTAConfig, TTAWrapper, TuningConfig
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, AdapterState
 from hf_tta.tuning import SourceConsistency
@@ -19,8 +19,11 @@ MLP = ".*vision_model.*mlp.fc[12]"
 ATTN = ".*vision_model.*self_attn.(q|v)_proj"
 
 
-def _wrapper(**cfg) -> TTAWrapper:
-    return TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", **cfg))
+def _wrapper(lr=None, weight_decay=1e-4, steps=3, seed=0, consistency=None, **tuning) -> TTAWrapper:
+    """A TCR wrapper of the tiny CLIP's image tower; ``tuning`` are :class:`TuningConfig` fields."""
+    cfg = TTAConfig(objective="tcr", query_modality="image", lr=lr, weight_decay=weight_decay, steps=steps, seed=seed,
+                    consistency=consistency, tuning=TuningConfig(**tuning))
+    return TTAWrapper(make_model("clip"), cfg)
 
 
 def _short(name: str) -> str:  # a parameter's name in the source model (PEFT's prefixes and copies removed)
@@ -31,7 +34,7 @@ def _short(name: str) -> str:  # a parameter's name in the source model (PEFT's 
 
 # ------------------------------------------------------------------------------------- selection by name
 def test_bias_tuning_adapts_every_bias_of_the_query_tower_and_nothing_else():
-    tta = _wrapper(tuning="bias")
+    tta = _wrapper(method="bias")
     source = make_model("clip")
     expected = {n for n, p in source.named_parameters() if n.startswith("vision_model.") and n.endswith(".bias")}
     expected |= {n for n, p in source.named_parameters() if n.startswith("visual_projection") and n.endswith(".bias")}
@@ -42,7 +45,7 @@ def test_bias_tuning_adapts_every_bias_of_the_query_tower_and_nothing_else():
 
 
 def test_bias_tuning_with_target_modules_adapts_only_their_biases():
-    tta = _wrapper(tuning="bias", target_modules=MLP)
+    tta = _wrapper(method="bias", target_modules=MLP)
     assert sorted({_short(n).rsplit(".", 2)[-2] for n in tta.params}) == ["fc1", "fc2"]
     assert len(tta.params) == 2 * make_model("clip").config.vision_config.num_hidden_layers
 
@@ -50,7 +53,7 @@ def test_bias_tuning_with_target_modules_adapts_only_their_biases():
 @pytest.mark.parametrize("target, kinds", [(MLP, {"fc1", "fc2"}), (ATTN, {"q_proj", "v_proj"})], ids=["mlp", "attention"])
 @pytest.mark.parametrize("rank", [1, 4])
 def test_lora_adapts_only_low_rank_factors_of_the_named_layers(target, kinds, rank):
-    tta = _wrapper(tuning="lora", lora_rank=rank, target_modules=target)
+    tta = _wrapper(method="lora", lora_rank=rank, target_modules=target)
     layers = {n: m for n, m in tta.model.named_modules() if isinstance(m, LoraLayer)}
     assert {n.rsplit(".", 1)[-1] for n in layers} == kinds
     assert all("lora_A" in n or "lora_B" in n for n in tta.params)
@@ -63,9 +66,9 @@ def test_lora_adapts_only_low_rank_factors_of_the_named_layers(target, kinds, ra
 def test_lora_starts_at_the_source_model_and_its_init_follows_the_seed():
     gallery, x = dense_gallery(), image_stream(1)[0]
     source = _wrapper()
-    a = _wrapper(tuning="lora", target_modules=MLP, seed=3)
-    b = _wrapper(tuning="lora", target_modules=MLP, seed=3)
-    c = _wrapper(tuning="lora", target_modules=MLP, seed=4)
+    a = _wrapper(method="lora", target_modules=MLP, seed=3)
+    b = _wrapper(method="lora", target_modules=MLP, seed=3)
+    c = _wrapper(method="lora", target_modules=MLP, seed=4)
     assert torch.equal(a.embed_and_score(x, gallery)[1], source.embed_and_score(x, gallery)[1])  # B = 0: ΔW = 0
     assert all(torch.equal(p, b.params[n]) for n, p in a.params.items())
     assert any(not torch.equal(p, c.params[n]) for n, p in a.params.items() if "lora_A" in n)
@@ -74,14 +77,15 @@ def test_lora_starts_at_the_source_model_and_its_init_follows_the_seed():
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        ({"tuning": "lora"}, "target_modules"),
-        ({"tuning": "lora", "target_modules": ".*vision_model.*layer_norm1"}, "lora"),
-        ({"tuning": "loraa"}, "tuning"),
-        ({"lora_rank": 0}, "lora_rank"),
+        ({"method": "lora"}, "target_modules"),
+        ({"method": "lora", "target_modules": ".*vision_model.*layer_norm1"}, "lora"),
+        ({"method": "loraa"}, "method"),
+        ({"method": "lora", "target_modules": MLP, "lora_rank": 0}, "lora_rank"),
+        ({"lora_rank": 8}, "lora_rank` applies to method='lora' only"),
         ({"anchor_weight": -1.0}, "anchor_weight"),
-        ({"consistency_weight": -1.0}, "consistency_weight"),
-        ({"consistency_top_k": 0}, "consistency_top_k"),
-        ({"consistency_temperature": 0.0}, "consistency_temperature"),
+        ({"consistency": {"weight": -1.0}}, "ConsistencyConfig `weight`"),
+        ({"consistency": {"weight": 1.0, "top_k": 0}}, "ConsistencyConfig `top_k`"),
+        ({"consistency": {"weight": 1.0, "temperature": 0.0}}, "ConsistencyConfig `temperature`"),
         ({"lr_multipliers": {"fc1": 0.0}}, "lr_multipliers"),
         ({"lr_multipliers": {"(": 0.5}}, "regular expression"),
         ({"lr_multipliers": {"no_such_tensor": 0.5}}, "match no adapted parameter"),
@@ -94,7 +98,7 @@ def test_a_bad_tuning_option_gets_one_line_naming_it(cfg, match):
 
 
 def test_the_options_round_trip_through_json():
-    cfg = TTAConfig(tuning="lora", lora_rank=8, target_modules=MLP, lr_multipliers={"lora_B": 0.1}, anchor_weight=2.5)
+    cfg = TTAConfig(tuning=TuningConfig(method="lora", lora_rank=8, target_modules=MLP, lr_multipliers={"lora_B": 0.1}, anchor_weight=2.5))
     assert TTAConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -136,7 +140,7 @@ def test_anchor_value_by_hand_on_plain_tensors():
 
 
 def test_anchor_value_by_hand_on_lora_is_the_effective_weight_change():
-    tta = _wrapper(tuning="lora", lora_rank=2, target_modules=".*vision_model.encoder.layers.0.mlp.fc1", anchor_weight=0.5)
+    tta = _wrapper(method="lora", lora_rank=2, target_modules=".*vision_model.encoder.layers.0.mlp.fc1", anchor_weight=0.5)
     (layer,) = [m for m in tta.model.modules() if isinstance(m, LoraLayer)]
     A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     with torch.no_grad():
@@ -157,7 +161,7 @@ def test_the_anchor_is_part_of_the_loss_and_logged():
 
 
 # ------------------------------------------------------------------------------------- state
-@pytest.mark.parametrize("cfg", [{"tuning": "bias"}, {"tuning": "lora", "target_modules": MLP}], ids=["bias", "lora"])
+@pytest.mark.parametrize("cfg", [{"method": "bias"}, {"method": "lora", "target_modules": MLP}], ids=["bias", "lora"])
 def test_reset_returns_the_new_parameters_to_the_source_exactly(cfg):
     tta = _wrapper(**cfg)
     gallery = dense_gallery()
@@ -175,7 +179,7 @@ def test_reset_returns_the_new_parameters_to_the_source_exactly(cfg):
 def test_lora_exports_as_a_peft_adapter_that_embeds_the_same(tmp_path):
     from peft import PeftModel
 
-    tta = _wrapper(tuning="lora", target_modules=MLP)
+    tta = _wrapper(method="lora", target_modules=MLP)
     gallery, x = dense_gallery(), batch("image", 6, seed=9)
     for b in image_stream(2):
         tta.adapt_step(b, gallery)
@@ -208,7 +212,7 @@ def test_consistency_value_by_hand():
 
 def test_the_consistency_is_part_of_the_loss_logged_and_keeps_the_source_answers():
     gallery, stream = dense_gallery(), image_stream(3)
-    plain, held = _wrapper(lr=1e-2), _wrapper(lr=1e-2, consistency_weight=1000.0, consistency_top_k=3)
+    plain, held = _wrapper(lr=1e-2), _wrapper(lr=1e-2, consistency=ConsistencyConfig(weight=1000.0, top_k=3))
     source = _wrapper()
     kl = {}
     for x in stream:

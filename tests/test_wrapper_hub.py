@@ -40,7 +40,7 @@ def test_push_then_load_resumes_the_stream(tmp_path, adapted):
     assert "tent" in message and "3 batches" in message
 
     loaded = TTAWrapper.from_pretrained(_source_model(), "me/clip-tent", api=hub.api())
-    assert loaded.batch_index == 3 and loaded.config == tta.resolved_config()
+    assert loaded.batch_index == 3 and loaded.config == tta.config and loaded.resolved_config() == tta.resolved_config()
     assert all(torch.equal(loaded.params[n], p) for n, p in tta.params.items())
     q = batch("image", 5, seed=99)
     assert torch.equal(loaded.adapt_step(q, loaded.encode_gallery(batch("text", 9, seed=1))).scores, tta.adapt_step(q, g).scores)
@@ -92,7 +92,7 @@ def test_ttaconfig_from_pretrained_takes_a_hub_id_like_the_wrapper(tmp_path, ada
     hub = FakeHub(tmp_path / "hub")
     tta.push_to_hub("me/clip-tent", api=hub.api())
     cfg = TTAConfig.from_pretrained("me/clip-tent", api=hub.api())
-    assert cfg == tta.resolved_config()
+    assert cfg == tta.config  # the config as given (the checkpoint also holds it resolved)
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         TTAConfig.from_pretrained(tmp_path / "no-such-folder")
 

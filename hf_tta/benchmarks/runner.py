@@ -169,7 +169,9 @@ class GridRunner:
         """The :class:`~hf_tta.TTAConfig` of a row (a name or its parsed :class:`RowSpec`) on a stream for a seed:
         objective, gradient decoupling, adapted modules, and the seed of the wrapper's RNG."""
         from ..config import TTAConfig
+        from ..config_flat import FLAT_FIELDS, nest
         from ..models import get_adapter
+        from ..objectives.base import get_objective_class
 
         s = self.settings
         spec = row if isinstance(row, RowSpec) else row_spec(row)
@@ -182,10 +184,15 @@ class GridRunner:
         targets = None
         if spec.all_params:
             targets = query_tower_modules(get_adapter(self.pristine, (modality, GALLERY_MODALITY[cond.direction])), modality)
-        base = dict(s.config_overrides)  # the user's TTAConfig fields; the row's own choices win
+        base = dict(s.config_overrides)  # the user's TTAConfig fields, flat (the CLI's options); the row's own choices win
+        # the features a row does not run take no options: no tuning of a training-free row, no gd settings without gd
+        off = {"gradient_decoupling"} if not gd else set()
+        if not get_objective_class(objective).requires_grad:
+            off |= {"tuning", "consistency"}
+        base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, ("",))[0] not in off}
         transform = "dn" if spec.dn else base.get("score_transform")
         safety = base.get("safety")
-        return TTAConfig(**{
+        return TTAConfig(**nest({
             **base,
             "objective": objective,
             "objective_config": dict(s.objective_configs.get(spec.row, s.objective_configs.get(objective, {}))),
@@ -201,7 +208,7 @@ class GridRunner:
             "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
             # the supervised ceilings are prequential: each batch is scored before its labels train the model
             "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),
-        })
+        }))
 
     def _wrapper(self, row: str | RowSpec, cond: Condition, seed: int):
         """The row's wrapper, reset to the source model. One is held per (row, direction, gradient decoupling); it
@@ -210,7 +217,7 @@ class GridRunner:
 
         spec = row if isinstance(row, RowSpec) else row_spec(row)
         cfg = self.row_config(spec, cond, seed)
-        key = (spec.row, cond.direction, cfg.gradient_decoupling)
+        key = (spec.row, cond.direction, cfg.gradient_decoupling is not None)
         held = self._wrappers.pop(key, None)
         if held is None or held.config != cfg:
             del held  # the previous seed's copy of the model goes before the next is made

@@ -2,9 +2,13 @@
 transformers' :class:`~transformers.HfArgumentParser`, so that the command line and the Python API validate through
 one path (``TTAConfig.__post_init__``).
 
-Every field is an option (``--weight_decay`` and ``--weight-decay`` alike, help from the field's metadata), and
-``--config FILE`` reads a JSON or YAML file of fields (e.g. the ``tta_config.json`` a wrapper saved); options on the
-command line win over the file. The grid decides four fields per run, so their options take part in choosing the grid:
+The options keep the flat spelling (:mod:`hf_tta.config_flat`): every plain field of TTAConfig and every field of its
+nested feature configs is one option (``--weight_decay``, ``--tuning`` for ``TuningConfig.method``, ``--lora_rank``,
+``--consistency_weight`` (> 0 turns the consistency term on), ``--gd_per_tensor``, ``--fast_step`` ..., in both
+spellings ``--weight_decay`` / ``--weight-decay``, help from the field's metadata), mapped to the nested config in one
+place, :func:`hf_tta.config_flat.nest`; an option whose feature is off (``--lora_rank`` without ``--tuning lora``) is
+refused in one line. ``--config FILE`` reads a JSON or YAML file of these options or a saved ``tta_config.json``
+(nested, or flat from hf_tta 0.1); options on the command line win over the file. The grid decides four fields per run, so their options take part in choosing the grid:
 
 - ``--objective NAME``: the one row besides the source model (``--objectives`` names several);
 - ``--query_modality`` / ``--gallery_modality``: must agree with ``--direction``, which sets them per run;
@@ -48,6 +52,40 @@ CLI_NOTES = {
 }
 #: Fields RunSettings carries itself (the runner sets them on every row's config).
 SETTINGS_FIELDS = ("steps", "lr", "seed", "gallery_batch_size")
+#: Help of a feature's switch, which has no field of its own in the nested config.
+SWITCH_HELP = {
+    "consistency_weight": "Consistency with the source model's predictions added to every step's loss: consistency_weight * "
+    "mean KL(p_source || p_adapted) over each query's `consistency_top_k` source top items at temperature "
+    "`consistency_temperature` (hf_tta.tuning.SourceConsistency; TTAConfig.consistency); 0 = off (the papers' methods).",
+}
+
+
+def flat_fields() -> list[tuple[str, dataclasses.Field, Any, Any]]:
+    """Every :class:`~hf_tta.TTAConfig` setting in the command line's flat spelling, in TTAConfig's order:
+    ``(flat name, its dataclass field, its type, its default)``; a nested feature's fields under their flat names
+    (:data:`hf_tta.config_flat.FLAT_FIELDS`), with the feature's switch where it has one."""
+    from ..config import TTAConfig
+    from ..config_flat import FLAT_DEFAULTS, FLAT_FIELDS, GROUPS
+
+    flat_of = {where: flat for flat, where in FLAT_FIELDS.items()}
+    out = []
+    for f in dataclasses.fields(TTAConfig):
+        if f.name not in GROUPS:
+            out.append((f.name, f, typing.get_type_hints(TTAConfig)[f.name], _default(f)))
+            continue
+        hints = typing.get_type_hints(GROUPS[f.name])
+        if f.name == "gradient_decoupling":
+            out.append((f.name, f, bool, FLAT_DEFAULTS[f.name]))
+        for nested in dataclasses.fields(GROUPS[f.name]):
+            name = flat_of[(f.name, nested.name)]
+            kind = int if name == "lora_rank" else hints[nested.name]
+            default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else _default(nested)
+            out.append((name, nested, kind, default))
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
 def _json_object(value: str) -> dict:
@@ -68,30 +106,27 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     so that :func:`apply_config` lets ``--config`` fill exactly the others."""
     from transformers import HfArgumentParser
 
-    from ..config import TTAConfig
-
     group = parser.add_argument_group("adaptation (hf_tta.TTAConfig fields; the Python API validates the same way)")
     group.add_argument("--config", default=None, metavar="FILE",
                        help="JSON or YAML file of TTAConfig fields (e.g. a saved tta_config.json); options given here win.")
-    hints = typing.get_type_hints(TTAConfig)
     late = {}
-    for f in dataclasses.fields(TTAConfig):
-        if f.name in GRID_FIELDS or not f.init:
+    for name, f, kind, default in flat_fields():
+        if name in GRID_FIELDS:
             continue
         field = copy.copy(f)  # HfArgumentParser rewrites field.type: never touch TTAConfig's own fields
-        field.type = hints[f.name]
+        field.name, field.type, field.default, field.default_factory = name, kind, default, dataclasses.MISSING
+        field.metadata = {"help": SWITCH_HELP.get(name, f.metadata.get("help", ""))}  # argparse reads every key
         if dict in (typing.get_origin(field.type), *map(typing.get_origin, typing.get_args(field.type))):
             field.type = _json_object
-        if f.name in PER_RUN_FIELDS:
+        if name in PER_RUN_FIELDS:
             field.default = None
         start = len(group._group_actions)
         HfArgumentParser._parse_dataclass_field(group, field)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        late[f.name] = None if f.name in PER_RUN_FIELDS else default
+        late[name] = None if name in PER_RUN_FIELDS else default
         for action in group._group_actions[start:]:
             action.default = argparse.SUPPRESS
-            shown = "set per run by the grid" if f.name in PER_RUN_FIELDS else f"default: {default!r}"
-            action.help = f"{action.help or ''} {CLI_NOTES.get(f.name, '')}({shown})".replace("%", "%%")
+            shown = "set per run by the grid" if name in PER_RUN_FIELDS else f"default: {default!r}"
+            action.help = f"{action.help or ''} {CLI_NOTES.get(name, '')}({shown})".replace("%", "%%")
     parser.late_defaults = late  # the namespace gets every field; `config_given` says which were on the command line
 
 
@@ -114,11 +149,23 @@ def _read_file(path: str) -> dict[str, Any]:
                          f"({str(err).splitlines()[0]}).") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: holds no mapping of TTAConfig fields.")
-    data.pop("hf_tta_version", None)  # written by TTAConfig.save_pretrained
-    known = {f.name for f in dataclasses.fields(_config_class())}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UsageError(f"--config {path}: {unknown} are not TTAConfig fields; valid: {', '.join(sorted(known))}.")
+    return _flat_file_fields(data, path)
+
+
+def _flat_file_fields(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """A config file's fields in the flat spelling: a file of options as it is; a saved ``tta_config.json`` (nested,
+    a checkpoint's with the config as given, or flat from hf_tta 0.1) read by ``TTAConfig.from_dict`` and flattened."""
+    from ..config_flat import GROUPS, flatten
+    from ..configuration_utils import unknown_key_message
+
+    if "hf_tta_version" in data or any(isinstance(data.get(g), dict) for g in GROUPS):
+        try:
+            return flatten(_config_class().from_dict(data).to_dict())
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"--config {path}: {str(err).splitlines()[0]}") from None
+    message = unknown_key_message(data, [name for name, *_ in flat_fields()], "hf-tta run")
+    if message:
+        raise UsageError(f"--config {path}: {message.replace('no field', 'no option')}")
     return data
 
 
@@ -128,12 +175,13 @@ def _config_class():
     return TTAConfig
 
 
+
 def config_fields(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """The TTAConfig fields the user set: ``--config``'s and the command line's (which win), apart."""
     from_file = _read_file(args.config) if getattr(args, "config", None) else {}
     names = getattr(args, "config_given", None)
     if names is None:  # a namespace built by hand: every field it holds counts as given
-        names = [f.name for f in dataclasses.fields(_config_class()) if f.name not in GRID_FIELDS and hasattr(args, f.name)]
+        names = [name for name, *_ in flat_fields() if name not in GRID_FIELDS and hasattr(args, name)]
     given = {name: getattr(args, name) for name in names}
     return from_file, given
 
@@ -143,6 +191,7 @@ def apply_config(args, directions: list[str]) -> dict[str, Any]:
     :class:`~hf_tta.TTAConfig`, validated by ``TTAConfig`` itself; set ``args.<field>`` for every field (so that
     ``args.seed``, ``args.steps`` ... hold the resolved values). Returns the overrides for ``RunSettings``."""
     from ..benchmarks.grid import GALLERY_MODALITY, QUERY_MODALITY
+    from ..config_flat import FLAT_FIELDS, nest
 
     TTAConfig = _config_class()
     from_file, given = config_fields(args)
@@ -166,16 +215,21 @@ def apply_config(args, directions: list[str]) -> dict[str, Any]:
         value = fields.pop(name, None)
         if value not in (None, {}, False) and getattr(args, option, None) is None:
             setattr(args, option, json.dumps(value) if isinstance(value, dict) else str(value).lower())
-    # One validation path: the dataclass's own checks (each row's full config is checked again in prepare_run).
+    # The grid turns gradient decoupling on per row: its options are checked as if on, unless it is off everywhere.
+    gd_options = [k for k in fields if FLAT_FIELDS.get(k, ("",))[0] == "gradient_decoupling"]
+    if gd_options and str(getattr(args, "gradient_decoupling", None)).lower() == "false":
+        raise UsageError(f"--{gd_options[0]} applies only with gradient decoupling on: drop --gradient_decoupling false or --{gd_options[0]}.")
+    # One validation path: the flat options nested by hf_tta.config_flat.nest, then the dataclasses' own checks (each
+    # row's full config is checked again in prepare_run).
     for d in directions:
         try:
-            TTAConfig(**{**fields, "objective": "tent", "query_modality": QUERY_MODALITY[d], "gallery_modality": GALLERY_MODALITY[d]})
+            TTAConfig(**nest({**fields, "objective": "tent", "query_modality": QUERY_MODALITY[d],
+                              "gallery_modality": GALLERY_MODALITY[d], "gradient_decoupling": bool(gd_options)}))
         except (TypeError, ValueError) as err:
             raise UsageError(f"{str(err).splitlines()[0]} (an adaptation option; see `hf-tta run --help`)") from None
-    defaults = TTAConfig(objective="tent")
-    for f in dataclasses.fields(TTAConfig):
-        if f.name not in GRID_FIELDS + PER_RUN_FIELDS:
-            setattr(args, f.name, fields.get(f.name, getattr(defaults, f.name)))
+    for name, _, _, default in flat_fields():
+        if name not in GRID_FIELDS + PER_RUN_FIELDS:
+            setattr(args, name, fields.get(name, default))
     if fields:
         logger.info("Adaptation options: %s", fields)
     return {k: v for k, v in fields.items() if k not in SETTINGS_FIELDS}

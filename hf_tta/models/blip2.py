@@ -7,7 +7,7 @@ The Q-Former is **shared** by both modalities (text goes through the same layers
 adapting its LayerNorms moves the text side too. hf_tta encodes the gallery once, with the adapters disabled
 (exactly the source model), and never re-encodes it, so the cached gallery stays the source gallery whatever the
 queries adapt. The default adapted parameters therefore include the Q-Former's norms for both directions; to
-keep the Q-Former frozen, pass ``exclude_modules=["qformer"]`` in the :class:`~hf_tta.TTAConfig`.
+keep the Q-Former frozen, pass ``tuning=TuningConfig(exclude_modules=["qformer"])`` in the :class:`~hf_tta.TTAConfig`.
 
 Each Q-Former layer has two feed-forward blocks: ``intermediate_query``/``output_query`` for the query tokens (image
 path) and ``intermediate``/``output`` for text tokens; text (``query_length=0``) runs no cross-attention. Only the

@@ -19,7 +19,7 @@ tower alone and adapts its LayerNorms (Swin ``layernorm_before/after``, ``norm``
   representation is computed, which is exactly what LN-only TTA is meant to avoid;
 - PEFT's LN-tuning wraps a selected layer in a deep copy, so adapting it is possible and safe to undo.
 
-To adapt it anyway, name it: ``TTAConfig(target_modules=[... LayerNorm names ..., "audio_model.audio_encoder.batch_norm"])``
+To adapt it anyway, name it: ``TTAConfig(tuning=TuningConfig(target_modules=[... LayerNorm names ..., "audio_model.audio_encoder.batch_norm"]))``
 (see :meth:`ClapAdapter.norm_layer_names`); its running statistics stay those of the source model (eval mode).
 """
 
