@@ -23,7 +23,13 @@ there is no ``D`` but a complete ``.D.old``, which :func:`read_checkpoint` loads
 **What the state file holds** (:meth:`hf_tta.state.AdapterState.to_tensors` and the safety monitor's
 ``state_tensors`` write it): tensors ``param.*``, ``optim.*``, ``objective.*``, ``score_transform.*``, ``wrapper.*`` and
 ``safety.*`` (a routed wrapper: each domain's under ``domain.<i>.``, and ``router.*``); metadata ``"optimizer"`` (param
-groups and non-tensor state), ``"safety"``, ``"param_names"``, ``"fingerprint"`` (and ``"routed"``).
+groups and non-tensor state), ``"safety"``, ``"param_names"``, ``"fingerprint"`` (and ``"routed"``), and
+``"tensors_sha256"``: the SHA-256 of every tensor's name, dtype, shape and bytes (:func:`tensors_digest`).
+
+**Integrity.** Reading recomputes ``tensors_sha256`` and refuses a file whose tensors do not match it (a flipped bit,
+a copy damaged in transit) with :class:`CheckpointError`, one line naming the file; so is every file that is not a
+whole safetensors file (empty, truncated, a damaged header, another format). A state file written before the digest
+existed loads with a one-line warning that says to re-save it. Nothing is changed before the file is accepted.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's state file cannot be trusted: malformed, or its tensors do not match their digest."""
 
 CONFIG_FILE = "tta_config.json"
 STATE_FILE = "tta_state.safetensors"
@@ -132,6 +142,18 @@ def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], c
     )
 
 
+# ---------------------------------------------------------------------------------------------------- integrity
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors in name order: each one's name, dtype, shape and raw bytes (as stored, on CPU), so that
+    any changed value, renamed, added or dropped tensor changes it."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------------- write
 def write_checkpoint(
     directory: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
@@ -152,7 +174,8 @@ def write_checkpoint(
     for stale in parent.glob(f".{target.name}.tmp-*"):  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
     config_text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
-    meta = {"hf_tta": json.dumps({**metadata, "config": dict(config), "format": FORMAT})}
+    digest = tensors_digest(tensors)
+    meta = {"hf_tta": json.dumps({**metadata, "config": dict(config), "format": FORMAT, "tensors_sha256": digest})}
     tmp = parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -231,14 +254,40 @@ def read_checkpoint(directory: str | os.PathLike, attempts: int = 3) -> Checkpoi
 
 
 def _parse(folder: Path, data: bytes) -> Checkpoint:
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
-    meta = json.loads(header.get("__metadata__", {}).get("hf_tta", "{}"))
+    path = folder / STATE_FILE
+    try:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        if 8 + header_len > len(data):
+            raise ValueError(f"the header claims {header_len} bytes but the file has {len(data)}")
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header.get("__metadata__", {}).get("hf_tta", "{}"))
+        if not isinstance(meta, dict):
+            raise ValueError("its hf_tta metadata is not a JSON object")
+        tensors = load_safetensors(data)
+    except Exception as err:  # struct.error, JSONDecodeError, SafetensorError, AttributeError on a non-dict header...
+        why = "an empty file" if not data else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'malformed'}"
+        raise CheckpointError(
+            f"{path} is not a whole safetensors checkpoint ({why}; {len(data)} bytes): it is damaged or truncated, "
+            "re-save it with TTAWrapper.save_pretrained()."
+        ) from None
     if meta.get("format", 0) > FORMAT:
         raise ValueError(f"{folder}: checkpoint format {meta['format']} is newer than this hf_tta reads ({FORMAT}): upgrade hf_tta.")
+    expected = meta.pop("tensors_sha256", None)
+    if expected is None:
+        logger.warning("%s has no integrity digest (written by an older hf_tta): loading it unchecked; re-save it to add one", path)
+    elif tensors_digest(tensors) != expected:
+        raise CheckpointError(
+            f"{path}: its tensors do not match the sha256 digest recorded when it was saved (the file was changed or "
+            "damaged after saving): re-save it from the wrapper, or restore an intact copy."
+        )
     config = meta.pop("config", None)
     if config is None:  # written before the config was embedded in the state file
-        with open(folder / CONFIG_FILE, encoding="utf-8") as fh:
-            config = json.load(fh)
+        try:
+            with open(folder / CONFIG_FILE, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(
+                f"{folder / CONFIG_FILE} cannot be read ({type(err).__name__}): re-save it with TTAWrapper.save_pretrained()."
+            ) from None
     config.pop("hf_tta_version", None)
-    return Checkpoint(folder, config, load_safetensors(data), meta)
+    return Checkpoint(folder, config, tensors, meta)

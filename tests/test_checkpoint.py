@@ -287,3 +287,92 @@ def test_config_hash_accepts_int_keys_as_json_writes_them():
     as_str = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "b"}}}))
     other = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "c"}}}))
     assert as_int == as_str != other
+
+
+# ------------------------------------------------------------------------------------- integrity (issue 36, item 3)
+def _header(data: bytes) -> tuple[int, dict]:
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8 : 8 + n])
+
+
+def _state_of(tta):
+    return {n: p.detach().clone() for n, p in tta.params.items()}, {k: v.clone() for k, v in tta.state.items()}, tta.batch_index
+
+
+def _assert_unchanged(tta, before):
+    params, state, batch_index = before
+    assert _same_tensors(params, {n: p.detach() for n, p in tta.params.items()}) and _same_tensors(state, tta.state)
+    assert tta.batch_index == batch_index
+
+
+def _refused_everywhere(folder):
+    """The damaged checkpoint is refused by from_pretrained and by load_state, in one line naming the file and the
+    fix, and the wrapper it was loaded into is bit-identical afterwards."""
+    path = str(folder / STATE_FILE)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        TTAWrapper.from_pretrained(make_model("clip"), folder)
+    message = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in message and path in message and "re-save it" in message
+    tta = _adapted(1)
+    before = _state_of(tta)
+    with pytest.raises(checkpoint.CheckpointError):
+        tta.load_state(folder)
+    _assert_unchanged(tta, before)
+    return message
+
+
+def test_flipped_high_bytes_are_refused_by_the_digest(tmp_path):
+    """XOR the high byte of 64 float32 values of the adapted LayerNorms (before: loaded, with a bias off by ~1e3)."""
+    target = tmp_path / "ckpt"
+    _adapted(1).save_pretrained(target)
+    data = bytearray((target / STATE_FILE).read_bytes())
+    n, header = _header(bytes(data))
+    spans = [header[k]["data_offsets"] for k in header if k.startswith("param.") and header[k]["dtype"] == "F32"]
+    flipped = 0
+    for start, end in spans:
+        for i in range(start, min(end, start + 4 * 8), 4):  # 8 floats of each tensor
+            data[8 + n + i + 3] ^= 0x40
+            flipped += 1
+    assert flipped >= 64
+    (target / STATE_FILE).write_bytes(bytes(data))
+    assert "do not match the sha256 digest" in _refused_everywhere(target)
+
+
+def _truncated(data):
+    return data[: len(data) // 2]
+
+
+def _damaged_header(data):
+    return data[:8] + b"\x00\xff" * 8 + data[24:]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda d: b"", _truncated, lambda d: d[:5], _damaged_header, lambda d: b"PK\x03\x04not a safetensors file" * 4,
+     lambda d: (10**12).to_bytes(8, "little") + d[8:]],
+    ids=["empty", "truncated", "shorter-than-header", "damaged-header", "zip", "header-length-too-large"],
+)
+def test_malformed_state_files_are_one_line_naming_the_file(tmp_path, damage):
+    target = tmp_path / "ckpt"
+    _adapted(1).save_pretrained(target)
+    (target / STATE_FILE).write_bytes(damage((target / STATE_FILE).read_bytes()))
+    assert "is not a whole safetensors checkpoint" in _refused_everywhere(target)
+
+
+def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, caplog):
+    """State files written before the digest existed still load (warned once, told to re-save); a re-save adds it."""
+    from safetensors.torch import load, save
+
+    target = tmp_path / "ckpt"
+    saved = _adapted(2)
+    saved.save_pretrained(target)
+    data = (target / STATE_FILE).read_bytes()
+    meta = json.loads(_header(data)[1]["__metadata__"]["hf_tta"])
+    del meta["tensors_sha256"]
+    (target / STATE_FILE).write_bytes(save(load(data), metadata={"hf_tta": json.dumps(meta)}))
+    with caplog.at_level("WARNING", logger="hf_tta"):
+        loaded = TTAWrapper.from_pretrained(make_model("clip"), target)
+    assert "no integrity digest" in caplog.text and "re-save it" in caplog.text
+    assert loaded.batch_index == 2 and _same_tensors(dict(saved.params), dict(loaded.params))
+    loaded.save_pretrained(target)
+    assert "tensors_sha256" in _header((target / STATE_FILE).read_bytes())[1]["__metadata__"]["hf_tta"]
