@@ -42,7 +42,7 @@ import secrets
 import shutil
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -89,11 +89,13 @@ def _drop_volatile(value: Any) -> Any:
 
 
 def model_fingerprint(
-    model: nn.Module, params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor] | None = None
+    model: nn.Module, params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint was adapted from: the model's class, its config hash, the adapted parameters' names and shapes,
     and (given ``source``, their values before adaptation) a hash of those source values, which tells two checkpoints
-    of one architecture apart."""
+    of one architecture apart. ``names`` (:attr:`Checkpoint.legacy_names`) hashes the source under the names an
+    older checkpoint used, to compare with its hash."""
     out: dict[str, Any] = {
         "model_class": type(model).__name__,
         "config_sha256": config_hash(model),
@@ -101,18 +103,19 @@ def model_fingerprint(
     }
     if source:
         digest = hashlib.sha256()
-        for name in sorted(source):  # float32 bytes: the same on every device and for a bf16 copy of the weights
-            digest.update(name.encode())
+        names = names or {}
+        for name in sorted(source, key=lambda n: names.get(n, n)):  # float32 bytes: the same on every device and dtype
+            digest.update(names.get(name, name).encode())
             digest.update(source[name].detach().float().cpu().contiguous().numpy().tobytes())
         out["source_sha256"] = digest.hexdigest()
     return out
 
 
 def unwrapped_source(model: nn.Module, adapted: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
-    """The values of a checkpoint's adapted parameters (PEFT LN-tuning names) in a model PEFT has not wrapped yet, for
-    :func:`model_fingerprint` before the wrapper touches the model; ``None`` if the model lacks one of them."""
+    """The values of a checkpoint's adapted parameters in a model no wrapper has touched yet, for
+    :func:`model_fingerprint` before the wrapper is built; ``None`` if the model lacks one of them (a LoRA factor)."""
     try:
-        return {n: model.get_parameter(n.replace("ln_tuning_layers.default.", "")) for n in adapted}
+        return {n: model.get_parameter(n) for n in adapted}
     except AttributeError:
         return None
 
@@ -226,6 +229,7 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+    legacy_names: dict[str, str] = field(default_factory=dict)  # read name -> as written (PEFT LN-tuning names)
 
     @property
     def fingerprint(self) -> dict[str, Any] | None:
@@ -290,4 +294,22 @@ def _parse(folder: Path, data: bytes) -> Checkpoint:
                 f"{folder / CONFIG_FILE} cannot be read ({type(err).__name__}): re-save it with TTAWrapper.save_pretrained()."
             ) from None
     config.pop("hf_tta_version", None)
-    return Checkpoint(folder, config, tensors, meta)
+    tensors, meta, legacy = _rename_peft_ln(tensors, meta)
+    if legacy:
+        logger.info("%s names its LayerNorm parameters as PEFT's LN tuning did (%s); read with the model's own names", path, next(iter(legacy.values())))
+    return Checkpoint(folder, config, tensors, meta, legacy)
+
+
+_PEFT_LN = ".ln_tuning_layers.default."  # how LayerNorm tuning through PEFT named an adapted tensor (issue 36 dropped it)
+
+
+def _rename_peft_ln(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[dict, dict, dict[str, str]]:
+    """A checkpoint written while LayerNorm tuning went through PEFT (``<module>.ln_tuning_layers.default.<param>``)
+    read with the model's own names (``<module>.<param>``): its tensors' keys and every name in its metadata (param
+    names, fingerprint, the safety snapshot), and the map from each new adapted name to the old."""
+    if not any(_PEFT_LN in k for k in tensors):
+        return tensors, meta, {}
+    old = (meta.get("fingerprint") or {}).get("adapted", {})
+    legacy = {n.replace(_PEFT_LN, "."): n for n in old}
+    tensors = {k.replace(_PEFT_LN, "."): v for k, v in tensors.items()}
+    return tensors, json.loads(json.dumps(meta).replace(_PEFT_LN, ".")), legacy

@@ -91,7 +91,7 @@ def test_same_architecture_with_other_weights_is_refused(tmp_path):
     before = {n: p.detach().clone() for n, p in other.named_parameters()}
     with pytest.raises(ValueError, match="other weights .*source values differ"):
         TTAWrapper.from_pretrained(other, tmp_path / "ckpt")
-    assert not any("ln_tuning" in n for n, _ in other.named_modules())  # refused before PEFT wrapped it
+    assert not any(p.requires_grad is False for p in other.parameters())  # refused before the wrapper froze it
     assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
     assert TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt").batch_index == 1  # the right one loads
 
@@ -101,7 +101,7 @@ def test_another_model_is_refused_naming_both_before_it_is_touched(tmp_path):
     siglip = make_model("siglip")
     with pytest.raises(ValueError, match=r"adapted from CLIPModel .*loaded into SiglipModel.*another model class"):
         TTAWrapper.from_pretrained(siglip, tmp_path / "ckpt")
-    assert not any("ln_tuning" in n for n, _ in siglip.named_modules())  # not wrapped by PEFT
+    assert all(p.requires_grad for p in siglip.parameters())  # refused before a wrapper touched it
     from transformers import CLIPConfig, CLIPModel
 
     cfg = make_model("clip").config.to_dict()
@@ -376,3 +376,32 @@ def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, caplog):
     assert loaded.batch_index == 2 and _same_tensors(dict(saved.params), dict(loaded.params))
     loaded.save_pretrained(target)
     assert "tensors_sha256" in _header((target / STATE_FILE).read_bytes())[1]["__metadata__"]["hf_tta"]
+
+
+def test_a_checkpoint_with_peft_ln_tuning_names_loads_and_continues_as_it_did(tmp_path, caplog):
+    """tests/data/legacy_peft_ln: written at 8650706, when LayerNorm tuning went through PEFT (tensor and metadata names
+    ``...ln_tuning_layers.default...``; no digest). It loads under the model's own names, its fingerprint (source
+    hash over the old names) still matches, and the stream continues with the scores that version computed."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(__file__).parent / "data" / "legacy_peft_ln"
+    old = load_file(folder / "checkpoint" / STATE_FILE)
+    with caplog.at_level("INFO", logger="hf_tta"):
+        tta = TTAWrapper.from_pretrained(make_model("clip"), folder / "checkpoint")
+    assert "no integrity digest" in caplog.text and "ln_tuning_layers" in caplog.text
+    assert tta.batch_index == 2 and tta.safety is not None
+    assert _same_tensors({n: p.detach() for n, p in tta.params.items()},
+                         {k[6:].replace(".ln_tuning_layers.default.", "."): v for k, v in old.items() if k.startswith("param.")})
+    g = tta.encode_gallery(batch("text", 12, seed=1))
+    tta.save_pretrained(tmp_path / "resaved")  # today's names, with a digest
+    scores = torch.cat([tta.adapt_step(batch("image", 8, seed=20 + i), g).scores for i in range(2)])
+    torch.testing.assert_close(scores, load_file(folder / "continued_scores.safetensors")["scores"], rtol=0, atol=1e-5)
+    resumed = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "resaved")
+    assert torch.equal(torch.cat([resumed.adapt_step(batch("image", 8, seed=20 + i), g).scores for i in range(2)]), scores)
+    with pytest.raises(ValueError, match="other weights"):  # the old source hash still tells other weights apart
+        other = make_model("clip")
+        with torch.no_grad():
+            other.vision_model.post_layernorm.bias.add_(0.1)
+        TTAWrapper.from_pretrained(other, folder / "checkpoint")
