@@ -39,18 +39,19 @@ import re
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .gradient_decoupling import prediction_kl
 from .models.base import ModelAdapter, resolve_target_modules
 from .models.checkpointing import enable_gradient_checkpointing
+from .models.peft_interop import peft_layers
 from .objectives.base import ObjectiveInputs
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
     parameters (``"ln"``, ``"bias"``; the model's structure and state-dict keys unchanged) or PEFT LoRA layers around
     them (``"lora"``). Everything else is frozen; the model is left in eval mode."""
     model = adapter.model
-    if model in _WRAPPED or any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+    if model in _WRAPPED or peft_layers(model):
         raise ValueError(
             "This model is already wrapped by a TTAWrapper (or carries PEFT adapter layers): pass a fresh source "
             "model (copy.deepcopy(model) starts from its current values), or use the existing wrapper's load_state(path)."
@@ -120,6 +121,8 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
 
 def _wrap_lora(model: nn.Module, modules: list[str], config) -> PeftModel:
     """PEFT's LoRA layers around ``modules`` (``lora_alpha = r``; ``A`` drawn from ``config.seed``)."""
+    from peft import LoraConfig, get_peft_model
+
     pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_rank, lora_dropout=0.0, target_modules=pattern)
     with warnings.catch_warnings():
@@ -177,7 +180,7 @@ class Anchor:
 
     def __init__(self, weight: float, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]):
         self.weight = weight
-        self.lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        self.lora = peft_layers(model, "LoraLayer")
         lora_ids = {id(p) for m in self.lora for p in m.parameters() if p.requires_grad}
         self.plain = [(p, source[n]) for n, p in params.items() if id(p) not in lora_ids]
 

@@ -12,10 +12,9 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
-from peft import PeftModel
 from torch import nn
 
 from . import batch as batching
@@ -36,6 +35,9 @@ from .outputs import TTAOutput, float_logs
 from .safety import KEEP, SafetyDecision, SafetyMonitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 from .update_budget import UpdateBudget
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 

@@ -9,21 +9,36 @@ import copy
 import logging
 import os
 import re
+import sys
 import warnings
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
-from peft import LNTuningConfig, PeftModel, get_peft_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 logger = logging.getLogger(__name__)
+
+
+def peft_layers(model: nn.Module, kind: str = "BaseTunerLayer") -> list[nn.Module]:
+    """``model``'s PEFT tuner layers (``kind``: ``"BaseTunerLayer"`` or ``"LoraLayer"``). PEFT is imported only for
+    LoRA (it costs seconds): a model can carry its layers only once something imported it, so without it: none."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    cls = LoraLayer if kind == "LoraLayer" else BaseTunerLayer
+    return [m for m in model.modules() if isinstance(m, cls)]
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The model to adapt: a ``PeftModel``'s adapters merged into its base weights (``merge_and_unload``; logged, the
     base model's weights change in place as PEFT's own merge does), anything else as it is."""
-    if not isinstance(model, PeftModel):
+    peft = sys.modules.get("peft")  # not imported: the model cannot be a PeftModel
+    if peft is None or not isinstance(model, peft.PeftModel):
         return model
     names = list(getattr(model, "peft_config", {}) or {})
     logger.warning("The model is a PeftModel (adapters %s): merging them into the base weights (merge_and_unload) and "
@@ -42,7 +57,7 @@ def light_copy(model: nn.Module, own: Iterable[torch.Tensor]) -> nn.Module:
 def merged_lora_copy(peft_model: PeftModel) -> nn.Module:
     """A plain transformers model with the LoRA updates merged into a copy of each adapted layer's weight; the wrapped
     model (its base weights and LoRA layers) is unchanged."""
-    layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+    layers = peft_layers(peft_model)
     return light_copy(peft_model, [t for m in layers for t in (*m.parameters(), *m.buffers())]).merge_and_unload()
 
 
@@ -54,6 +69,8 @@ def export_peft_adapter(model: nn.Module, peft_model: PeftModel | None, modules:
     if peft_model is None and not modules:
         raise ValueError("This wrapper adapts nothing (a training-free objective): there is no PEFT adapter to export.")
     if peft_model is None:
+        from peft import LNTuningConfig, get_peft_model
+
         own = [t for name in modules for t in model.get_submodule(name).parameters()]
         pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
         with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
