@@ -121,15 +121,18 @@ def unwrapped_source(model: nn.Module, adapted: Mapping[str, Any]) -> dict[str, 
 
 
 def describe_fingerprint(fp: Mapping[str, Any]) -> str:
-    return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}, {len(fp['adapted'])} adapted tensors)"
+    """``Class (config sha256 <12 hex>, N adapted tensors)``; a model no wrapper adapts yet (or a training-free
+    wrapper's) without the count."""
+    count = f", {len(fp['adapted'])} adapted tensors" if fp.get("adapted") else ""
+    return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}{count})"
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], check_params: bool = True) -> str | None:
     """``None`` if ``current`` is the model ``saved`` describes, else a message naming both."""
     if saved["model_class"] != current["model_class"]:
-        why = "another model class"
+        why = "another model class."
     elif saved["config_sha256"] != current["config_sha256"]:
-        why = "another model config"
+        why = "another model config."
     elif check_params and saved["adapted"] != current["adapted"]:
         names = sorted(set(saved["adapted"]) ^ set(current["adapted"]))
         shapes = [n for n in saved["adapted"] if n in current["adapted"] and saved["adapted"][n] != current["adapted"][n]]
@@ -141,7 +144,7 @@ def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], c
         return None
     return (
         f"This checkpoint was adapted from {describe_fingerprint(saved)}, but it is being loaded into "
-        f"{describe_fingerprint(current)}: {why}. Load it into the source model it was adapted from."
+        f"{describe_fingerprint(current)}: {why} Load it into the source model it was adapted from."
     )
 
 

@@ -405,3 +405,18 @@ def test_a_checkpoint_with_peft_ln_tuning_names_loads_and_continues_as_it_did(tm
         with torch.no_grad():
             other.vision_model.post_layernorm.bias.add_(0.1)
         TTAWrapper.from_pretrained(other, folder / "checkpoint")
+
+
+def test_the_refusal_of_another_model_names_the_real_counts_in_one_sentence(tmp_path):
+    """Before: "... loaded into SiglipModel (..., 0 adapted tensors) ... of this architecture?. Load it ..."."""
+    _adapted(1).save_pretrained(tmp_path / "ckpt")
+    n = len(_adapted(0).params)
+    other = make_model("clip")
+    with torch.no_grad():
+        other.vision_model.post_layernorm.bias.add_(0.1)
+    for model, why in ((make_model("siglip"), "another model class. Load"), (other, "this architecture? Load")):
+        with pytest.raises(ValueError) as err:
+            TTAWrapper.from_pretrained(model, tmp_path / "ckpt")
+        message = str(err.value)
+        assert "CLIPModel (config sha256 " in message and f", {n} adapted tensors), but" in message and why in message
+        assert "0 adapted tensors" not in message and "?." not in message and ".." not in message
