@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ from .outputs import TTAOutput, float_logs
 from .safety import KEEP, SafetyDecision, SafetyMonitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 from .update_budget import UpdateBudget
-
-if TYPE_CHECKING:
-    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self._gallery_versions: dict[int, int] = {}  # the version of each live backend the objective state follows
         self._encoder_id: str | None = None  # which model encoded this wrapper's galleries (encode_gallery)
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
-        self.peft_model: PeftModel | None = None
+        self.peft_model: nn.Module | None = None  # a peft.PeftModel (LoRA only)
         self.params: dict[str, nn.Parameter] = {}
         self.target_modules: list[str] = []
         self.lr = cfg.lr
@@ -164,9 +161,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         swapped in, or LoRA's adapters off); also after :meth:`merge_and_unload` and :meth:`export_peft_adapter`."""
         if self.peft_model is not None:
             return self.peft_model.disable_adapter()
-        if self.params:
-            return tuning.source_values(self.model, self.params, self._source_params)
-        return contextlib.nullcontext()
+        return tuning.source_values(self.model, self.params, self._source_params) if self.params else contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.config.autocast_dtype is None:
