@@ -1,49 +1,68 @@
-"""hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders."""
+"""hf_tta: test-time adaptation for cross-modal retrieval under query shift, for Hugging Face dual encoders.
+
+The public names below are imported on first use (PEP 562 ``__getattr__``, as ``transformers`` does), so that
+``import hf_tta`` and ``hf-tta --help`` do not pay for torch, transformers and the model code until something needs
+them; ``from hf_tta import TTAWrapper`` imports what that name needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import logging  # noqa: F401  (hf_tta.logging.set_verbosity_*; first: configures the hf_tta logger)
-from .config import (
-    ConsistencyConfig,
-    GradientDecouplingConfig,
-    RunConfig,
-    SafetyConfig,
-    TTAConfig,
-    TuningConfig,
-)
-from .distributed import DistributedTTAWrapper, init_distributed
-from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
-from .gallery.cache import GalleryCache
-from .metrics import retrieval_metrics, topk_retrieval_metrics
-from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
-from .models.clap import ClapAdapter
-from .models.clip_video import CLIPVideoAdapter
-from .models.xclip import XCLIPAdapter
-from .objectives import (
-    LossOutput,
-    Objective,
-    ObjectiveConfig,
-    ObjectiveInputs,
-    available_objectives,
-    register_objective,
-)
-from .outputs import TTAOutput
-from .router import DomainRouter, RoutingConfig
-from .routing import RoutedTTAWrapper
-from .update_budget import UpdateBudgetConfig
 from .version import __version__
-from .wrapper import TTAWrapper
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "ConsistencyConfig": "config",
+    "GradientDecouplingConfig": "config",
+    "RunConfig": "config",
+    "SafetyConfig": "config",
+    "TTAConfig": "config",
+    "TuningConfig": "config",
+    "DistributedTTAWrapper": "distributed",
+    "init_distributed": "distributed",
+    "ChunkedGallery": "gallery",
+    "FaissGallery": "gallery",
+    "GalleryBackend": "gallery",
+    "ShardedGallery": "gallery",
+    "TopKScores": "gallery",
+    "GalleryCache": "gallery.cache",
+    "retrieval_metrics": "metrics",
+    "topk_retrieval_metrics": "metrics",
+    "DualEncoderAdapter": "models",
+    "ModelAdapter": "models",
+    "get_adapter": "models",
+    "register_adapter": "models",
+    "supported_architectures": "models",
+    "ClapAdapter": "models.clap",
+    "CLIPVideoAdapter": "models.clip_video",
+    "XCLIPAdapter": "models.xclip",
+    "LossOutput": "objectives",
+    "Objective": "objectives",
+    "ObjectiveConfig": "objectives",
+    "ObjectiveInputs": "objectives",
+    "available_objectives": "objectives",
+    "register_objective": "objectives",
+    "TTAOutput": "outputs",
+    "DomainRouter": "router",
+    "RoutingConfig": "router",
+    "RoutedTTAWrapper": "routing",
+    "TTAWrapper": "wrapper",
+    "UpdateBudgetConfig": "update_budget",
+}
 
 __all__ = [
     "CLIPVideoAdapter",
     "ChunkedGallery",
-    "FaissGallery",
-    "GalleryBackend",
-    "ShardedGallery",
-    "TopKScores",
     "ClapAdapter",
     "ConsistencyConfig",
     "DistributedTTAWrapper",
     "DomainRouter",
     "DualEncoderAdapter",
+    "FaissGallery",
+    "GalleryBackend",
     "GalleryCache",
     "GradientDecouplingConfig",
     "LossOutput",
@@ -55,9 +74,11 @@ __all__ = [
     "RoutingConfig",
     "RunConfig",
     "SafetyConfig",
+    "ShardedGallery",
     "TTAConfig",
     "TTAOutput",
     "TTAWrapper",
+    "TopKScores",
     "TuningConfig",
     "UpdateBudgetConfig",
     "XCLIPAdapter",
@@ -71,3 +92,41 @@ __all__ = [
     "topk_retrieval_metrics",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_tta' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .config import ConsistencyConfig, GradientDecouplingConfig, RunConfig, SafetyConfig, TTAConfig, TuningConfig
+    from .distributed import DistributedTTAWrapper, init_distributed
+    from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
+    from .gallery.cache import GalleryCache
+    from .metrics import retrieval_metrics, topk_retrieval_metrics
+    from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
+    from .models.clap import ClapAdapter
+    from .models.clip_video import CLIPVideoAdapter
+    from .models.xclip import XCLIPAdapter
+    from .objectives import (
+        LossOutput,
+        Objective,
+        ObjectiveConfig,
+        ObjectiveInputs,
+        available_objectives,
+        register_objective,
+    )
+    from .outputs import TTAOutput
+    from .router import DomainRouter, RoutingConfig
+    from .routing import RoutedTTAWrapper
+    from .update_budget import UpdateBudgetConfig
+    from .wrapper import TTAWrapper

@@ -121,8 +121,8 @@ def wrap_tensor(tensor: torch.Tensor, held: tuple | None, modality: str, dtype: 
 
 def encoder_id(adapter: ModelAdapter, modality: str) -> str:
     """Which model and tower encode ``modality``: the model's class and config hash, and a digest of the values of the
-    parameters only that tower uses (a sum and a sum of squares each: one pass), the same before and after PEFT wraps
-    the query tower's layers."""
+    parameters only that tower uses (a sum and a sum of squares each: one pass), the same before and after a wrapper adapts
+    the query tower."""
     import hashlib
 
     from .checkpoint import config_hash
@@ -130,9 +130,7 @@ def encoder_id(adapter: ModelAdapter, modality: str) -> str:
     digest = hashlib.sha256(f"{type(adapter.model).__name__}|{config_hash(adapter.model)}|{modality}".encode())
     with torch.no_grad():
         for name, p in adapter.model.named_parameters():
-            if "ln_tuning_layers" in name:  # PEFT's adapted copies; the source values stay in base_layer
-                continue
-            name = name.replace(".base_layer.", ".")
+            name = name.replace(".base_layer.", ".")  # a LoRA layer's original weights
             if adapter.tower_of(name.rsplit(".", 1)[0]) == {modality}:
                 x = p.detach().double()
                 digest.update(f"{name}:{x.sum().item():.12e}:{x.square().sum().item():.12e}".encode())

@@ -23,7 +23,13 @@ there is no ``D`` but a complete ``.D.old``, which :func:`read_checkpoint` loads
 **What the state file holds** (:meth:`hf_tta.state.AdapterState.to_tensors` and the safety monitor's
 ``state_tensors`` write it): tensors ``param.*``, ``optim.*``, ``objective.*``, ``score_transform.*``, ``wrapper.*`` and
 ``safety.*`` (a routed wrapper: each domain's under ``domain.<i>.``, and ``router.*``); metadata ``"optimizer"`` (param
-groups and non-tensor state), ``"safety"``, ``"param_names"``, ``"fingerprint"`` (and ``"routed"``).
+groups and non-tensor state), ``"safety"``, ``"param_names"``, ``"fingerprint"`` (and ``"routed"``), and
+``"tensors_sha256"``: the SHA-256 of every tensor's name, dtype, shape and bytes (:func:`tensors_digest`).
+
+**Integrity.** Reading recomputes ``tensors_sha256`` and refuses a file whose tensors do not match it (a flipped bit,
+a copy damaged in transit) with :class:`CheckpointError`, one line naming the file; so is every file that is not a
+whole safetensors file (empty, truncated, a damaged header, another format). A state file written before the digest
+existed loads with a one-line warning that says to re-save it. Nothing is changed before the file is accepted.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import secrets
 import shutil
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,6 +52,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's state file cannot be trusted: malformed, or its tensors do not match their digest."""
 
 CONFIG_FILE = "tta_config.json"
 STATE_FILE = "tta_state.safetensors"
@@ -79,11 +89,13 @@ def _drop_volatile(value: Any) -> Any:
 
 
 def model_fingerprint(
-    model: nn.Module, params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor] | None = None
+    model: nn.Module, params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint was adapted from: the model's class, its config hash, the adapted parameters' names and shapes,
     and (given ``source``, their values before adaptation) a hash of those source values, which tells two checkpoints
-    of one architecture apart."""
+    of one architecture apart. ``names`` (:attr:`Checkpoint.legacy_names`) hashes the source under the names an
+    older checkpoint used, to compare with its hash."""
     out: dict[str, Any] = {
         "model_class": type(model).__name__,
         "config_sha256": config_hash(model),
@@ -91,32 +103,36 @@ def model_fingerprint(
     }
     if source:
         digest = hashlib.sha256()
-        for name in sorted(source):  # float32 bytes: the same on every device and for a bf16 copy of the weights
-            digest.update(name.encode())
+        names = names or {}
+        for name in sorted(source, key=lambda n: names.get(n, n)):  # float32 bytes: the same on every device and dtype
+            digest.update(names.get(name, name).encode())
             digest.update(source[name].detach().float().cpu().contiguous().numpy().tobytes())
         out["source_sha256"] = digest.hexdigest()
     return out
 
 
 def unwrapped_source(model: nn.Module, adapted: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
-    """The values of a checkpoint's adapted parameters (PEFT LN-tuning names) in a model PEFT has not wrapped yet, for
-    :func:`model_fingerprint` before the wrapper touches the model; ``None`` if the model lacks one of them."""
+    """The values of a checkpoint's adapted parameters in a model no wrapper has touched yet, for
+    :func:`model_fingerprint` before the wrapper is built; ``None`` if the model lacks one of them (a LoRA factor)."""
     try:
-        return {n: model.get_parameter(n.replace("ln_tuning_layers.default.", "")) for n in adapted}
+        return {n: model.get_parameter(n) for n in adapted}
     except AttributeError:
         return None
 
 
 def describe_fingerprint(fp: Mapping[str, Any]) -> str:
-    return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}, {len(fp['adapted'])} adapted tensors)"
+    """``Class (config sha256 <12 hex>, N adapted tensors)``; a model no wrapper adapts yet (or a training-free
+    wrapper's) without the count."""
+    count = f", {len(fp['adapted'])} adapted tensors" if fp.get("adapted") else ""
+    return f"{fp['model_class']} (config sha256 {fp['config_sha256'][:12]}{count})"
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], check_params: bool = True) -> str | None:
     """``None`` if ``current`` is the model ``saved`` describes, else a message naming both."""
     if saved["model_class"] != current["model_class"]:
-        why = "another model class"
+        why = "another model class."
     elif saved["config_sha256"] != current["config_sha256"]:
-        why = "another model config"
+        why = "another model config."
     elif check_params and saved["adapted"] != current["adapted"]:
         names = sorted(set(saved["adapted"]) ^ set(current["adapted"]))
         shapes = [n for n in saved["adapted"] if n in current["adapted"] and saved["adapted"][n] != current["adapted"][n]]
@@ -128,8 +144,20 @@ def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any], c
         return None
     return (
         f"This checkpoint was adapted from {describe_fingerprint(saved)}, but it is being loaded into "
-        f"{describe_fingerprint(current)}: {why}. Load it into the source model it was adapted from."
+        f"{describe_fingerprint(current)}: {why} Load it into the source model it was adapted from."
     )
+
+
+# ---------------------------------------------------------------------------------------------------- integrity
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors in name order: each one's name, dtype, shape and raw bytes (as stored, on CPU), so that
+    any changed value, renamed, added or dropped tensor changes it."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------- write
@@ -152,7 +180,8 @@ def write_checkpoint(
     for stale in parent.glob(f".{target.name}.tmp-*"):  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
     config_text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
-    meta = {"hf_tta": json.dumps({**metadata, "config": dict(config), "format": FORMAT})}
+    digest = tensors_digest(tensors)
+    meta = {"hf_tta": json.dumps({**metadata, "config": dict(config), "format": FORMAT, "tensors_sha256": digest})}
     tmp = parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -203,6 +232,7 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+    legacy_names: dict[str, str] = field(default_factory=dict)  # read name -> as written (PEFT LN-tuning names)
 
     @property
     def fingerprint(self) -> dict[str, Any] | None:
@@ -231,14 +261,58 @@ def read_checkpoint(directory: str | os.PathLike, attempts: int = 3) -> Checkpoi
 
 
 def _parse(folder: Path, data: bytes) -> Checkpoint:
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
-    meta = json.loads(header.get("__metadata__", {}).get("hf_tta", "{}"))
+    path = folder / STATE_FILE
+    try:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        if 8 + header_len > len(data):
+            raise ValueError(f"the header claims {header_len} bytes but the file has {len(data)}")
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header.get("__metadata__", {}).get("hf_tta", "{}"))
+        if not isinstance(meta, dict):
+            raise ValueError("its hf_tta metadata is not a JSON object")
+        tensors = load_safetensors(data)
+    except Exception as err:  # struct.error, JSONDecodeError, SafetensorError, AttributeError on a non-dict header...
+        why = "an empty file" if not data else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'malformed'}"
+        raise CheckpointError(
+            f"{path} is not a whole safetensors checkpoint ({why}; {len(data)} bytes): it is damaged or truncated, "
+            "re-save it with TTAWrapper.save_pretrained()."
+        ) from None
     if meta.get("format", 0) > FORMAT:
         raise ValueError(f"{folder}: checkpoint format {meta['format']} is newer than this hf_tta reads ({FORMAT}): upgrade hf_tta.")
+    expected = meta.pop("tensors_sha256", None)
+    if expected is None:
+        logger.warning("%s has no integrity digest (written by an older hf_tta): loading it unchecked; re-save it to add one", path)
+    elif tensors_digest(tensors) != expected:
+        raise CheckpointError(
+            f"{path}: its tensors do not match the sha256 digest recorded when it was saved (the file was changed or "
+            "damaged after saving): re-save it from the wrapper, or restore an intact copy."
+        )
     config = meta.pop("config", None)
     if config is None:  # written before the config was embedded in the state file
-        with open(folder / CONFIG_FILE, encoding="utf-8") as fh:
-            config = json.load(fh)
+        try:
+            with open(folder / CONFIG_FILE, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(
+                f"{folder / CONFIG_FILE} cannot be read ({type(err).__name__}): re-save it with TTAWrapper.save_pretrained()."
+            ) from None
     config.pop("hf_tta_version", None)
-    return Checkpoint(folder, config, load_safetensors(data), meta)
+    tensors, meta, legacy = _rename_peft_ln(tensors, meta)
+    if legacy:
+        logger.info("%s names its LayerNorm parameters as PEFT's LN tuning did (%s); read with the model's own names", path, next(iter(legacy.values())))
+    return Checkpoint(folder, config, tensors, meta, legacy)
+
+
+_PEFT_LN = ".ln_tuning_layers.default."  # how LayerNorm tuning through PEFT named an adapted tensor (issue 36 dropped it)
+
+
+def _rename_peft_ln(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[dict, dict, dict[str, str]]:
+    """A checkpoint written while LayerNorm tuning went through PEFT (``<module>.ln_tuning_layers.default.<param>``)
+    read with the model's own names (``<module>.<param>``): its tensors' keys and every name in its metadata (param
+    names, fingerprint, the safety snapshot), and the map from each new adapted name to the old."""
+    if not any(_PEFT_LN in k for k in tensors):
+        return tensors, meta, {}
+    old = (meta.get("fingerprint") or {}).get("adapted", {})
+    legacy = {n.replace(_PEFT_LN, "."): n for n in old}
+    tensors = {k.replace(_PEFT_LN, "."): v for k, v in tensors.items()}
+    return tensors, json.loads(json.dumps(meta).replace(_PEFT_LN, ".")), legacy

@@ -180,11 +180,12 @@ class CheckpointMixin:
         """
         folder = resolve_checkpoint_folder(repo_id_or_path, revision=revision, token=token, api=api)
         ckpt = checkpoint.read_checkpoint(folder)
-        if ckpt.fingerprint is not None:  # weights too, before PEFT wraps the model
+        if ckpt.fingerprint is not None:  # weights too, before the wrapper touches the model
             base = model.model if isinstance(model, ModelAdapter) else model
             fp = ckpt.fingerprint
             source = checkpoint.unwrapped_source(base, fp["adapted"]) if fp.get("source_sha256") else None
-            mismatch = checkpoint.fingerprint_mismatch(fp, checkpoint.model_fingerprint(base, {}, source), check_params=False)
+            current = checkpoint.model_fingerprint(base, {}, source, ckpt.legacy_names)
+            mismatch = checkpoint.fingerprint_mismatch(fp, current, check_params=False)
             if mismatch:
                 raise ValueError(mismatch)
         wrapper = cls(model, **cls._init_kwargs(dict(ckpt.config)))

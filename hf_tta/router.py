@@ -26,7 +26,6 @@ and snow) share a domain and contrast gets its own (see ``model_cards/architectu
 from __future__ import annotations
 
 import numbers
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -39,7 +38,6 @@ from .models.base import ModelAdapter
 
 FEATURES = ("style", "embedding")
 ROUTER_PREFIX = "auto:"  # keys of the domains the router opens: "auto:0", "auto:1", ...
-_PEFT_SUFFIX = re.compile(r"\.(base_layer|ln_tuning_layers\.[^.]+)$")  # LN-tuning's inner copies of a norm layer
 DomainKey = str | int
 _TINY = 1e-12
 _LOCAL_SET = 8  # the seed and its nearest pending queries, for the prior spread of a new domain
@@ -355,19 +353,18 @@ class QueryFeatures:
 
     def __init__(self, adapter: ModelAdapter, modality: str, features: str):
         self.adapter, self.modality, self.features = adapter, modality, features
-        self._modules: list[tuple[nn.Module, nn.Module]] | None = None
+        self._modules: list[nn.Module] | None = None
 
-    def _hooked(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module to hook, the normalisation layer it runs) for every normalisation layer of the query tower."""
+    def _hooked(self) -> list[nn.Module]:
+        """Every normalisation layer of the query tower."""
         if self._modules is None:
-            names = dict.fromkeys(_PEFT_SUFFIX.sub("", n) for n in self.adapter.norm_layer_names(self.modality))
+            names = self.adapter.norm_layer_names(self.modality)
             if not names:
                 raise ValueError(
                     f"features='style' needs a normalisation layer in the {self.modality} tower: use "
                     "RoutingConfig(features='embedding')."
                 )
-            modules = [self.adapter.model.get_submodule(n) for n in names]
-            self._modules = [(m, getattr(m, "base_layer", m)) for m in modules]
+            self._modules = [self.adapter.model.get_submodule(n) for n in names]
         return self._modules
 
     @torch.no_grad()
@@ -377,14 +374,13 @@ class QueryFeatures:
             emb = self.adapter.single_vector(self.adapter.encode(self.modality, dict(queries)))
             return emb.detach().to("cpu", torch.float64)
         captured: list[tuple[torch.Tensor, nn.Module]] = []
-        base_of = dict(self._hooked())
 
         def hook(module, args, kwargs):
             x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            captured.append((x.detach(), base_of[module]))
+            captured.append((x.detach(), module))
             raise _FeaturesCaptured  # the rest of the forward is not needed
 
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base_of]
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self._hooked()]
         try:
             self.adapter.encode(self.modality, dict(queries))
         except _FeaturesCaptured:

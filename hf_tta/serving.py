@@ -199,6 +199,8 @@ class OnlineRetriever:
     def search(self, queries: Mapping[str, torch.Tensor], k: int = 10, tenant: Any = None) -> SearchResult:
         """Answer ``queries`` (a processor's output for one or a few queries) with the current model, then buffer them
         for adaptation. ``tenant``: a domain key for all of them, or one per query (a routed wrapper's ``domain``)."""
+        if self._stop:  # closed: nothing would adapt on what it buffers
+            raise ValueError("This OnlineRetriever is closed: build a new OnlineRetriever(wrapper, gallery, ...) to go on.")
         self._raise_worker_error()
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k={k!r}: pass a positive integer.")

@@ -4,10 +4,12 @@ towards the source weights.
 ``TTAConfig.tuning`` (a :class:`~hf_tta.TuningConfig`) picks with its ``method`` how the selected modules
 (``target_modules``, default: the query tower's normalisation layers) adapt:
 
-* ``"ln"`` (default, every seed's methods): every parameter of the selected modules, through PEFT's LN tuning (a
-  trainable copy of each module; ``disable_adapter()`` computes with the frozen originals).
-* ``"bias"``: only their biases (BitFit, Ben Zaken et al. 2022); without ``target_modules``, every module of the query
-  tower that has a bias.
+* ``"ln"`` (default, every seed's methods): every parameter of the selected modules, in place: the model keeps its
+  modules and state-dict keys, its own LayerNorm parameters hold the adapted values (so ``model.save_pretrained``
+  saves the adapted model) and the source values are kept in the wrapper's :class:`~hf_tta.state.AdapterState`;
+  :func:`source_values` computes with them (the wrapper's ``disabled()``).
+* ``"bias"``: only their biases (BitFit, Ben Zaken et al. 2022), in place as ``"ln"``; without ``target_modules``,
+  every module of the query tower that has a bias.
 * ``"lora"``: a LoRA update ``ΔW = (alpha / r) B A`` of rank ``lora_rank`` on each selected ``Linear`` / ``Conv``
   (PEFT's LoRA, ``lora_alpha = r``, so the scale is 1; ``B`` starts at zero, so the wrapped model computes exactly as
   the source; ``A``'s initialisation is drawn from ``TTAConfig.seed``). Depth-wise convolutions (ConvNeXt's
@@ -31,29 +33,39 @@ resists the adapted model becoming sure. On the emoji benchmark it cost TCR's ga
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
+import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
-from peft import LNTuningConfig, LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .gradient_decoupling import prediction_kl
 from .models.base import ModelAdapter, resolve_target_modules
 from .models.checkpointing import enable_gradient_checkpointing
+from .models.peft_interop import peft_layers
 from .objectives.base import ObjectiveInputs
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
+# Models a wrapper adapts in place (``"ln"``, ``"bias"``): their LayerNorms hold that wrapper's adapted values, so a
+# second wrapper would take them for the source. A weak set: it keeps no model alive.
+_WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
 @dataclass
 class Targets:
-    """The wrapped model's PEFT handle, the adapted tensors by name and the modules they live in."""
+    """The wrapped model's PEFT handle (LoRA only; ``None`` when the model's own parameters adapt in place), the
+    adapted tensors by name and the modules they live in."""
 
-    peft_model: PeftModel
+    peft_model: PeftModel | None
     params: dict[str, nn.Parameter]
     modules: list[str]
 
@@ -67,13 +79,14 @@ def bias_modules(adapter: ModelAdapter, modality: str) -> list[str]:
 
 
 def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
-    """Wrap ``adapter.model`` with PEFT so that exactly what ``config`` (a :class:`~hf_tta.TTAConfig`) selects is
-    trainable; the model is left in eval mode."""
+    """Make exactly what ``config`` (a :class:`~hf_tta.TTAConfig`) selects trainable: the selected modules' own
+    parameters (``"ln"``, ``"bias"``; the model's structure and state-dict keys unchanged) or PEFT LoRA layers around
+    them (``"lora"``). Everything else is frozen; the model is left in eval mode."""
     model = adapter.model
-    if any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+    if model in _WRAPPED or peft_layers(model):
         raise ValueError(
-            "This model already carries PEFT adapter layers (does another TTAWrapper wrap it?): pass a fresh "
-            "source model, or load a checkpoint into the existing wrapper with its load_state(path)."
+            "This model is already wrapped by a TTAWrapper (or carries PEFT adapter layers): pass a fresh source "
+            "model (copy.deepcopy(model) starts from its current values), or use the existing wrapper's load_state(path)."
         )
     tuned = config.tuning  # a TuningConfig
     target = tuned.target_modules
@@ -83,33 +96,68 @@ def wrap_targets(adapter: ModelAdapter, modality: str, config) -> Targets:
     if tuned.method == "bias" and target is None:
         target = bias_modules(adapter, modality)
     modules = resolve_target_modules(adapter, modality, target, tuned.exclude_modules)
-    pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
-    with warnings.catch_warnings():  # PEFT warns "Unsupported layer type LayerNorm": LN tuning is what we want
-        warnings.filterwarnings("ignore", message="Unsupported layer type")
-        # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if tuned.method == "lora":
-            rank = tuned.resolved_lora_rank
-            lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=pattern)
-            with torch.random.fork_rng(devices=[]):  # A's initialisation: drawn from the config's seed, not global state
-                torch.manual_seed(config.seed)
-                try:
-                    peft_model = get_peft_model(model, lora)
-                except (ValueError, NotImplementedError) as err:
-                    raise ValueError(f"tuning='lora' cannot wrap {modules[:3]}: {err}") from err
-        else:
-            peft_model = get_peft_model(model, LNTuningConfig(target_modules=pattern))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    if tuned.method == "lora":
+        peft_model = _wrap_lora(model, modules, config)
+    else:  # in place: only requires_grad changes
+        peft_model = None
+        model.requires_grad_(False)
+        for name in modules:
+            model.get_submodule(name).requires_grad_(True)
     if tuned.method == "bias":
         for name, p in model.named_parameters():
             if p.requires_grad and not name.endswith(".bias"):
                 p.requires_grad_(False)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        raise ValueError(f"tuning={tuned.method!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
     model.eval()
     if config.run.gradient_checkpointing:  # after every eval(): it marks the tower's layers as training
         enable_gradient_checkpointing(adapter, modality)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if not params:
-        raise ValueError(f"tuning={tuned.method!r} leaves nothing to adapt in {modules[:3]}: select other target_modules.")
+    _WRAPPED.add(model)
     return Targets(peft_model, params, modules)
+
+
+def _wrap_lora(model: nn.Module, modules: list[str], config) -> PeftModel:
+    """PEFT's LoRA layers around ``modules`` (``lora_alpha = r``; ``A`` drawn from ``config.seed``)."""
+    from peft import LoraConfig, get_peft_model
+
+    pattern = "^(" + "|".join(re.escape(n) for n in modules) + ")$"
+    rank = config.tuning.resolved_lora_rank
+    lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=pattern)
+    with warnings.catch_warnings():
+        # transformers 5 deprecates the attribute PEFT reads; the message is for PEFT, not for our users
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with torch.random.fork_rng(devices=[]):  # A's initialisation: drawn from the config's seed, not global state
+            torch.manual_seed(config.seed)
+            try:
+                return get_peft_model(model, lora)
+            except (ValueError, NotImplementedError) as err:
+                raise ValueError(f"tuning='lora' cannot wrap {modules[:3]}: {err}") from err
+
+
+@contextlib.contextmanager
+def source_values(model: nn.Module, params: Mapping[str, nn.Parameter], source: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Inside, ``model`` computes with the ``source`` values of the in-place adapted ``params`` (names in ``model``):
+    each is swapped for a frozen parameter over its source tensor and put back on exit. The adapted parameters
+    themselves are not written to, so an autograd graph that saved them (a source view taken between a forward and
+    its backward) stays valid."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for name, p in params.items():
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if module._parameters.get(attr) is not p:  # nested use: already swapped
+                continue
+            value = source[name].to(p.device, p.dtype)  # a no-op unless the model moved since the source was captured
+            module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            swapped.append((module, attr, p))
+        yield
+    finally:
+        for module, attr, p in reversed(swapped):
+            module._parameters[attr] = p
 
 
 def param_groups(params: dict[str, nn.Parameter], lr: float, multipliers: dict[str, float]) -> list[dict]:
@@ -134,7 +182,7 @@ class Anchor:
 
     def __init__(self, weight: float, model: nn.Module, params: dict[str, nn.Parameter], source: dict[str, torch.Tensor]):
         self.weight = weight
-        self.lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        self.lora = peft_layers(model, "LoraLayer")
         lora_ids = {id(p) for m in self.lora for p in m.parameters() if p.requires_grad}
         self.plain = [(p, source[n]) for n, p in params.items() if id(p) not in lora_ids]
 

@@ -1,7 +1,7 @@
 """``TTAWrapper``: a Hugging Face dual encoder adapted online on a stream of queries.
 
-Sets up what adapts (PEFT LN tuning, BitFit or LoRA of the query tower: :mod:`hf_tta.tuning`), embeds and scores
-against a cached gallery, and orders :meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps
+Sets up what adapts (LayerNorm tuning in place, BitFit or PEFT LoRA of the query tower: :mod:`hf_tta.tuning`), embeds
+and scores against a cached gallery, and orders :meth:`TTAWrapper.adapt_step`: prepare, source view, safety decision, the steps
 (:mod:`hf_tta.loop`), decision, report. What adaptation changes is one :class:`~hf_tta.state.AdapterState`;
 checkpoints are :mod:`hf_tta.checkpoint_hub`'s; answering without adapting (``answer``) is :mod:`hf_tta.answering`'s.
 """
@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any, Iterable, Mapping
 
 import torch
-from peft import PeftModel
 from torch import nn
 
 from . import batch as batching
@@ -30,7 +29,7 @@ from .gallery.cache import GalleryCache
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
 from .models.base import ModelAdapter, get_adapter
-from .models.peft_interop import export_peft_adapter, unwrap_peft
+from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
@@ -40,13 +39,14 @@ from .update_budget import UpdateBudget
 logger = logging.getLogger(__name__)
 
 
-class TTAWrapper(CheckpointMixin, AnswerMixin):
+class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     """Test-time adaptation of a Hugging Face dual encoder for retrieval under query shift.
 
     The query tower's selected parameters (by default its LayerNorm affine parameters) are adapted online with
-    the chosen objective; the gallery tower and the cached gallery embeddings never change. Parameter selection,
-    exact recovery of the source model and the adapted copies use PEFT's LN-tuning mechanism: note that, as with
-    ``peft.get_peft_model``, the model passed in is modified in place (its target layers are wrapped).
+    the chosen objective; the gallery tower and the cached gallery embeddings never change. The adapted values live in
+    the model's own parameters (its modules and state-dict keys stay as they were, so ``model.save_pretrained``
+    saves the adapted model); the source values are kept in the wrapper, which :meth:`reset` returns to and
+    :meth:`disabled` computes with. ``tuning="lora"`` wraps the selected layers with PEFT's LoRA instead.
 
     Args:
         model (`nn.Module` or `ModelAdapter`): a supported Hugging Face model (``CLIPModel``, ``SiglipModel``,
@@ -76,7 +76,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
         batching.check_query_vectors(self.adapter, self.query_modality, (self.objective, self.score_transform))
         self.budget = UpdateBudget(cfg.build_update_budget_config()) if cfg.update_budget is not None else None
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
-        self.peft_model: PeftModel | None = None
+        self.peft_model: nn.Module | None = None  # a peft.PeftModel (LoRA only)
         self.params: dict[str, nn.Parameter] = {}
         self.target_modules: list[str] = []
         self.lr = cfg.lr
@@ -156,8 +156,11 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
     device = property(lambda self: next(self.model.parameters()).device)
 
     def disabled(self) -> contextlib.AbstractContextManager:
-        """Context in which the model computes exactly as the source model (adapters off)."""
-        return self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext()
+        """Context in which the model computes exactly as the source model (the adapted parameters' source values
+        swapped in, or LoRA's adapters off); also after :meth:`merge_and_unload` and :meth:`export_peft_adapter`."""
+        if self.peft_model is not None:
+            return self.peft_model.disable_adapter()
+        return tuning.source_values(self.model, self.params, self._source_params) if self.params else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------ gallery
     @torch.no_grad()
@@ -372,7 +375,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
     def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""
         if ckpt.fingerprint is not None:
-            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, self.fingerprint())
+            current = checkpoint.model_fingerprint(self.model, self.params, self._source_params, ckpt.legacy_names)
+            mismatch = checkpoint.fingerprint_mismatch(ckpt.fingerprint, current)
             if mismatch:
                 raise ValueError(mismatch)
         mismatch = self.resolved_config().mismatch(ckpt.config, owner=type(self).__name__)
@@ -380,13 +384,6 @@ class TTAWrapper(CheckpointMixin, AnswerMixin):
             raise ValueError(mismatch)
         if param_names != list(self.params):
             raise ValueError("The checkpoint adapts other parameters than this wrapper: was it saved from another model or config?")
-
-    def export_peft_adapter(self, directory) -> str:
-        """The adapted state as a PEFT adapter folder: ``PeftModel.from_pretrained(source_model, directory)``."""
-        return export_peft_adapter(self.peft_model, directory)
-
-    def merge_and_unload(self) -> nn.Module:  # the adapted parameters merged in: a plain transformers model again
-        return self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
 
     def __repr__(self) -> str:
         return f"TTAWrapper({self.adapter.describe()}, {self.config.objective!r}, {self.query_modality}->{self.gallery_modality})"

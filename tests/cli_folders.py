@@ -34,26 +34,28 @@ def save_retrieval_checkpoint(name: str, folder: Path, model_class: str | None =
     return folder
 
 
-def save_benchmark(folder: Path, n: int = 8, corruptions=("fog",)) -> Path:
-    """A COCO-C-style benchmark of ``n`` random images with 2 captions each: ``clean``, ``image-<c>-5`` per corruption
-    and ``text-ocr-7``."""
+def save_benchmark(folder: Path, n: int = 8, corruptions=("fog",), captions: list[list[str]] | None = None) -> Path:
+    """A COCO-C-style benchmark of ``n`` random images with 2 captions each (or one image per list of ``captions``):
+    ``clean``, ``image-<c>-5`` per corruption and ``text-ocr-7``."""
     from datasets import Dataset
     from PIL import Image
 
     from hf_tta.data.builders.benchmark import image_features, text_features
 
+    n = len(captions) if captions is not None else n
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(n)]
-    caps = [[f"photo of a {WORDS[4 + i % 3]} {WORDS[7 + i % 7]} {i}", f"the {WORDS[7 + i % 7]} {i}"] for i in range(n)]
+    caps = captions or [[f"photo of a {WORDS[4 + i % 3]} {WORDS[7 + i % 7]} {i}", f"the {WORDS[7 + i % 7]} {i}"] for i in range(n)]
+    first = np.cumsum([0] + [len(c) for c in caps])
     base = dict(image_id=list(range(n)), source_id=[str(i) for i in range(n)], filename=[f"{i}.jpg" for i in range(n)],
-                captions=caps, caption_ids=[[2 * i, 2 * i + 1] for i in range(n)])
+                captions=caps, caption_ids=[list(range(int(first[i]), int(first[i + 1]))) for i in range(n)])
     configs = {"clean": Dataset.from_dict({**base, "image": images, "corruption": ["none"] * n, "severity": [0] * n},
                                           features=image_features())}
     for c in corruptions:
         configs[f"image-{c}-5"] = Dataset.from_dict({**base, "image": images[::-1], "corruption": [c] * n, "severity": [5] * n},
                                                     features=image_features())
-    configs["text-ocr-7"] = Dataset.from_dict({**base, "clean_captions": caps, "corruption": [["ocr"] * 2] * n,
-                                               "severity": [[7] * 2] * n}, features=text_features())
+    configs["text-ocr-7"] = Dataset.from_dict({**base, "clean_captions": caps, "corruption": [["ocr"] * len(c) for c in caps],
+                                               "severity": [[7] * len(c) for c in caps]}, features=text_features())
     for name, ds in configs.items():
         ds.save_to_disk(str(folder / name))
     return folder

@@ -9,8 +9,13 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
 
 torch.set_num_threads(1)
+# transformers gives its root logger a stderr handler on first use: make that now (pytest's session-long capture),
+# not inside whichever test logs first, whose captured stream is closed after it (import hf_tta no longer loads
+# transformers, and with pytest-xdist any test can come first)
+transformers_logging.get_logger("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 
 

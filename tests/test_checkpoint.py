@@ -91,7 +91,7 @@ def test_same_architecture_with_other_weights_is_refused(tmp_path):
     before = {n: p.detach().clone() for n, p in other.named_parameters()}
     with pytest.raises(ValueError, match="other weights .*source values differ"):
         TTAWrapper.from_pretrained(other, tmp_path / "ckpt")
-    assert not any("ln_tuning" in n for n, _ in other.named_modules())  # refused before PEFT wrapped it
+    assert not any(p.requires_grad is False for p in other.parameters())  # refused before the wrapper froze it
     assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
     assert TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt").batch_index == 1  # the right one loads
 
@@ -101,7 +101,7 @@ def test_another_model_is_refused_naming_both_before_it_is_touched(tmp_path):
     siglip = make_model("siglip")
     with pytest.raises(ValueError, match=r"adapted from CLIPModel .*loaded into SiglipModel.*another model class"):
         TTAWrapper.from_pretrained(siglip, tmp_path / "ckpt")
-    assert not any("ln_tuning" in n for n, _ in siglip.named_modules())  # not wrapped by PEFT
+    assert all(p.requires_grad for p in siglip.parameters())  # refused before a wrapper touched it
     from transformers import CLIPConfig, CLIPModel
 
     cfg = make_model("clip").config.to_dict()
@@ -287,3 +287,136 @@ def test_config_hash_accepts_int_keys_as_json_writes_them():
     as_str = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "b"}}}))
     other = checkpoint.config_hash(model({"vision_config": {"id2label": {"0": "a", "1": "c"}}}))
     assert as_int == as_str != other
+
+
+# ------------------------------------------------------------------------------------- integrity (issue 36, item 3)
+def _header(data: bytes) -> tuple[int, dict]:
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8 : 8 + n])
+
+
+def _state_of(tta):
+    return {n: p.detach().clone() for n, p in tta.params.items()}, {k: v.clone() for k, v in tta.state.items()}, tta.batch_index
+
+
+def _assert_unchanged(tta, before):
+    params, state, batch_index = before
+    assert _same_tensors(params, {n: p.detach() for n, p in tta.params.items()}) and _same_tensors(state, tta.state)
+    assert tta.batch_index == batch_index
+
+
+def _refused_everywhere(folder):
+    """The damaged checkpoint is refused by from_pretrained and by load_state, in one line naming the file and the
+    fix, and the wrapper it was loaded into is bit-identical afterwards."""
+    path = str(folder / STATE_FILE)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        TTAWrapper.from_pretrained(make_model("clip"), folder)
+    message = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in message and path in message and "re-save it" in message
+    tta = _adapted(1)
+    before = _state_of(tta)
+    with pytest.raises(checkpoint.CheckpointError):
+        tta.load_state(folder)
+    _assert_unchanged(tta, before)
+    return message
+
+
+def test_flipped_high_bytes_are_refused_by_the_digest(tmp_path):
+    """XOR the high byte of 64 float32 values of the adapted LayerNorms (before: loaded, with a bias off by ~1e3)."""
+    target = tmp_path / "ckpt"
+    _adapted(1).save_pretrained(target)
+    data = bytearray((target / STATE_FILE).read_bytes())
+    n, header = _header(bytes(data))
+    spans = [header[k]["data_offsets"] for k in header if k.startswith("param.") and header[k]["dtype"] == "F32"]
+    flipped = 0
+    for start, end in spans:
+        for i in range(start, min(end, start + 4 * 8), 4):  # 8 floats of each tensor
+            data[8 + n + i + 3] ^= 0x40
+            flipped += 1
+    assert flipped >= 64
+    (target / STATE_FILE).write_bytes(bytes(data))
+    assert "do not match the sha256 digest" in _refused_everywhere(target)
+
+
+def _truncated(data):
+    return data[: len(data) // 2]
+
+
+def _damaged_header(data):
+    return data[:8] + b"\x00\xff" * 8 + data[24:]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda d: b"", _truncated, lambda d: d[:5], _damaged_header, lambda d: b"PK\x03\x04not a safetensors file" * 4,
+     lambda d: (10**12).to_bytes(8, "little") + d[8:]],
+    ids=["empty", "truncated", "shorter-than-header", "damaged-header", "zip", "header-length-too-large"],
+)
+def test_malformed_state_files_are_one_line_naming_the_file(tmp_path, damage):
+    target = tmp_path / "ckpt"
+    _adapted(1).save_pretrained(target)
+    (target / STATE_FILE).write_bytes(damage((target / STATE_FILE).read_bytes()))
+    assert "is not a whole safetensors checkpoint" in _refused_everywhere(target)
+
+
+def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, caplog):
+    """State files written before the digest existed still load (warned once, told to re-save); a re-save adds it."""
+    from safetensors.torch import load, save
+
+    target = tmp_path / "ckpt"
+    saved = _adapted(2)
+    saved.save_pretrained(target)
+    data = (target / STATE_FILE).read_bytes()
+    meta = json.loads(_header(data)[1]["__metadata__"]["hf_tta"])
+    del meta["tensors_sha256"]
+    (target / STATE_FILE).write_bytes(save(load(data), metadata={"hf_tta": json.dumps(meta)}))
+    with caplog.at_level("WARNING", logger="hf_tta"):
+        loaded = TTAWrapper.from_pretrained(make_model("clip"), target)
+    assert "no integrity digest" in caplog.text and "re-save it" in caplog.text
+    assert loaded.batch_index == 2 and _same_tensors(dict(saved.params), dict(loaded.params))
+    loaded.save_pretrained(target)
+    assert "tensors_sha256" in _header((target / STATE_FILE).read_bytes())[1]["__metadata__"]["hf_tta"]
+
+
+def test_a_checkpoint_with_peft_ln_tuning_names_loads_and_continues_as_it_did(tmp_path, caplog):
+    """tests/data/legacy_peft_ln: written at 8650706, when LayerNorm tuning went through PEFT (tensor and metadata names
+    ``...ln_tuning_layers.default...``; no digest). It loads under the model's own names, its fingerprint (source
+    hash over the old names) still matches, and the stream continues with the scores that version computed."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(__file__).parent / "data" / "legacy_peft_ln"
+    old = load_file(folder / "checkpoint" / STATE_FILE)
+    with caplog.at_level("INFO", logger="hf_tta"):
+        tta = TTAWrapper.from_pretrained(make_model("clip"), folder / "checkpoint")
+    assert "no integrity digest" in caplog.text and "ln_tuning_layers" in caplog.text
+    assert tta.batch_index == 2 and tta.safety is not None
+    assert _same_tensors({n: p.detach() for n, p in tta.params.items()},
+                         {k[6:].replace(".ln_tuning_layers.default.", "."): v for k, v in old.items() if k.startswith("param.")})
+    g = tta.encode_gallery(batch("text", 12, seed=1))
+    tta.save_pretrained(tmp_path / "resaved")  # today's names, with a digest
+    scores = torch.cat([tta.adapt_step(batch("image", 8, seed=20 + i), g).scores for i in range(2)])
+    torch.testing.assert_close(scores, load_file(folder / "continued_scores.safetensors")["scores"], rtol=0, atol=1e-5)
+    resumed = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "resaved")
+    assert torch.equal(torch.cat([resumed.adapt_step(batch("image", 8, seed=20 + i), g).scores for i in range(2)]), scores)
+    with pytest.raises(ValueError, match="other weights"):  # the old source hash still tells other weights apart
+        other = make_model("clip")
+        with torch.no_grad():
+            other.vision_model.post_layernorm.bias.add_(0.1)
+        TTAWrapper.from_pretrained(other, folder / "checkpoint")
+
+
+def test_the_refusal_of_another_model_names_the_real_counts_in_one_sentence(tmp_path):
+    """Before: "... loaded into SiglipModel (..., 0 adapted tensors) ... of this architecture?. Load it ..."."""
+    _adapted(1).save_pretrained(tmp_path / "ckpt")
+    n = len(_adapted(0).params)
+    other = make_model("clip")
+    with torch.no_grad():
+        other.vision_model.post_layernorm.bias.add_(0.1)
+    for model, why in ((make_model("siglip"), "another model class. Load"), (other, "this architecture? Load")):
+        with pytest.raises(ValueError) as err:
+            TTAWrapper.from_pretrained(model, tmp_path / "ckpt")
+        message = str(err.value)
+        assert "CLIPModel (config sha256 " in message and f", {n} adapted tensors), but" in message and why in message
+        assert "0 adapted tensors" not in message and "?." not in message and ".." not in message

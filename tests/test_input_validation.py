@@ -255,9 +255,18 @@ def test_gallery_tensors_are_checked_and_cast_once():
 def test_a_model_already_wrapped_is_refused_in_one_line():
     model = make_model("clip")
     TTAWrapper(model, TTAConfig(query_modality="image"))
-    with pytest.raises(ValueError, match="already carries PEFT adapter layers") as err:
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(ValueError, match="already wrapped by a TTAWrapper") as err:
         TTAWrapper(model, TTAConfig(query_modality="image"))
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
+    assert [p.requires_grad for p in model.parameters()] == flags
+    lora = make_model("clip")
+    TTAWrapper(lora, TTAConfig(query_modality="image", tuning="lora", target_modules=".*vision_model.*fc1"))
+    with pytest.raises(ValueError, match="carries PEFT adapter layers"):
+        TTAWrapper(lora, TTAConfig(query_modality="image"))
+    import copy
+
+    assert TTAWrapper(copy.deepcopy(model), TTAConfig(query_modality="image")).params  # a copy starts afresh
 
 
 @pytest.mark.parametrize("processor_class", ["CLIPImageProcessor", "SiglipImageProcessor", "BlipImageProcessor", "ViTImageProcessor"])

@@ -110,3 +110,40 @@ def test_modules_stay_small():
     sizes = {_module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.rglob("*.py")}
     assert sizes["hf_tta.wrapper"] <= 500
     assert not {m: n for m, n in sizes.items() if n > 600}
+
+
+# ------------------------------------------------------------------------------------- time to first output (issue 36, item 8)
+def _imported_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running ``code``."""
+    import os
+    import subprocess
+    import sys
+
+    probe = code + "\nimport sys; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT.parent,
+                         env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    return set(out.stdout.split("\n")[-2].split())
+
+
+HEAVY = {"torch", "transformers", "peft", "datasets", "numpy", "matplotlib", "scipy", "faiss"}
+
+
+@pytest.mark.parametrize(
+    "code, allowed",
+    [
+        ("import hf_tta", set()),  # before: torch, transformers and peft (4.5 s)
+        ("import sys; sys.argv = ['hf-tta', '--help']\nfrom hf_tta.cli import main\ntry: main()\nexcept SystemExit: pass", set()),
+        ("from hf_tta import TTAWrapper", {"torch", "transformers", "numpy"}),  # PEFT only for LoRA
+    ],
+    ids=["import", "cli-help", "wrapper"],
+)
+def test_first_output_imports_no_heavy_package_it_does_not_need(code, allowed):
+    assert not (_imported_after(code) & HEAVY) - allowed
+
+
+def test_every_public_name_resolves_lazily():
+    for name in hf_tta.__all__:
+        assert getattr(hf_tta, name) is not None
+    assert set(hf_tta.__all__) <= set(dir(hf_tta))
+    with pytest.raises(AttributeError, match="no attribute 'TTAWraper'"):
+        hf_tta.TTAWraper  # noqa: B018

@@ -103,3 +103,14 @@ def test_shipped_as_package_data():
         find = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
     assert find.get("namespaces", True)
     assert "hf_tta.metrics.retrieval_recall" in find_namespace_packages(root, include=find["include"])
+
+
+@pytest.mark.parametrize("nan_rows", [[0, 1], [1]], ids=["all-nan", "one-row"])
+def test_nan_scores_are_refused_in_one_line(metric, nan_rows):
+    """Before: all-NaN scores gave R@1 0 without a word."""
+    predictions = [[0.9, 0.1, 0.0], [0.2, 0.8, 0.1]]
+    for i in nan_rows:
+        predictions[i] = [float("nan")] * 3
+    with pytest.raises(ValueError, match=rf"{len(nan_rows)} of 2 predictions hold NaN scores \(first: row {nan_rows[0]}\)") as err:
+        metric.compute(predictions=predictions, references=[[0], [1]])
+    assert "\n" not in str(err.value)

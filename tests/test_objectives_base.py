@@ -113,7 +113,7 @@ def test_only_intended_parameters_change(case, model_name, query, gallery):
         assert changed <= adapted, f"parameters outside the adapted set changed: {sorted(changed - adapted)[:3]}"
         # every changed tensor sits in a module of the query tower
         for n in changed:
-            module = n.split(".ln_tuning_layers")[0]
+            module = n.rsplit(".", 1)[0]
             assert query in tta.adapter.tower_of(module)
     else:
         assert not changed and not tta.params

@@ -109,13 +109,14 @@ def test_groups_make_items_relevant_to_each_others_captions(tmp_path):
     assert t2i.queries[0] != CAPS[0]  # corrupted
 
 
-def clip_folder(root: Path) -> Path:
+def clip_folder(root: Path, texts: tuple[str, ...] = ()) -> Path:
+    """A tiny CLIP saved with a word-level tokenizer that knows the words of CAPS and of ``texts`` (the benchmark's)."""
     from transformers import CLIPImageProcessor, CLIPProcessor
 
     from support import word_level_clip_tokenizer
     from tiny_models import make_model
 
-    tok = word_level_clip_tokenizer(CAPS)
+    tok = word_level_clip_tokenizer([*CAPS, *texts])
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}), tokenizer=tok)
     make_model("clip").save_pretrained(root)
     proc.save_pretrained(root)

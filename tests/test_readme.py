@@ -95,6 +95,8 @@ def test_readme_install_block_is_the_command_ci_runs():
     extras = set(re.findall(r"^([\w-]+)\s*=", table, flags=re.M))
     for extra in ("data", "audio", "bench", "index", "dev", "test"):  # the extras the section names
         assert extra in extras and f"`{extra}`" in _section(_text(README), "Install and test")
+    # the suite on both cores of the CI machine (issue 36): pytest-xdist, from the dev extra
+    assert re.search(r"python -m pytest -n \S+", cmd) and re.search(r'^dev = \[[^\]]*"pytest-xdist', table, flags=re.M | re.S)
 
 
 def test_readme_is_a_front_page():

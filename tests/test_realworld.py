@@ -66,6 +66,10 @@ def write_fashion_gen(path: Path, fields=("input_image", "input_description", "i
     return path
 
 
+# every word of the captions written below, for the tokenizer of clip_folder (the tokenizer check probes them)
+CAPTION_WORDS = (" ".join(map(str, range(16))) + " a person in red coat walking description of product photo caption \xe9",)
+
+
 def write_pedes(root: Path, name: str = "reid_raw.json", splits=("train", "test", "test", "test", "val", "test")) -> Path:
     entries = []
     for i, split in enumerate(splits):
@@ -180,7 +184,7 @@ def test_hf_tta_build_and_run_a_reid_set_with_its_tau(tmp_path, capsys):
     out = tmp_path / "cuhk"
     assert cli.main(["build", "--cuhk-pedes", str(path), "--output-dir", str(out), "--quiet"]) == 0
     assert "--direction t2i --clean" in capsys.readouterr().out
-    model = clip_folder(tmp_path / "clip")
+    model = clip_folder(tmp_path / "clip", CAPTION_WORDS)
     res = tmp_path / "res"
     code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "t2i", "--clean", "--objectives", "tent",
                      "--steps", "1", "--batch-size", "4", "--quiet", "--threads", "1", "--no-plots", "--output-dir", str(res)])
@@ -199,7 +203,7 @@ def test_reid_irra_recipe_runs_clip_through_the_dual_encoder_adapter(tmp_path, c
     spec = importlib.util.spec_from_file_location("reid_irra", Path(__file__).resolve().parents[1] / "recipes" / "reid_irra.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    model = clip_folder(tmp_path / "clip")
+    model = clip_folder(tmp_path / "clip", CAPTION_WORDS)
     code = recipe.main(["--model", str(model), "--dataset", str(tmp_path / "icfg"), "--name", "CUHK2ICFG", "--objectives", "tent",
                         "--steps", "1", "--batch-size", "4", "--output-dir", str(tmp_path / "res")])
     assert code == 0
@@ -211,7 +215,7 @@ def test_reid_irra_recipe_runs_clip_through_the_dual_encoder_adapter(tmp_path, c
 def test_fashion_gen_d_runs_rest_with_gradient_decoupling_and_key_rows_by_category(tmp_path, capsys):
     out = tmp_path / "fgd"
     assert cli.main(["build", "--fashion-gen", str(write_fashion_gen(tmp_path / "fg.h5")), "--diverse-stream", "--output-dir", str(out), "--quiet"]) == 0
-    model = clip_folder(tmp_path / "clip")
+    model = clip_folder(tmp_path / "clip", CAPTION_WORDS)
     res = tmp_path / "res"
     code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "i2t", "--clean", "--objectives", "rest,tent+key",
                      "--steps", "1", "--batch-size", "4", "--quiet", "--threads", "1", "--no-plots", "--output-dir", str(res)])

@@ -374,3 +374,16 @@ def test_refusals():
     with pytest.raises(ValueError, match="padding='max_length'"):
         online.search({"pixel_values": torch.zeros(1, 3, 16, 16)})
     assert online.stats()["pending"] == 1 and online.stats()["queries_answered"] == 1  # refusals left no trace
+
+
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_a_closed_retriever_refuses_to_answer_or_buffer_in_one_line(mode):
+    """Before: search() after close() answered and buffered without bound (nothing adapts any more)."""
+    online = OnlineRetriever(TTAWrapper(make_model("clip"), config()), dense_gallery(), batch_size=B, mode=mode)
+    online.search(batch("image", 2, 1))
+    online.close()
+    before, stats = AdapterState.capture(online.published.wrapper, ALL), online.stats()
+    with pytest.raises(ValueError, match="closed: build a new OnlineRetriever") as err:
+        online.search(batch("image", 2, 2))
+    assert "\n" not in str(err.value) and before.equals(AdapterState.capture(online.published.wrapper, ALL))
+    assert online.stats()["pending"] == stats["pending"] == 2 and online.stats()["queries_answered"] == 2

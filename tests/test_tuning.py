@@ -26,27 +26,19 @@ def _wrapper(lr=None, weight_decay=1e-4, steps=3, seed=0, consistency=None, **tu
     return TTAWrapper(make_model("clip"), cfg)
 
 
-def _short(name: str) -> str:  # a parameter's name in the source model (PEFT's prefixes and copies removed)
-    for part in ("base_model.model.", "ln_tuning_layers.default.", "base_layer."):
-        name = name.replace(part, "")
-    return name
-
-
 # ------------------------------------------------------------------------------------- selection by name
 def test_bias_tuning_adapts_every_bias_of_the_query_tower_and_nothing_else():
     tta = _wrapper(method="bias")
     source = make_model("clip")
     expected = {n for n, p in source.named_parameters() if n.startswith("vision_model.") and n.endswith(".bias")}
     expected |= {n for n, p in source.named_parameters() if n.startswith("visual_projection") and n.endswith(".bias")}
-    assert {_short(n) for n in tta.params} == expected
-    assert all(n.endswith(".bias") for n in tta.params)
-    frozen = [n for n, p in tta.model.named_parameters() if not p.requires_grad and n.endswith(".bias") and "vision" in n]
-    assert all("ln_tuning_layers" not in n for n in frozen)  # no adapted copy's bias was left out
+    assert set(tta.params) == expected  # the model's own names: adapted in place
+    assert {n for n, p in tta.model.named_parameters() if p.requires_grad} == expected
 
 
 def test_bias_tuning_with_target_modules_adapts_only_their_biases():
     tta = _wrapper(method="bias", target_modules=MLP)
-    assert sorted({_short(n).rsplit(".", 2)[-2] for n in tta.params}) == ["fc1", "fc2"]
+    assert sorted({n.rsplit(".", 2)[-2] for n in tta.params}) == ["fc1", "fc2"]
     assert len(tta.params) == 2 * make_model("clip").config.vision_config.num_hidden_layers
 
 

@@ -25,6 +25,9 @@ class ComposedTask(HubTask):
     def _config(self, cond: Condition) -> str:
         return cond.shift
 
+    def caption_probe(self) -> None:  # composed queries hold modification texts, not captions: the fixed English ones
+        return None
+
     def _load(self, config: str, direction: str):
         from ..data.builders.composed_hub import load_composed_split
 

@@ -325,15 +325,20 @@ class HubTask(Task):
             self.model_id = type(model).__name__
         if processor is None:
             raise ValueError("Pass the model's processor.")
-        from ..models.text_processor import check_text_processor
-
-        check_text_processor(processor, source=self.model_id)  # distinct captions must not collide (silent zeros)
         self.model = model.to(device).eval()
         self.processor = processor
         self.dataset = dataset
         self.limit = limit
         self.device = torch.device(device)
         self._splits: dict[str, Any] = {}
+        from ..models.text_processor import check_text_processor, text_tokenizer
+
+        if text_tokenizer(processor) is not None:  # distinct captions of this benchmark must not collide (silent zeros)
+            check_text_processor(processor, self.caption_probe(), source=self.model_id)
+
+    def caption_probe(self) -> Sequence[str] | None:
+        """The captions the tokenizer check probes: the clean gallery's (``None``: a few fixed English captions)."""
+        return self._split(Condition("i2t", "clean")).gallery
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.model_id, "model_class": type(self.model).__name__,
@@ -413,6 +418,9 @@ class AVTask(HubTask):
         audio = self._processor("audio") if self._has("audio") else None
         fe = getattr(audio, "feature_extractor", audio)
         self.sampling_rate = getattr(fe, "sampling_rate", None)
+
+    def caption_probe(self) -> None:  # the text side depends on the direction: the fixed English captions
+        return None
 
     def _has(self, modality: str) -> bool:
         from collections.abc import Mapping

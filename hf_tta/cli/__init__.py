@@ -87,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     handlers = {"run": cmd_run, "build": cmd_build, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     try:
-        args, extra = build_parser().parse_known_args(_default_to_run(argv))
+        argv = _default_to_run(argv)
+        args, extra = build_parser(config_options=argv[0] == "run").parse_known_args(argv)
         if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see `hf-tta {args.command} --help`)")
         args.debug = debug

@@ -112,7 +112,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 OVERVIEW = "``hf-tta``: run test-time adaptation benchmarks for cross-modal retrieval under query shift."
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
+    """The ``hf-tta`` parser; ``config_options=False`` leaves out ``run``'s options generated from TTAConfig, which
+    import torch and transformers (``main`` builds them only for ``run``, so ``hf-tta --help`` answers at once)."""
     parser = _Parser(
         prog="hf-tta",
         description=OVERVIEW + " Run `hf-tta` alone for the default offline benchmark.",
@@ -165,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "gradient objective), 'false'/'none', or a comma list of objectives. "
                    "Default: REST's protocol, i.e. rest with gradient decoupling on the diverse streams only.")
     g.add_argument("--shard", default=None, help="K/N: run only every N-th run starting at K (0-based), e.g. to spread a grid over several processes by hand; combine with `hf-tta merge`.")
-    from .config_args import add_config_arguments
+    if config_options:
+        from .config_args import add_config_arguments
 
-    add_config_arguments(run)  # --config and one option per TTAConfig field (--steps, --lr, --seed, --safety, ...)
+        add_config_arguments(run)  # --config and one option per TTAConfig field (--steps, --lr, --seed, --safety, ...)
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")

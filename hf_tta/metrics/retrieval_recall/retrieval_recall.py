@@ -81,5 +81,9 @@ class RetrievalRecall(evaluate.Metric):
         if len(lengths) > 1:
             raise ValueError(f"Every prediction must score the whole gallery; got rows of lengths {sorted(lengths)}.")
         scores = torch.tensor([list(row) for row in predictions], dtype=torch.float64)  # no ties created by rounding
+        nan_rows = torch.isnan(scores).any(dim=1).nonzero().flatten().tolist()
+        if nan_rows:  # a NaN has no rank: every comparison with it is false, and recall would read as 0 without a word
+            raise ValueError(f"{len(nan_rows)} of {len(scores)} predictions hold NaN scores (first: row {nan_rows[0]}): "
+                             "check the model's outputs before scoring them.")
         relevant = [[int(i) for i in ref] for ref in references]
         return retrieval_metrics(scores, relevant, ks=tuple(int(k) for k in k_values))
