@@ -153,7 +153,10 @@ def _title(direction: str, columns: list[dict], seeds: list[int], scoring: str |
     what = f"{len(grid)} corruption stream{'s' if len(grid) != 1 else ''}" if grid else "no corruption stream"
     what += "".join(f" + {o}" for o in others)
     seed_words = f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))})"
-    parts = [f"{_direction_words(direction)} under query shift, R@1 (%): {what}", seed_words]
+    if grid or others:
+        parts = [f"{_direction_words(direction)} under query shift, R@1 (%): {what}", seed_words]
+    else:
+        parts = [f"{_direction_words(direction)}, R@1 (%): the clean stream", seed_words]
     if scoring in SCORING_WORDS:
         parts.append(SCORING_WORDS[scoring])
     return "; ".join(parts)

@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(run)  # --config and one option per TTAConfig field (--steps, --lr, --seed, --safety, ...)
     for action in run._actions:  # hf-tta run scores prequentially unless told (protocol v3; plan.RUN_SCORING)
         if action.dest == "scoring":
-            action.help = ("Which model answers a batch: 'before_update' (hf-tta run's default, protocol v3: prequential, "
-                           "the model as it was before adapting on the batch) or 'after_update' (the papers' protocol).")
+            action.help = re.sub(r"\(default: '\w+'\)$", "(hf-tta run's default: 'before_update', protocol v3's "
+                                 "prequential scoring; 'after_update' is the papers' protocol)", action.help)
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
