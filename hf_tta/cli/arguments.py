@@ -202,10 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-#: A saved processor: the image / audio / video part (``processor_config.json`` since transformers 5, else
-#: ``preprocessor_config.json``) and the tokenizer.
+#: A saved processor's image / audio / video part (``processor_config.json`` since transformers 5, else
+#: ``preprocessor_config.json``).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 def _path_or_hub_id(flag: str, value: str | None, what: str) -> None:
@@ -240,10 +239,9 @@ def _model_source(value: str | None) -> None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"--model {value}: no config.json in this folder; pass the folder that {save} wrote.")
-        if not any((path / f).is_file() for f in PROCESSOR_FILES) or not any((path / f).is_file() for f in TOKENIZER_FILES):
-            missing = "processor" if not any((path / f).is_file() for f in PROCESSOR_FILES) else "tokenizer"
-            raise UsageError(f"--model {value}: the folder has no {missing} (no {' or '.join(PROCESSOR_FILES if missing == 'processor' else TOKENIZER_FILES)}); "
-                             f"save it next to the model: AutoProcessor.from_pretrained(<the model's Hub id>).save_pretrained({str(value)!r}).")
+        if not any((path / f).is_file() for f in PROCESSOR_FILES):  # (a missing tokenizer: the text-processor check)
+            raise UsageError(f"--model {value}: the folder has no processor (no {' or '.join(PROCESSOR_FILES)}); save it next "
+                             f"to the model: AutoProcessor.from_pretrained(<the model's Hub id>).save_pretrained({str(value)!r}).")
         return
     if _looks_local(value) or not _HUB_ID.match(value):
         raise UsageError(f"--model {value}: no such folder (the folder {path.absolute()} does not exist); check the path, or "
