@@ -409,11 +409,11 @@ def prepare_run(args, show_progress: bool):
     from ..benchmarks.runner import GridRunner, RunSettings
     from .config_args import apply_config
 
-    validate_args(args)
     if args.dataset:
         from ..extras import require
 
         require("datasets", "--dataset")  # one line naming the extra, before anything reads the folder
+    validate_args(args)
     overrides = apply_config(args, run_directions(args))
     if "scoring" not in overrides:  # protocol v3: every row of the tables is prequential unless --scoring says otherwise
         overrides["scoring"] = args.scoring = RUN_SCORING
