@@ -26,6 +26,7 @@ the grid is embarrassingly parallel and the table equals the single-process one.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -42,10 +43,10 @@ def main(argv=None) -> list[dict] | None:
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 
-    from hf_tta.benchmarks import GridRunner, build_tables, format_table, merge_rows, write_outputs
-    from hf_tta.benchmarks.report import won_back_line
-    from hf_tta.cli import build_parser, prepare_run, setup_environment
+    from hf_tta.benchmarks import GridRunner, format_main_tables, merge_rows, write_outputs
+    from hf_tta.cli import build_parser, prepare_run, run_signature, setup_environment
     from hf_tta.cli.config_args import autocast_from_accelerate
+    from hf_tta.cli.run import run_identity
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["run", *argv])
@@ -71,15 +72,14 @@ def main(argv=None) -> list[dict] | None:
     rows = merge_rows(rows)  # the order of a single-process run
     meta = {
         "command": "accelerate launch recipes/accelerate_grid.py " + " ".join(argv),
+        "identity": run_identity(json.loads(json.dumps(run_signature(args), default=str))),  # what `hf-tta merge` checks
         "task": task.describe(),
         "settings": vars(settings) | {"device": args.device, "num_processes": state.num_processes},
         "notes": notes,
         "seconds": round(time.time() - t0, 1),
     }
     paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots)
-    for table in build_tables(rows):
-        print(format_table(table), end="\n\n")
-        print(won_back_line(table), end="\n\n")
+    print(format_main_tables(rows, meta["identity"]["scoring"]), end="\n\n")  # the table `hf-tta run` prints
     print(f"{state.num_processes} processes, {len(rows)} runs; wrote {', '.join(paths.values())}")
     return rows
 

@@ -259,7 +259,7 @@ def test_report_tables_won_back_by_kept_recall_band_and_the_detection_limit():
     assert "| Method | under 25 % (1 col., 54% of the loss) | 25–50 % (1 col., 38% of the loss) | over 75 % (1 col., 8% of the loss) |" in text
     assert "| • tcr | 20% | 20% | 20% |" in text
     # one item set, one seed: the interval of +10 on 10 of 100 items is about ±6; the claim names its limit
-    assert tcr["delta"] == 10.0 and tcr["detection_limit"] == pytest.approx((tcr["delta_ci"][1] - tcr["delta_ci"][0]) / 2)
+    assert tcr["delta"] == pytest.approx(10.0) and tcr["detection_limit"] == pytest.approx((tcr["delta_ci"][1] - tcr["delta_ci"][0]) / 2)
     assert f"not below (limit {tcr['detection_limit']:.1f})" in text
 
 
@@ -278,3 +278,16 @@ def test_stream_keys_name_one_stream():
     assert task.stream_key(diverse) == "t2i/diverse/2-ocr+char_swap" and task.stream_key(fog) == fog.key
     row = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False)).run(Job(Condition("i2t", "clean"), SOURCE))
     assert row["stream"] == "i2t/clean"
+
+
+def test_tables_stay_well_formed_when_no_column_lost_recall_and_name_only_the_streams_that_ran():
+    rows = [_row("clean", SOURCE, 50.0), _row("fog", SOURCE, 49.8), _row("fog", "tcr", 49.9),
+            _row("noto", SOURCE, 49.0), _row("noto", "tcr", 49.5)]
+    tables = {t["group"]: t for t in build_tables(rows)}
+    assert tables["shifts"]["title"] == "Unseen style (noto) stream, R@1 (%)"  # not clean, diverse, switch, degenerate
+    for t in tables.values():
+        text = format_table(t)
+        assert "| Method |  |" not in text and "|---|" not in text.splitlines()  # no table without columns
+        for block in text.split("\n\n"):  # every Markdown table: one width for its header, rule and rows
+            widths = {line.count("|") for line in block.splitlines() if line.startswith("|")}
+            assert len(widths) <= 1, block

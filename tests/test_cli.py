@@ -32,11 +32,20 @@ def test_default_command_is_run():
 
 def test_run_end_to_end_writes_table_json_csv_and_plots(tmp_path, capsys):
     out = tmp_path / "res"
-    code = cli.main(["run", *SMALL, "--corruptions", "gaussian_noise,contrast", "--objectives", "tent,tcr",
+    loud = [a for a in SMALL if a != "--quiet"]  # stdout is not a terminal here: a progress line per finished run
+    code = cli.main(["run", *loud, "--corruptions", "gaussian_noise,contrast", "--objectives", "tent,tcr",
                      "--output-dir", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "| Method | Gauss. | Contr. | Avg. |" in printed and "• tcr" in printed and "Noto i2t" in printed
+    progress = [line for line in printed.splitlines() if " done: " in line]
+    assert len(progress) == 10 and progress[-1].startswith("hf-tta: run 10/10 done: tcr on i2t/noto (seed 0): R@1 ")
+    # one table shaped like TCR's Table 1: the clean reference, every corruption, the average, Noto, the summary
+    assert printed.count("| Method |") == 1
+    assert ("| Method | Clean | Gauss. 5 | Contr. 5 | Avg. | Noto | Won back | Δ vs source [95 % CI] | "
+            "vs source (margin −0.5) |") in printed
+    assert "the source model's R@1 on the clean queries is" in printed and "scored prequentially" in printed
+    assert "| • tent |" in printed and "| • tcr |" in printed and "the source (bound " in printed
+    assert (out / "results.md").read_text().strip() in printed  # the same table in results.md
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
     assert len(rows) == 3 * 3 + 1  # (gaussian, contrast, noto) x (source, tent, tcr) + the clean reference (source)
@@ -46,7 +55,7 @@ def test_run_end_to_end_writes_table_json_csv_and_plots(tmp_path, capsys):
         assert r["num_queries"] == 16 and r["uniformity_before"] > 0 and r["gap_before"] > 0
     header = (out / "results.csv").read_text().splitlines()[0]
     assert header.startswith("direction,shift,severity,objective,seed,R@1")
-    for name in ("r1_i2t-severity-5.png", "r1_shifts.png", "diagnostics.png"):
+    for name in ("r1_i2t.png", "diagnostics.png"):
         assert (out / name).stat().st_size > 1000
     assert data["summary"]["i2t-severity-5"][SOURCE]["gain_over_source"] == 0
 
@@ -102,7 +111,7 @@ def test_list_and_plot(tmp_path, capsys):
               "--output-dir", str(tmp_path)])
     capsys.readouterr()
     assert cli.main(["plot", str(tmp_path / "results.json")]) == 0
-    assert (tmp_path / "r1_i2t-severity-5.png").exists() and "Fog" in capsys.readouterr().out
+    assert (tmp_path / "r1_i2t.png").exists() and "| Method | Clean | Fog 5 | Avg. |" in capsys.readouterr().out
 
 
 def test_a_filled_cache_runs_without_fonts_corruptions_or_minilm(tmp_path, monkeypatch, capsys):
@@ -177,6 +186,7 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
     a_file.write_text("x")
     cases = {
         ("run", "--dataset", "/nonexistent", "--model", "m"): "--dataset /nonexistent: no such file or folder",
+        ("run", "--dataset", str(a_file), "--model", "m"): "is a file; pass the folder `hf-tta build` wrote",
         ("run", "--output-dir", str(a_file)): "is a file, not a folder",
         ("run", "--output-dir", str(a_file / "sub")): "is a file, not a folder",
         ("run", "--objective-config", "{tent: 1}"): "--objective-config is not valid JSON",
@@ -235,7 +245,7 @@ def test_seeds_show_mean_std_bootstrap_and_won_back(tmp_path, capsys):
     assert cli.main(["run", *SMALL, "--corruptions", "fog", "--objectives", "tent", "--no-style", "--no-plots",
                      "--seeds", "0,1", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "±" in printed and "Δ vs source [95% CI]" in printed and "won back of the lost R@1, i2t-severity-5: tent" in printed
+    assert "; 2 seeds (0, 1);" in printed and "Δ vs source [95 % CI]" in printed and "| • tent |" in printed
     data = json.loads((out / "results.json").read_text())
     assert sorted({r["seed"] for r in data["rows"]}) == [0, 1]
     assert all(len(r["hits"]) == 16 for r in data["rows"])

@@ -106,8 +106,10 @@ def test_clap_audio_to_text_and_text_to_audio(bench, models, tmp_path, capsys):
                      *SMALL, "--output-dir", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "Query shift on audio→text" in printed and "| Method | N+W | Avg. |" in printed  # REST's column name
-    assert "Query shift on text→audio" in printed and "| Method | Clean | Avg. |" in printed and "• tent" in printed
+    assert "**Audio→text retrieval (audio queries) under query shift, R@1 (%): 1 corruption stream; 1 seed (0)" in printed
+    assert "| Method | Clean | N+W | Avg. | Won back |" in printed  # REST's column name
+    assert "**Text→audio retrieval (text queries), R@1 (%): the clean stream; 1 seed (0)" in printed
+    assert "| Method | Clean |\n" in printed and "- Clean: tent " in printed and "| • tent |" in printed
     rows = _rows(out)
     assert not [r for r in rows if "error" in r]
     by = {(r["direction"], r["shift"], r["objective"]): r for r in rows}
@@ -141,7 +143,7 @@ def test_xclip_video_to_text_over_the_video_configs(bench, models, tmp_path, cap
     code = cli.main(["run", "--model", str(models["xclip"]), "--dataset", str(bench), "--direction", "video->text",
                      "--clean", "--no-plots", *SMALL, "--output-dir", str(tmp_path)])
     assert code == 0
-    assert "| Method | Clean | N+B | Diverse | Avg. |" in capsys.readouterr().out
+    assert "| Method | Clean | N+B | Avg. | Diverse | Won back |" in capsys.readouterr().out
     rows = _rows(tmp_path)
     assert not [r for r in rows if "error" in r]
     assert {(r["direction"], r["shift"]) for r in rows} == {("v2t", s) for s in ("clean", "noise_blur", "diverse")}

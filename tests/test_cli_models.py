@@ -33,11 +33,11 @@ def folders(tmp_path_factory):
     }
 
 
-def _hf_tta(*argv) -> subprocess.CompletedProcess:
-    """The `hf-tta` command in a fresh process (`python -m hf_tta.cli`, this tree first on the path)."""
+def _hf_tta(*argv, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The `hf-tta` command in a fresh process (`python -m hf_tta.cli`, this tree first on the path), run in ``cwd``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "hf_tta.cli", *map(str, argv)], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=str(ROOT))
+                          timeout=600, cwd=str(cwd))
 
 
 @pytest.mark.parametrize("name, declared", [("blip", "BlipForImageTextRetrieval"), ("blip2", "Blip2ForImageTextRetrieval")])
@@ -136,12 +136,12 @@ def test_tables_show_the_safety_layers_counts(folders, tmp_path, capsys):
     assert not [r for r in rows if r["objective"] == "tent" and "safety" in r]
     assert safe["degenerate"]["skip_degenerate"] >= 3  # each batch of one constant query is skipped
     headers = [line for line in printed.splitlines() if line.endswith("| Safety skips/rollbacks/resets |")]
-    assert len(headers) == 2  # the fog table and the shifts (degenerate) table
-    widths = {line.count("|") for line in headers}
-    main_rows = [line for line in printed.splitlines() if line.count("|") in widths]  # not the won-back tables
-    cells = {line.rsplit("|", 2)[1].strip() for line in main_rows if line.startswith("| • tent+safe |")}
-    assert cells == {f"{s['skip_degenerate']}/{s['rollback']}/{s['reset']}" for s in safe.values()}
-    assert all(line.rstrip().endswith("| – |") for line in main_rows if line.startswith("| • tent |"))
+    assert len(headers) == 1 and "| Fog 5 | Avg. | Degen. |" in headers[0]  # one table: both streams are its columns
+    (safe_line,) = [line for line in printed.splitlines() if line.startswith("| • tent+safe |")]
+    total = {a: sum(s[a] for s in safe.values()) for a in ("skip_degenerate", "rollback", "reset")}  # over its streams
+    assert safe_line.endswith(f"| {total['skip_degenerate']}/{total['rollback']}/{total['reset']} |")
+    (plain_line,) = [line for line in printed.splitlines() if line.startswith("| • tent |")]
+    assert plain_line.endswith("| – |")
     csv_rows = (out / "results.csv").read_text().splitlines()
     column = csv_rows[0].split(",").index("safety_skip_degenerate")
     assert sorted(int(r.split(",")[column]) for r in csv_rows[1:] if ",tent+safe," in r) == sorted(
@@ -156,3 +156,54 @@ def test_loading_a_missing_folder_says_it_does_not_exist(tmp_path, monkeypatch):
     for missing in ("coco-c", "./coco-c", "out/coco-c", str(tmp_path / "coco-c")):
         with pytest.raises(FileNotFoundError, match=rf"The folder {tmp_path}/.*coco-c does not exist"):
             load_retrieval_split(missing, "clean", task="i2t")
+
+
+def test_model_and_dataset_mistakes_are_one_line_and_exit_2_before_anything_runs(folders, tmp_path, monkeypatch, capsys):
+    from tiny_models import make_model
+
+    make_model("clip").save_pretrained(tmp_path / "no-processor")  # weights and config, no processor saved
+    (tmp_path / "models").mkdir()
+    (tmp_path / "coco-c.zip").write_bytes(b"PK")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    dataset = str(folders["dataset"])
+    cases = {
+        ("--model", "models/blipp", "--dataset", dataset): "--model models/blipp: no such folder",  # a typo under a folder here
+        ("--model", "./blipp", "--dataset", dataset): "--model ./blipp: no such folder",
+        ("--model", "blipp", "--dataset", dataset): "and no Hub model 'blipp' in the Hugging Face cache (offline mode)",
+        ("--model", "no-processor", "--dataset", dataset): "the folder has no processor (no processor_config.json or "
+                                                           "preprocessor_config.json); save it next to the model",
+        ("--model", str(folders["blip"]), "--dataset", "coco-c.zip"): "--dataset coco-c.zip is a file; pass the folder",
+    }
+    for argv, message in cases.items():
+        assert cli.main(["run", *argv, *FAST, "--output-dir", str(tmp_path / "res")]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err and "huggingface.co" not in err, (argv, err)
+        assert not (tmp_path / "res").exists()  # nothing ran
+    res = _hf_tta("run", "--model", "models/blipp", "--dataset", dataset, *FAST, "--output-dir", tmp_path / "res", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"hf-tta: error: --model models/blipp: no such folder (the folder {tmp_path / 'models' / 'blipp'} does not exist); "
+        "check the path, or pass a Hub model id (owner/name)."]
+
+
+def test_merge_refuses_results_of_another_model_or_scoring_rule(folders, tmp_path, capsys):
+    def run(name, model, *extra):
+        argv = ["run", "--model", str(model), "--dataset", str(folders["dataset"]), "--corruptions", "fog",
+                "--objectives", "tent", *FAST, *extra, "--output-dir", str(tmp_path / name)]
+        assert cli.main(argv) == 0
+        return str(tmp_path / name / "results.json")
+
+    blip, blip2 = run("blip", folders["blip"]), run("blip2", folders["blip2"])
+    papers = run("papers", folders["blip"], "--scoring", "after_update", "--seed", "1")
+    capsys.readouterr()
+    out = str(tmp_path / "merged")
+    for parts, message in (((blip, blip2), f"comes from another model than {blip} (model {str(folders['blip2'])!r} vs "
+                                           f"{str(folders['blip'])!r}); merge only results of one model"),
+                           ((blip, papers), "comes from another scoring rule than"),
+                           ((str(tmp_path / "blip2" / "rows.jsonl"), blip), "comes from another model than")):
+        assert cli.main(["merge", *parts, "--output-dir", out, "--no-plots"]) == 2, parts
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert cli.main(["merge", blip, str(tmp_path / "blip" / "rows.jsonl"), "--output-dir", out, "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert merged["meta"]["identity"]["model"] == str(folders["blip"]) and merged["meta"]["identity"]["scoring"] == "before_update"

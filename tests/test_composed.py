@@ -287,7 +287,8 @@ def test_composed_hf_tta_build_then_run_dataset_end_to_end(tmp_path, capsys):
                      "--batch-size", "2", "--quiet", "--threads", "1", "--no-plots", "--output-dir", str(res)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "Query shift on composed→image retrieval" in captured.out and "Noise*+Char" in captured.out
+    assert "**Composed→image retrieval (composed queries) under query shift, R@1 (%): 1 corruption stream;" in captured.out
+    assert "| Method | Clean | Noise*+Char 5 | Avg. |" in captured.out or "| Method | Clean | Noise*+Char | Avg. |" in captured.out
     rows = json.loads((res / "results.json").read_text())["rows"]
     assert not [r for r in rows if "error" in r]
     by = {(r["shift"], r["objective"]): r for r in rows}

@@ -143,24 +143,40 @@ def blip_folder(root: Path) -> Path:
 def test_hf_tta_build_pairs_then_run_dataset_end_to_end(tmp_path, capsys, kind):
     pairs = write_jsonl(tmp_path / "src")
     out = tmp_path / "built"
-    assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(out), "--configs", CONFIGS, "--name", "shop", "--quiet"]) == 0
+    configs = CONFIGS + ",image-snow-2"  # one stream of the default grid (at its own severity) and one off it
+    assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(out), "--configs", configs, "--name", "shop", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert "built 3 configs of shop" in printed and f"--dataset {out}" in printed
-    assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["clean", "image-gaussian_noise-5", "text-ocr-7"]
+    assert "built 4 configs of shop" in printed and f"--dataset {out}" in printed
+    assert ("the default grid of `hf-tta run` also needs image-shot_noise-5, image-motion_blur-4, image-contrast-1: "
+            "add them to --configs") in printed  # what to add to compare with the default grid
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "clean", "image-gaussian_noise-5", "image-snow-2", "text-ocr-7"]
     info = json.loads((out / "build_info.json").read_text())
     assert info["params"]["spec"]["name"] == "shop" and info["params"]["spec"]["baseline_tau"] == 0.01
 
     model = clip_folder(tmp_path / "clip") if kind == "clip" else blip_folder(tmp_path / "blip")
     res = tmp_path / "res"
-    code = cli.main(["run", "--model", str(model), "--dataset", str(out), "--direction", "both", "--corruptions", "gaussian_noise",
-                     "--text-corruptions", "ocr", "--objectives", "tent", "--steps", "1", "--batch-size", "4", "--quiet",
-                     "--threads", "1", "--no-plots", "--output-dir", str(res)])
+    suggested = printed.split("run it with `hf-tta ")[1].split("`")[0].replace("<model>", str(model)).split()
+    code = cli.main([*suggested, "--objectives", "tent", "--steps", "1", "--batch-size", "4", "--quiet", "--threads", "1",
+                     "--no-plots", "--output-dir", str(res)])
     assert code == 0, capsys.readouterr().err
     rows = json.loads((res / "results.json").read_text())["rows"]
     assert not [r for r in rows if "error" in r]
+    # the suggested command runs every stream that was built (not the emoji grid's streams it lacks)
+    assert {(r["direction"], r["shift"], r["severity"]) for r in rows} == {
+        ("i2t", "clean", None), ("i2t", "gaussian_noise", 5), ("i2t", "snow", 2), ("t2i", "clean", None), ("t2i", "ocr", 7)}
     by = {(r["direction"], r["shift"], r["objective"]): r for r in rows}
     assert by[("i2t", "gaussian_noise", "tent")]["num_queries"] == 6 and by[("i2t", "gaussian_noise", "tent")]["gallery_size"] == 7
     assert by[("t2i", "ocr", "tent")]["num_queries"] == 7 and by[("t2i", "ocr", "tent")]["gallery_size"] == 6
+
+
+def test_pairs_build_by_default_what_the_default_grid_runs():
+    from hf_tta.benchmarks.grid import DEFAULT_IMAGE_CONDITIONS
+    from hf_tta.cli.build import default_image_text_configs
+
+    configs, _ = default_image_text_configs()
+    assert {f"image-{c}-{s}" for c, s in DEFAULT_IMAGE_CONDITIONS} <= set(configs)  # not severity 5 only
+    assert len(configs) == len(set(configs)) and "image-motion_blur-4" in configs and "image-gaussian_noise-5" in configs
 
 
 def test_build_cli_mistakes_are_one_line(tmp_path, capsys):

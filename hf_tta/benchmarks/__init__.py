@@ -5,7 +5,8 @@ encoder all come from PyPI packages, so the benchmark and the model build on an 
 
 The runner behind ``hf-tta`` is split by what each part does: :mod:`.grid` plans the (condition, objective) jobs,
 :mod:`.tasks` holds the task types (emoji, Hub image-text, audio/video), :mod:`.runner` runs jobs on a task,
-:mod:`.report` turns rows into tables, results files and plots, :mod:`.intervals` holds the hierarchical paired
+:mod:`.report` turns rows into the per-group tables (the model cards'), :mod:`.main_table` into the main job's
+one table per direction (TCR's Table 1 shape) and its plot, :mod:`.outputs` writes the results files and plots, :mod:`.intervals` holds the hierarchical paired
 bootstrap and the detection limit, and :mod:`.bands` the kept-recall bands and the default grid's rule.
 """
 
@@ -34,7 +35,9 @@ from .grid import (
     image_corruption_names,
     offline_text_corruptions,
 )
-from .report import build_tables, draw_plots, format_table, merge_rows, summarize, write_outputs
+from .main_table import format_main_table, main_tables
+from .outputs import draw_plots, format_main_tables, write_outputs
+from .report import build_tables, format_table, merge_rows, summarize
 from .runner import GridRunner, RunSettings
 from .source_model import (
     build_source_model,
@@ -67,8 +70,11 @@ __all__ = [
     "build_tables",
     "direction_name",
     "draw_plots",
+    "format_main_table",
+    "format_main_tables",
     "format_table",
     "image_corruption_names",
+    "main_tables",
     "merge_rows",
     "offline_text_corruptions",
     "summarize",

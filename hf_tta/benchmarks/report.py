@@ -1,5 +1,6 @@
-"""Tables, outputs and plots of benchmark rows: TCR-Table-1-shaped tables, results.json/.csv/.md, PNG plots,
-and the order of merged rows."""
+"""Per-group tables of benchmark rows (one per severity and direction, and the other streams: what the model cards
+recompute), their summary, and the order of merged rows. The main job's one table is :mod:`.main_table`; the files
+:mod:`.outputs`."""
 
 from __future__ import annotations
 
@@ -64,12 +65,19 @@ def _group_of(row: dict) -> str:
     return Condition(row["direction"], row["shift"], row["severity"]).group
 
 
-def _group_title(group: str) -> str:
+#: How the ``shifts`` table's title names each stream.
+SHIFT_WORDS = {"clean": "clean", "noto": "unseen style (noto)", "diverse": "diverse", "switch": "switching",
+               "degenerate": "degenerate"}
+
+
+def _group_title(group: str, shifts: Sequence[str] = ()) -> str:
     if group in AV_DIRECTIONS:
         q, g = AV_DIRECTIONS[group]
         return f"Query shift on {q}→{g} retrieval ({q} queries, clean {g} gallery), R@1 (%)"
-    if group == "shifts":
-        return "Clean, unseen style (noto), diverse and robustness (switch, degenerate) streams, R@1 (%)"
+    if group == "shifts":  # only the streams that ran
+        names = [SHIFT_WORDS.get(s, s) for s in dict.fromkeys(shifts)]
+        listed = ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1] if names else "other"
+        return f"{listed[0].upper()}{listed[1:]} stream{'s' if len(names) != 1 else ''}, R@1 (%)"
     direction, _, severity = group.split("-")
     what = "image corruptions, image→text (TR@1)" if direction == "i2t" else "text corruptions, text→image (IR@1)"
     return f"Query shift on {what}, severity {severity}"
@@ -207,7 +215,7 @@ def build_tables(rows: Sequence[dict], metric: str = "R@1") -> list[dict[str, An
                 if diffs:
                     b["delta"], b["delta_ci"] = paired_bootstrap(diffs, items=items)
                     b["detection_limit"] = detection_limit(b["delta_ci"])
-        tables.append({"group": group, "title": _group_title(group), "columns": header, "rows": body, "metric": metric,
+        tables.append({"group": group, "title": _group_title(group, [r["shift"] for r in grows]), "columns": header, "rows": body, "metric": metric,
                        "clean": refs})
     return tables
 
@@ -270,6 +278,8 @@ def _band_lines(table: dict[str, Any]) -> list[str]:
         return []
     bands = rows[0]["won_back_bands"]
     used = [i for i, b in enumerate(bands) if b["columns"]]
+    if not used:  # no column lost recall: no band to show (and no table without columns)
+        return []
     header = [f"{bands[i]['label']} ({len(bands[i]['columns'])} col., {_pct(bands[i]['loss_share'])} of the loss)" for i in used]
     lines = ["", "Share of lost recall won back by how much of its clean recall the source keeps on the column "
              "(ratio of sums over the columns in each band):", "", "| Method | " + " | ".join(header) + " |",
@@ -332,89 +342,6 @@ CSV_FIELDS = (
 )
 #: The safety layer's actions (hf_tta.safety.SAFETY_ACTIONS), in the tables' "skips/rollbacks/resets" column.
 SAFETY_COLUMNS = ("skip_degenerate", "rollback", "reset")
-
-
-def write_outputs(rows: Sequence[dict], folder, meta: dict[str, Any], plots: bool = True) -> dict[str, str]:
-    """Write ``results.json``, ``results.csv``, ``results.md`` and the PNG plots; returns their paths."""
-    import csv
-    import json
-    from pathlib import Path
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tables = build_tables(rows)
-    paths = {}
-    payload = {"meta": meta, "summary": summarize(rows), "tables": tables, "rows": list(rows)}
-    (folder / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    paths["json"] = str(folder / "results.json")
-    with open(folder / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, **{f"safety_{a}": n for a, n in (r.get("safety") or {}).items()}})
-    paths["csv"] = str(folder / "results.csv")
-    (folder / "results.md").write_text("\n\n".join(format_table(t) for t in tables) + "\n")
-    paths["markdown"] = str(folder / "results.md")
-    if plots:
-        paths.update(draw_plots(rows, folder))
-    return paths
-
-
-def draw_plots(rows: Sequence[dict], folder) -> dict[str, str]:
-    """R@1 per shift for each objective, and query uniformity / query–gallery gap before and after adaptation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-
-    folder = Path(folder)
-    out = {}
-    for t in build_tables(rows):
-        n_cols, objs = len(t["columns"]), [r["objective"] for r in t["rows"]]
-        fig, ax = plt.subplots(figsize=(min(18.0, max(6.0, 2 + n_cols * (0.3 + 0.07 * len(objs)))), 4.5))
-        width = 0.85 / max(1, len(objs))
-        x = np.arange(n_cols)
-        colours = plt.get_cmap("tab20" if len(objs) > 10 else "tab10")
-        for k, r in enumerate(t["rows"]):
-            vals = [np.nan if v is None else v for v in r["values"]]
-            ax.bar(x + (k - (len(objs) - 1) / 2) * width, vals, width, color=colours(k),
-                   label="source model" if r["objective"] == SOURCE else r.get("label", r["objective"]))
-        ax.set_xticks(x, t["columns"], rotation=45, ha="right")
-        ax.set_ylabel("R@1 (%)")
-        ax.set_title(t["title"], fontsize=10)
-        ax.set_ylim(0, 100)
-        ax.legend(fontsize=8, ncol=1 if len(objs) <= 8 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        path = folder / f"r1_{t['group']}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        out[f"plot_r1_{t['group']}"] = str(path)
-
-    first_seed = min((r.get("seed", 0) for r in rows), default=0)  # diagnostics of one seed (the first)
-    diag = [r for r in rows if "error" not in r and "uniformity_before" in r and r.get("seed", 0) == first_seed]
-    if diag:
-        objectives = list(dict.fromkeys(r["objective"] for r in sorted(diag, key=lambda r: r["objective"] != SOURCE)))
-        conds = list(dict.fromkeys(f"{abbreviation(r['shift'])} {r['direction']}" for r in diag))
-        fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 0.5 * len(conds) + 6), 4))
-        for ax, key, label in ((axes[0], "uniformity", "query uniformity (Eq. 14, higher = more spread)"),
-                               (axes[1], "gap", "query–gallery gap (Eq. 15)")):
-            colours = plt.get_cmap("tab20" if len(objectives) > 10 else "tab10")
-            for i, obj in enumerate(objectives):
-                by = {f"{abbreviation(r['shift'])} {r['direction']}": r for r in diag if r["objective"] == obj}
-                ys = [by[c][f"{key}_after"] if c in by else np.nan for c in conds]
-                style = dict(color="black", linewidth=2, marker="s", markersize=4, zorder=5) if obj == SOURCE else dict(color=colours(i), marker="o", markersize=3)
-                ax.plot(range(len(conds)), ys, label="before (source)" if obj == SOURCE else f"after {obj}", **style)
-            ax.set_xticks(range(len(conds)), conds, rotation=45, ha="right", fontsize=8)
-            ax.set_title(label, fontsize=10)
-        axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.tight_layout()
-        path = folder / "diagnostics.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        out["plot_diagnostics"] = str(path)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ merging

@@ -171,6 +171,10 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
         from .config_args import add_config_arguments
 
         add_config_arguments(run)  # --config and one option per TTAConfig field (--steps, --lr, --seed, --safety, ...)
+        for action in run._actions:  # hf-tta run scores prequentially unless told (protocol v3; plan.RUN_SCORING)
+            if action.dest == "scoring":
+                action.help = re.sub(r"\(default: '\w+'\)$", "(hf-tta run's default: 'before_update', protocol v3's "
+                                     "prequential scoring; 'after_update' is the papers' protocol)", action.help)
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
@@ -201,6 +205,9 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+#: A saved processor's image / audio / video part (``processor_config.json`` since transformers 5, else
+#: ``preprocessor_config.json``).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 def _path_or_hub_id(flag: str, value: str | None, what: str) -> None:
@@ -210,16 +217,61 @@ def _path_or_hub_id(flag: str, value: str | None, what: str) -> None:
         raise UsageError(f"{flag} {value}: no such file or folder, and not a Hub id (owner/name); {what}.")
 
 
+def _looks_local(value: str) -> bool:
+    """A path rather than a Hub id: it starts with ``/``, ``.`` or ``~``, or its first part is a folder here."""
+    path = Path(value).expanduser()
+    return value.startswith(("/", ".", "~")) or (len(path.parts) > 1 and Path(path.parts[0]).is_dir())
+
+
+def _offline() -> bool:
+    import huggingface_hub.constants
+
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
+
+
+def _model_source(value: str | None) -> None:
+    """``--model``: a saved folder holding config.json and its processor, or a Hub id (in the cache when offline).
+    Each mistake is one line naming the fix, before anything loads (not transformers' "couldn't connect to
+    huggingface.co" for a mistyped folder, nor its multi-clause message for a folder without a processor)."""
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    save = "model.save_pretrained(folder) and processor.save_pretrained(folder)"
+    if path.is_file():
+        raise UsageError(f"--model {value} is a file; pass the folder that {save} wrote, or a Hub model id (owner/name).")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {value}: no config.json in this folder; pass the folder that {save} wrote.")
+        if not any((path / f).is_file() for f in PROCESSOR_FILES):  # (a missing tokenizer: the text-processor check)
+            raise UsageError(f"--model {value}: the folder has no processor (no {' or '.join(PROCESSOR_FILES)}); save it next "
+                             f"to the model: AutoProcessor.from_pretrained(<the model's Hub id>).save_pretrained({str(value)!r}).")
+        return
+    if _looks_local(value) or not _HUB_ID.match(value):
+        raise UsageError(f"--model {value}: no such folder (the folder {path.absolute()} does not exist); check the path, or "
+                         "pass a Hub model id (owner/name).")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
+            raise UsageError(f"--model {value}: no folder {path.absolute()}, and no Hub model {value!r} in the Hugging Face cache "
+                             "(offline mode); check the folder's path, or download the model once with HF_HUB_OFFLINE=0.")
+
+
 def _dataset_folder(value: str | None) -> None:
     """``--dataset``: a benchmark on the Hub is ``owner/name``; a path (``/``, ``.``, ``~``), a bare name, or ``a/b``
     where ``a`` is a folder here is a local folder, and a missing one is reported as such (not as a Hub repo that
-    "couldn't be reached")."""
-    if value is None or Path(value).expanduser().exists():
+    "couldn't be reached"); a file is refused (a benchmark is a folder of configs)."""
+    if value is None:
         return
     path = Path(value).expanduser()
+    if path.is_file():
+        raise UsageError(f"--dataset {value} is a file; pass the folder `hf-tta build` wrote (one sub-folder per config), "
+                         "or a Hub dataset id (owner/name).")
+    if path.exists():
+        return
     if value.startswith(("/", ".", "~")) or "/" not in value.strip("/") or Path(path.parts[0]).is_dir():
         raise UsageError(f"--dataset {value}: no such file or folder (the folder {path.absolute()} does not exist); pass the "
-                         "folder recipes/build_benchmarks.py wrote, or a Hub dataset id (owner/name).")
+                         "folder `hf-tta build` wrote, or a Hub dataset id (owner/name).")
 
 
 def writable_folder(flag: str, value: str | None) -> None:
@@ -239,9 +291,9 @@ def writable_folder(flag: str, value: str | None) -> None:
 
 def validate_args(args) -> None:
     """Check what the command line names before anything loads (each mistake: one line that names the fix)."""
-    _path_or_hub_id("--model", getattr(args, "model", None), "pass a Hugging Face model id or a saved model folder")
     _dataset_folder(getattr(args, "dataset", None))
-    _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with recipes/build_benchmarks.py and pass its folder")
+    _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with `hf-tta build` and pass its folder")
+    _model_source(getattr(args, "model", None))
     weights = getattr(args, "weights", None)
     if weights is not None and not Path(weights).expanduser().is_dir():
         raise UsageError(f"--weights {weights}: no such folder; pass the folder recipes/train_source_model.py wrote.")

@@ -13,7 +13,8 @@ Sources (exactly one)::
     hf-tta build --cirr cirr/ --output-dir build/cirr                                      # CIRR-O / CIRR-D configs
 
 Default configs: a user's pairs get COCO-C's (``clean``, the 16 image corruptions at severity 5, the text
-corruptions that run here at their maximum severity, and the two diverse configs); the real-world sets only
+corruptions that run here at their maximum severity, and the two diverse configs) and the streams of ``hf-tta run``'s
+default grid (motion blur 4, snow 2, contrast 1: one corruption per family at its own severity); the real-world sets only
 ``clean`` (the papers run them clean); the composed sets their 12 -O configs and the -D config. ``--configs``
 names others.
 """
@@ -77,9 +78,16 @@ def default_image_text_configs() -> tuple[list[str], dict[str, str]]:
     from ..data.corruptions import IMAGE_CORRUPTIONS, MAX_TEXT_SEVERITY
 
     ok, missing = offline_text_corruptions()
-    configs = ["clean", *(f"image-{n}-5" for n in IMAGE_CORRUPTIONS), "image-diverse",
+    configs = ["clean", *(f"image-{n}-5" for n in IMAGE_CORRUPTIONS), *default_grid_configs(), "image-diverse",
                *(f"text-{n}-{MAX_TEXT_SEVERITY[n]}" for n in ok), "text-diverse"]
-    return configs, missing
+    return list(dict.fromkeys(configs)), missing
+
+
+def default_grid_configs() -> list[str]:
+    """The configs of `hf-tta run`'s default grid (one corruption per ImageNet-C family, each at its own severity)."""
+    from ..benchmarks.grid import DEFAULT_IMAGE_CONDITIONS
+
+    return [f"image-{c}-{s}" for c, s in DEFAULT_IMAGE_CONDITIONS]
 
 
 def _text_models(items: list[str]) -> dict:
@@ -151,6 +159,10 @@ def cmd_build(args) -> int:
     builder, configs, notes = make_builder(args)
     if args.configs:
         configs = comma_list(args.configs)
+        lacking = [c for c in default_grid_configs() if c not in configs]
+        if args.pairs and any(c.startswith("image-") for c in configs) and lacking:
+            print(f"hf-tta: the default grid of `hf-tta run` also needs {', '.join(lacking)}: add them to --configs to "
+                  "compare with it (the run picks the streams built here)")
     for what, items in notes.items():
         for name, why in (items or {}).items():
             print(f"hf-tta: {what}: {name} ({why})")
@@ -173,10 +185,16 @@ def cmd_build(args) -> int:
         push = push_composed if is_composed_build(args.output_dir) else push_benchmark
         pushed = push(args.output_dir, args.push_to_hub, private=args.private or None, show_progress=not args.quiet)
         print(f"hf-tta: pushed {len(pushed)} configs and the dataset card to {args.push_to_hub}")
-    direction = ",".join(builder.spec.directions)
-    extra = " --batch-size 32" if direction == "c2i" else " --clean"
-    print(f"hf-tta: run it with `hf-tta run --model <model> --dataset {args.output_dir} --direction {direction}{extra}`")
+    print(f"hf-tta: run it with `{suggested_command(builder.spec.directions, args.output_dir)}`")
     return 0
 
 
-__all__ = ["add_build_parser", "cmd_build", "default_image_text_configs", "make_builder"]
+def suggested_command(directions, output_dir) -> str:
+    """The `hf-tta run` that runs what was built: every config of the folder (a `--dataset` run picks the streams
+    its build has), the clean one adapted on too; composed builds at REST's batch size."""
+    direction = ",".join(directions)
+    extra = " --batch-size 32" if direction == "c2i" else " --clean"
+    return f"hf-tta run --model <model> --dataset {output_dir} --direction {direction}{extra}"
+
+
+__all__ = ["add_build_parser", "cmd_build", "default_grid_configs", "default_image_text_configs", "make_builder", "suggested_command"]

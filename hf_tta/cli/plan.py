@@ -134,22 +134,37 @@ def resolve_grid(args) -> tuple[list, dict]:
     unknown = [c for c in corruptions if c not in known_image_corruptions()]
     if unknown:
         raise UsageError(f"unknown image corruptions {unknown}; see `hf-tta list` for the names.")
+    built = None if args.full else built_streams(args)
+    if built is not None and built["image"] and args.corruptions == "default" and args.severities is None:
+        pairs = built["image"]  # a user's build: the streams it has, not the emoji grid's
+        corruptions = list(dict.fromkeys(c for c, _ in pairs))
+        diverse = diverse or built["diverse"]
+        notes["streams_from_build"] = [f"image-{c}-{s}" for c, s in pairs]
     text_corruptions: list[str] = []
     text_severities = [7]
     if "t2i" in directions:
-        if args.text_corruptions == "offline":
-            text_corruptions, missing = offline_text_corruptions()
+        if built is not None and built["text"] and args.text_corruptions == "offline" and args.text_severities == "7":
+            text_corruptions = list(dict.fromkeys(c for c, _ in built["text"]))  # the build's text streams
+            text_severities = sorted({s for _, s in built["text"]})
+            diverse = diverse or built["diverse"]
+            notes["streams_from_build"] = notes.get("streams_from_build", []) + [f"text-{c}-{s}" for c, s in built["text"]]
         else:
-            from ..data.corruptions import TEXT_CORRUPTIONS
+            if args.text_corruptions == "offline":
+                text_corruptions, missing = offline_text_corruptions()
+            else:
+                from ..data.corruptions import TEXT_CORRUPTIONS
 
-            named = comma_list(args.text_corruptions)
-            unknown = [n for n in named if n not in TEXT_CORRUPTIONS]
-            if unknown:
-                raise UsageError(f"unknown text corruptions {unknown}; choose from {', '.join(TEXT_CORRUPTIONS)} or 'offline'.")
-            text_corruptions, missing = offline_text_corruptions(named)
-        if missing:
-            notes["text_corruptions_left_out"] = missing
-        text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
+                named = comma_list(args.text_corruptions)
+                unknown = [n for n in named if n not in TEXT_CORRUPTIONS]
+                if unknown:
+                    raise UsageError(f"unknown text corruptions {unknown}; choose from {', '.join(TEXT_CORRUPTIONS)} or 'offline'.")
+                text_corruptions, missing = offline_text_corruptions(named)
+            if missing:
+                notes["text_corruptions_left_out"] = missing
+            text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
+    if notes.get("streams_from_build"):
+        print(f"hf-tta: --dataset {args.dataset}: running the {len(notes['streams_from_build'])} corruption streams it has "
+              "(--corruptions / --text-corruptions pick others)", flush=True)
     notes["text_corruptions"] = text_corruptions
     if args.switch and not emoji:
         raise UsageError("--switch runs on the emoji benchmark only; leave it out with --model (--degenerate works there).")
@@ -159,6 +174,31 @@ def resolve_grid(args) -> tuple[list, dict]:
         image_conditions=pairs,
     )
     return jobs, notes
+
+
+def built_streams(args) -> dict | None:
+    """The corruption streams a local ``--dataset`` build holds: ``{"image": [(corruption, severity), ...], "text":
+    [...], "diverse": bool}`` in the library's order; ``None`` when it is not such a folder or holds no corruption
+    config (a real-world set: clean only)."""
+    if not getattr(args, "dataset", None) or not Path(str(args.dataset)).expanduser().is_dir():
+        return None
+    from ..data.builders.base import built_configs
+    from ..data.builders.specs import parse_config_name
+    from ..data.corruptions import ALL_IMAGE_CORRUPTIONS, TEXT_CORRUPTIONS
+
+    specs = []
+    for name in built_configs(Path(str(args.dataset)).expanduser()):
+        try:
+            specs.append(parse_config_name(name))
+        except ValueError:
+            continue
+    order = {n: i for i, n in enumerate((*ALL_IMAGE_CORRUPTIONS, *TEXT_CORRUPTIONS))}
+    pick = lambda modality: sorted(((c.corruption, c.severity) for c in specs if c.modality == modality and c.severity is not None),  # noqa: E731
+                                   key=lambda p: (order.get(p[0], len(order)), p[1]))
+    image, text = pick("image"), pick("text")
+    if not image and not text:
+        return None
+    return {"image": image, "text": text, "diverse": any(c.corruption == "diverse" for c in specs)}
 
 
 def run_seeds(args) -> list[int]:
@@ -355,6 +395,11 @@ def _built_jobs(args, task, jobs: list, notes: dict) -> list:
     return keep
 
 
+#: How ``hf-tta run`` scores every row unless ``--scoring`` is given (protocol v3): prequentially, each batch answered
+#: by the model as it was before adapting on it (what a service answers); ``--scoring after_update`` is the papers'.
+RUN_SCORING = "before_update"
+
+
 def prepare_run(args, show_progress: bool):
     """What `hf-tta run` and the accelerate recipe share: the grid's jobs, notes, the task and the run settings.
 
@@ -364,12 +409,14 @@ def prepare_run(args, show_progress: bool):
     from ..benchmarks.runner import GridRunner, RunSettings
     from .config_args import apply_config
 
-    validate_args(args)
     if args.dataset:
         from ..extras import require
 
         require("datasets", "--dataset")  # one line naming the extra, before anything reads the folder
+    validate_args(args)
     overrides = apply_config(args, run_directions(args))
+    if "scoring" not in overrides:  # protocol v3: every row of the tables is prequential unless --scoring says otherwise
+        overrides["scoring"] = args.scoring = RUN_SCORING
     jobs, notes = resolve_grid(args)
     rows = list(dict.fromkeys(j.objective for j in jobs))
     objective_configs = _objective_configs(args.objective_config, rows)

@@ -49,7 +49,8 @@ def read_progress(path: Path) -> tuple[dict | None, list[dict]]:
 
 
 def cmd_run(args) -> int:
-    from ..benchmarks.report import build_tables, format_table, row_key, won_back_line, write_outputs
+    from ..benchmarks.outputs import format_main_tables, write_outputs
+    from ..benchmarks.report import row_key
     from ..benchmarks.runner import GridRunner
 
     setup_environment(args)
@@ -85,11 +86,17 @@ def cmd_run(args) -> int:
         for r in done:
             f.write(json.dumps(r, default=str) + "\n")
 
+    total, finished_runs = len(jobs), [0]
+    log_runs = not args.quiet and not sys.stdout.isatty()  # a log file or a pipe: a line per run, not silence
+
     def save(row):
         with open(progress, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
+        finished_runs[0] += 1
         if "error" in row:  # one line per failed run, as it happens (the traceback with --debug)
             print(f"hf-tta: {failure_line(row)}", file=sys.stderr, flush=True)
+        elif log_runs:
+            print(f"hf-tta: {progress_line(row, finished_runs[0], total, time.time() - t0)}", flush=True)
 
     runner = GridRunner(task, settings)
     runner.remember(done)
@@ -101,6 +108,7 @@ def cmd_run(args) -> int:
         rows = merge_rows(rows)
     meta = {
         "command": "hf-tta " + " ".join(sys.argv[1:]),
+        "identity": run_identity(signature),
         "task": task.describe(),
         "settings": vars(settings) | {"device": args.device, "seeds": run_seeds(args)},
         "notes": notes,
@@ -112,17 +120,39 @@ def cmd_run(args) -> int:
     paths = write_outputs(rows, args.output_dir, meta, plots=not args.no_plots and len(errors) < len(rows))
     print()
     if len(errors) < len(rows):  # a table of nothing but `err` says nothing the failure lines do not
-        for table in build_tables(rows):
-            print(format_table(table))
-            print()
-            print(won_back_line(table))
-            print()
+        print(format_main_tables(rows, meta["identity"]["scoring"]))
+        print()
     print(f"wrote {', '.join(paths.values())} ({time.time() - t0:.0f} s)")
     if errors:
         print(f"hf-tta: {len(errors)} of {len(rows)} runs failed (one line each above; their cells show 'err'); "
               "fix the cause and rerun the same command to run only those (--debug shows the tracebacks).", file=sys.stderr)
         return 1
     return 0
+
+
+#: What makes the rows of two runs comparable (``hf-tta merge`` refuses to mix them otherwise): the model, the build
+#: and the scoring rule. Keys of :func:`run_signature`; ``model`` is the emoji ``--weights`` when there is no --model.
+IDENTITY = ("model", "dataset", "limit", "render_factor", "scoring", "steps", "batch_size", "lr")
+
+
+def run_identity(signature: dict) -> dict:
+    """The model, build and scoring rule of a run, from its :func:`run_signature` (the header of ``rows.jsonl``);
+    a local dataset folder is named by its absolute path."""
+    out = {k: signature.get(k) for k in IDENTITY}
+    out["model"] = signature.get("model") or signature.get("weights")
+    for key in ("model", "dataset"):
+        if out[key] is not None and Path(str(out[key])).expanduser().exists():
+            out[key] = str(Path(str(out[key])).expanduser().resolve())
+    return out
+
+
+def progress_line(row: dict, done: int, total: int, seconds: float) -> str:
+    """One line per finished run when stdout is not a terminal: which run, its R@1 and the time so far."""
+    from ..benchmarks.figures import figure
+
+    where = row["shift"] if row.get("severity") is None else f"{row['shift']}-{row['severity']}"
+    return (f"run {done}/{total} done: {row['objective']} on {row['direction']}/{where} (seed {row.get('seed', 0)}): "
+            f"R@1 {figure(row.get('R@1'))} ({seconds:.0f} s so far)")
 
 
 def failure_line(row: dict) -> str:
