@@ -70,8 +70,7 @@ class SharedMemoryChannel:
     """
 
     def __init__(self, name: str, *, _owner: bool = False, _shm: shared_memory.SharedMemory | None = None):
-        # an attaching process started by the owner (spawn) shares its resource tracker: the owner's close() unlinks
-        self.shm = _shm if _shm is not None else shared_memory.SharedMemory(name=name)
+        self.shm = _shm if _shm is not None else _attach(name)
         self.owner = _owner
         self.buf = self.shm.buf
         magic, capacity, _, _ = _HEAD.unpack_from(self.buf, 0)
@@ -158,6 +157,23 @@ class SharedMemoryChannel:
         self.shm.close()
         if self.owner:
             self.shm.unlink()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Attach without registering the segment with this process's resource tracker, which would remove it when this
+    process exits (Python < 3.13 registers every attach); only the owner removes it (``track=False`` from 3.13)."""
+    import sys
+
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    from multiprocessing import resource_tracker
+
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 __all__ = ["Blob", "ChannelFull", "SharedMemoryChannel", "StateChannel"]
