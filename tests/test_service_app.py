@@ -241,16 +241,56 @@ def test_killed_worker_is_restarted_and_readiness_says_so(client):
     assert service.supervisor.restart_count == 1 and service.answerer.version > version  # versions go on
 
 
-def test_restart_resumes_state_and_versions(client, state_dir):
+SERVER = """
+import sys
+import uvicorn
+from test_service_app import service_config
+from hf_tta.service.app import create_app
+uvicorn.run(create_app(service_config(sys.argv[1])), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+"""
+
+
+def test_sigterm_saves_and_a_real_server_resumes_versions(client, state_dir):
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
     service = client.app.state.service
     for i in range(50, 54):
         search(client, i, tenant="beta")
     assert wait_for(lambda: service.answerer.current("beta").version >= 1) and wait_for(service.drained)
     versions = {t: c.version for t, c in service.answerer.states.items()}
     states = {t: AdapterState.capture(c.wrapper, PUBLISHED) for t, c in service.answerer.states.items()}
-    client.__exit__(None, None, None)  # shutdown: the worker checkpoints
-    with TestClient(create_app(service_config(state_dir))) as again:
-        resumed = again.app.state.service.answerer.states
-        assert {t: c.version for t, c in resumed.items()} == versions
-        assert all(AdapterState.capture(resumed[t].wrapper, PUBLISHED).equals(states[t]) for t in states)
-        assert search(again, 60, tenant="beta").json()["version"] == versions["beta"]
+    client.__exit__(None, None, None)  # the app's shutdown: the worker checkpoints
+    saved = TenantAdapters(build_wrapper(partial(make_model, "clip"), TTA))
+    saved.load(state_dir / CHECKPOINT_FILE)
+    assert {t: x.version for t, x in saved.tenants.items()} == versions
+    assert all(saved.state(t).only(PUBLISHED).equals(states[t]) for t in states)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(state_dir), str(port)], env=env)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"X-Tenant": "beta"}) as http:
+            def ready():
+                try:
+                    return http.get("/readyz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            assert wait_for(ready, 90)
+            assert http.get("/health").json()["tenants"] == versions  # per-tenant versions survived the restart
+            assert http.post("/search", json={"image": png(60)}).json()["version"] == versions["beta"]
+            for i in range(61, 65):
+                http.post("/search", json={"image": png(i)})
+            assert wait_for(lambda: http.get("/health").json()["tenants"]["beta"] == versions["beta"] + 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    saved.load(state_dir / CHECKPOINT_FILE)  # saved on SIGTERM
+    assert saved.tenants["beta"].version == versions["beta"] + 1
