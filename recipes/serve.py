@@ -47,12 +47,8 @@ def emoji_encoders() -> dict[str, Any]:
 
 def build_config(args: argparse.Namespace) -> ServiceConfig:
     tta = load_config(args.config) if args.config else TTAConfig(**DEFAULT_TTA)
-    if args.model:
-        if not args.gallery:
-            raise ValueError("--model needs --gallery (a text file, one gallery caption per line)")
-        factory, encode = partial(pretrained_model, args.model), pretrained_encoders(args.model)
-    else:
-        factory, encode = emoji_model, emoji_encoders()
+    if args.model and not args.gallery:
+        raise ValueError("--model needs --gallery (a text file, one gallery caption per line)")
     if args.gallery:
         with open(args.gallery, encoding="utf-8") as fh:
             items = [line.rstrip("\n") for line in fh if line.strip()]
@@ -62,6 +58,10 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         from hf_tta.benchmarks import load_emoji_benchmark
 
         items = load_emoji_benchmark().captions
+    if args.model:
+        factory, encode = partial(pretrained_model, args.model), pretrained_encoders(args.model)
+    else:
+        factory, encode = emoji_model, emoji_encoders()
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_pixels=args.max_pixels, timeout=args.timeout)
     return ServiceConfig(
         partial(build_wrapper, factory, tta), encode, items, state_dir=args.state_dir, tenants=args.tenants,

@@ -336,7 +336,7 @@ class Service:
                        "inflight": sup.inflight if sup else False, **(sup.counters if sup else {})},
             "queue": self.queue.stats(), "adapted": ans.counters, "safety_counts": ans.safety,
             "gallery_size": len(self.gallery), "gallery_version": self.gallery.version,
-            "last_checkpoint": self.last_checkpoint, "store_error": ans.store_error,
+            "last_checkpoint": self.last_checkpoint, "store_error": ans.store_error, "drained": self.drained(),
         }
 
     def drained(self) -> bool:
