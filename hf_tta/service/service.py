@@ -291,7 +291,7 @@ class Service:
             ok, message = sup.command(op, *args)
             if not ok:
                 raise InputError(message, 409 if sup.alive() else 503)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while op != "checkpoint" and self.answerer.version == before and time.monotonic() < deadline:
                 time.sleep(self.cfg.poll)  # answers use the new state once this returns
             return {"ok": True, "message": message, "version": self.answerer.version}

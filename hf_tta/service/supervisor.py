@@ -92,6 +92,10 @@ class Supervisor:
                 self.proc.join(5)
         for t in self._threads:
             t.join(2)
+        for q in (self.tasks, self.results):
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()
 
     # ------------------------------------------------------------------------------------------ feeding
     def set_gallery(self, embeddings: np.ndarray) -> None:

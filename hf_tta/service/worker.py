@@ -70,12 +70,24 @@ class Worker:
                     tenant.version = max(tenant.version, version) + 1
                     tenant.published = time.time()
         self.gallery = None
-        self.dirty, self.last_save = False, time.monotonic()
+        self.dirty, self.last_save, self.unpublished = False, time.monotonic(), False
 
-    def publish(self) -> None:
+    def publish(self) -> bool:
+        """Publish every tenant's state; a store that cannot be written is logged and retried at the next tick."""
         from .codec import encode
 
-        self.channel.publish(self.adapters.version, encode(self.adapters.snapshot()))
+        try:
+            self.channel.publish(self.adapters.version, encode(self.adapters.snapshot()))
+        except Exception as err:  # noqa: BLE001 - a store down must not kill adaptation: retried by tick()
+            if not self.unpublished:
+                logger.error("Worker: publishing version %d failed (%s); retrying.", self.adapters.version, err)
+            self.unpublished = True
+            self.adapters.counters["publish_errors"] = self.adapters.counters.get("publish_errors", 0) + 1
+            return False
+        if self.unpublished:
+            logger.info("Worker: published version %d again.", self.adapters.version)
+        self.unpublished = False
+        return True
 
     def handle(self, msg: tuple) -> tuple | None:
         """Handle one message; returns the reply to send (or ``None``)."""
@@ -128,8 +140,12 @@ class Worker:
         self.dirty, self.last_save = False, time.monotonic()
 
     def tick(self) -> None:
-        """Heartbeat, and the interval checkpoint when the state changed."""
-        self.channel.beat()
+        """Heartbeat (or a retried publish), and the interval checkpoint when the state changed."""
+        try:
+            if not self.unpublished or self.publish():
+                self.channel.beat()
+        except Exception:  # noqa: BLE001 - the store is down: publish() logs it and retries next tick
+            self.unpublished = True
         if self.dirty and self.spec.checkpoint_every > 0 and time.monotonic() - self.last_save >= self.spec.checkpoint_every:
             self.save()
 
