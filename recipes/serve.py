@@ -23,11 +23,18 @@ from typing import Any, Sequence
 from hf_tta import TTAConfig
 from hf_tta.service.app import create_app
 from hf_tta.service.auth import load_token
-from hf_tta.service.builders import build_wrapper, emoji_model, load_config, pretrained_encoders, pretrained_model
+from hf_tta.service.builders import build_wrapper, load_config, pretrained_encoders, pretrained_model
 from hf_tta.service.limits import Limits
 from hf_tta.service.service import ServiceConfig
 
 DEFAULT_TTA = {"objective": "tcr", "query_modality": "image", "safety": {}}
+
+
+def emoji_model():
+    """The emoji benchmark's shipped source model (module level: the spawned adapting process unpickles it by name)."""
+    from hf_tta.benchmarks.source_model import load_emoji_source_model
+
+    return load_emoji_source_model()[0]
 
 
 def emoji_encoders() -> dict[str, Any]:

@@ -40,13 +40,6 @@ def load_config(path: str | Path) -> TTAConfig:
     return TTAConfig.from_dict(data)
 
 
-def emoji_model() -> torch.nn.Module:
-    """The emoji benchmark's shipped source model (the recipe's default)."""
-    from ..benchmarks.source_model import load_emoji_source_model
-
-    return load_emoji_source_model()[0]
-
-
 def pretrained_model(name_or_path: str) -> torch.nn.Module:
     """``transformers.AutoModel.from_pretrained(name_or_path)`` in eval mode."""
     from transformers import AutoModel
@@ -71,4 +64,4 @@ def pretrained_encoders(name_or_path: str, max_length: int = 64) -> dict[str, Ca
     return {"image": partial(_images, processor), "text": partial(_texts, processor, max_length)}
 
 
-__all__ = ["build_wrapper", "emoji_model", "load_config", "pretrained_encoders", "pretrained_model"]
+__all__ = ["build_wrapper", "load_config", "pretrained_encoders", "pretrained_model"]
