@@ -3,9 +3,12 @@ synthetic galleries and query streams, exact state comparison and the one "resum
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,3 +187,28 @@ def word_level_clip_tokenizer(texts: Sequence[str] = ()):
         tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>",
         model_max_length=32,
     )
+
+
+# --------------------------------------------------------------------------------- spawned gloo workers
+@contextlib.contextmanager
+def gloo_worker(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """The process group of a worker started by ``torch.multiprocessing.spawn``, on one thread.
+
+    On success the worker waits for its peers (a barrier), leaves the group and ends with ``os._exit(0)``, skipping
+    the interpreter's teardown: there gloo's threads could race the C++ destructors and abort the process
+    ("terminate called without an active exception", SIGABRT), which CI met in one full run of several. On an
+    error the group is left and the exception goes on to ``spawn``, which reports it with its traceback."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

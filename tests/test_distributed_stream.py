@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper
 from hf_tta.distributed import shard_bounds
+from support import gloo_worker
 from tiny_models import make_model
 
 OBJECTIVES = ("tcr", "tent")
@@ -100,14 +101,10 @@ def _run(tta, gallery, batches, start=0, save_after=None, save_dir=None):
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
     from hf_tta.distributed import DistributedTTAWrapper
     from hf_tta.gallery import ChunkedGallery, ShardedGallery
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, init_file):
         for objective in OBJECTIVES:
             # rank 1 builds its model from another seed: the wrapper broadcasts the main process's weights
             tta = DistributedTTAWrapper(
@@ -139,8 +136,6 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         out = _run(tta, tta.encode_gallery(_captions(), show_progress=False), _batches())
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"anchored.rank{rank}.safetensors"))
         _safety_worker(rank, out_dir)
-    finally:
-        dist.destroy_process_group()
 
 
 def _safety_worker(rank: int, out_dir: str) -> None:

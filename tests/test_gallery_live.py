@@ -23,6 +23,7 @@ from hf_tta.gallery.cache import single_vector
 from hf_tta.models.base import ModelAdapter
 from hf_tta.objectives import build_objective
 from hf_tta.objectives.base import ObjectiveInputs, gallery_fingerprint
+from support import gloo_worker
 
 D = 16
 Q = 3  # vectors per item of the multi-vector kinds
@@ -536,11 +537,7 @@ def test_eata_running_probs_follow_their_items(kind, ids):
 
 # ------------------------------------------------------------------------------------------------ sharded (2 processes)
 def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, init_file):
         out = {}
         for q in (None, Q):  # single- and multi-vector items
             emb = unit(30, q=q)
@@ -550,8 +547,6 @@ def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             out.update(_sharded_changes(f"chunked{mv}", ChunkedGallery(local, "text", k=5, chunk_size=4), q))
             out.update(_sharded_changes(f"ivf{mv}", FaissGallery.build(local, "text", index="ivf", nlist=2, nprobe=2, k=5), q))
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded_changes(name, shard, q):

@@ -23,6 +23,7 @@ from hf_tta.objectives import get_objective_class
 from hf_tta.objectives.base import gallery_fingerprint
 from hf_tta.objectives.rest import spherical_kmeans
 from hf_tta.state import OBJECTIVE, TRANSFORM, AdapterState
+from support import gloo_worker
 from tiny_models import TINY_MODELS, batch, make_model
 
 
@@ -451,13 +452,9 @@ SHARD = 31  # rows 0..30 on rank 0, 31..59 on rank 1
 
 
 def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
     from hf_tta.gallery import ShardedGallery
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, init_file):
         emb = _gallery_embeddings()
         local = emb[:SHARD] if rank == 0 else emb[SHARD:]
         out = {}
@@ -471,8 +468,6 @@ def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
         out.update(mean=gallery.statistics().mean, fingerprint=gallery.statistics().fingerprint, labels=km.labels,
                    centroids=km.centroids)
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
