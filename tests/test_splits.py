@@ -27,6 +27,7 @@ def test_the_splits_are_the_declared_ones_and_disjoint():
     assert set(REPORT.image_corruptions) == set(TEST_IMAGE_CORRUPTIONS) and REPORT.limit is None
     assert {s for _, s in SELECTION.image_conditions} == {5} and {s for _, s in REPORT.image_conditions} == {3, 5}
     assert SELECTION.text_corruptions == CHAR_CORRUPTIONS and REPORT.text_corruptions == WORD_CORRUPTIONS
+    assert SELECTION.text_severities == (7,) and REPORT.text_severities == (3, 7)
     assert not set(SELECTION.image_corruptions) & set(REPORT.image_corruptions)
     assert not set(SELECTION.seeds) & set(REPORT.seeds)
     assert set(REPORT.streams) == {"clean", "noto", "diverse", "switch", "degenerate"}
