@@ -20,6 +20,8 @@ Phases (each reads the choices of the earlier ones from the rows):
 5. ``report``: the report split on the default grid (seeds 3, 4, 5: source, Tent, TCR and REST at the paper's lr and
    at their selected lrs, the preset and both ceilings; every other objective at both lrs on seed 3), then the report
    split's streams for the preset and TCR/REST at their selected lrs.
+6. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
+   it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
 
     python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
@@ -41,7 +43,7 @@ for p in (REPO, REPO / "recipes"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from hf_tta.benchmarks.splits import REPORT, SELECTION, run_arguments  # noqa: E402
+from hf_tta.benchmarks.splits import REPORT, SCORING, SELECTION, run_arguments  # noqa: E402
 
 #: The methods and the two supervised ceilings, in the order of the issue.
 METHODS = ("tent", "eata", "sar", "read", "deyo", "shot", "pl", "cliptta", "titan", "tcr", "rest")
@@ -60,6 +62,8 @@ PAPER_LR = "3e-4"
 DEGENERATE_BATCHES = 50
 #: The preset's components on the report's default grid (TCR and REST at paper and selected lr next to Tent).
 REPORT_ALL_SEEDS = ("tent", "tcr", "rest")
+#: The papers' scoring rule, the secondary column (phase ``after``).
+AFTER = "after_update"
 SAFETY_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
 
 
@@ -128,12 +132,18 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         for name in METHODS:  # every other objective at both lrs on seed 3
             if name not in REPORT_ALL_SEEDS:
                 out_jobs += [at(name, lr, seeds3) for lr in dict.fromkeys([PAPER_LR, lrs[name]])]
+    elif phase == "after":
+        lrs = summary.selected_lrs(summary.load(out), direction)
+        grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
+        after = [a if a not in ("3,4,5", SCORING) else {"3,4,5": "3", SCORING: AFTER}[a] for a in grid]
+        for name in REPORT_ALL_SEEDS:
+            out_jobs.append((f"after/{direction}/{name}-lr{lrs[name]}", [*after, *_objectives([name]), "--lr", lrs[name]]))
     return out_jobs
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report"])
+    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after"])
     parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
     parser.add_argument("--out", type=Path, default=Path("runs/v3"))
     parser.add_argument("--jobs", type=int, default=2)

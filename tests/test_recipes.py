@@ -345,3 +345,17 @@ def test_v3_proxy_study_by_hand(v3, v3_selection):
     assert got["gap"]["rho"] == pytest.approx(1.0) and got["gap"]["regret"] == 0 and got["gap"]["proxy_lr"] == 1e-3
     assert got["uniformity"]["rho"] == pytest.approx(0.5) and got["uniformity"]["regret"] == pytest.approx(0.20)
     assert v3.spearman(np.array([1.0, 1.0, 2.0]), np.array([3.0, 2.0, 1.0])) == pytest.approx(-np.sqrt(3) / 2)
+
+
+def test_v3_after_phase_scores_the_selected_lrs_after_the_update(v3, monkeypatch, tmp_path):
+    """The papers' secondary column: Tent, TCR and REST at their selected lrs, seed 3, after-update scoring, the
+    report's default grid; every other argument as the report's own run."""
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: {"tent": "1e-3", "tcr": "1e-2", "rest": "3e-3"})
+    jobs = dict(recipe.jobs("after", "i2t", tmp_path))
+    assert list(jobs) == ["after/i2t/tent-lr1e-3", "after/i2t/tcr-lr1e-2", "after/i2t/rest-lr3e-3"]
+    args = jobs["after/i2t/tcr-lr1e-2"]
+    value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+    assert (value("--scoring"), value("--seeds"), value("--corruptions"), value("--lr")) == ("after_update", "3", "default", "1e-2")
+    assert args.count("--scoring") == 1 and "before_update" not in args
