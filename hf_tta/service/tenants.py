@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..safety import SafetyMonitor
+from ..safety import NullSafetyMonitor, SafetyMonitor
 from ..state import ALL, AdapterState
 from ..wrapper import TTAWrapper
 from .codec import Snapshot, TenantState
@@ -45,7 +45,7 @@ class Tenant:
     """One tenant's stored state (``None``: the source), monitor, version and recent states (for rollback)."""
 
     state: AdapterState | None
-    safety: SafetyMonitor | None
+    safety: SafetyMonitor | NullSafetyMonitor
     version: int = 0
     published: float = field(default_factory=time.time)
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))
@@ -72,8 +72,8 @@ class TenantAdapters:
         self.version = 0  # +1 per publish, all tenants together
         self.counters: dict[str, Any] = {"batches": 0, "queries": 0, "actions": {}, "errors": 0}
 
-    def _monitor(self) -> SafetyMonitor | None:
-        return SafetyMonitor(self.wrapper.safety.config) if self.wrapper.safety is not None else None
+    def _monitor(self) -> SafetyMonitor | NullSafetyMonitor:
+        return self.wrapper.safety.fresh()  # the wrapper's thresholds (a NullSafetyMonitor without TTAConfig.safety)
 
     def check(self, key: str) -> None:
         """Raise :class:`TenantLimit` if ``key`` would be a tenant past the limit."""
@@ -159,7 +159,7 @@ class TenantAdapters:
         out = {}
         for key in keys or list(self.tenants):
             t = self.tenants[key]
-            counts = dict(t.safety.counts) if t.safety is not None else {}
+            counts = dict(t.safety.counts)
             out[key] = TenantState(t.version, t.published, self.state(key), counts)
         return Snapshot(out, {**self.counters, "version": self.version, "tenants": len(self.tenants)})
 
@@ -173,10 +173,8 @@ class TenantAdapters:
         for i, (key, t) in enumerate(self.tenants.items()):
             part, part_meta = self.state(key).to_tensors(f"tenant.{i}.", optimizer_keys="name")
             tensors.update(part)
-            safety_meta = None
-            if t.safety is not None:
-                s_tensors, safety_meta = t.safety.state_tensors(f"tenant.{i}.safety.")
-                tensors.update(s_tensors)
+            s_tensors, safety_meta = t.safety.state_tensors(f"tenant.{i}.safety.")
+            tensors.update(s_tensors)
             meta["keys"].append(key)
             meta["tenants"].append({"version": t.version, "published": t.published, "optim": part_meta, "safety": safety_meta})
         path = Path(path)
@@ -205,7 +203,7 @@ class TenantAdapters:
         for i, (key, info) in enumerate(zip(meta["keys"], meta["tenants"])):
             state = AdapterState.from_tensors(tensors, info["optim"], ALL, names, f"tenant.{i}.", optimizer_keys="name")
             monitor = self._monitor()
-            if monitor is not None and info["safety"] is not None:
+            if info["safety"] is not None:
                 monitor.load_state_tensors(tensors, info["safety"], names, True, prefix=f"tenant.{i}.safety.")
             loaded[key] = Tenant(state, monitor, int(info["version"]), float(info["published"]),
                                  collections.deque(maxlen=self.history))
