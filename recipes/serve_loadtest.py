@@ -1,18 +1,21 @@
-"""Load test of recipes/serve.py on 127.0.0.1: the service with adaptation on against the same service with it off.
+"""Open-loop load test of recipes/serve.py on 127.0.0.1: the service with adaptation on against the same service with
+adaptation off (``--no-adapt``), at fixed request rates, in alternating blocks.
 
-Both services are started in their own processes (``python recipes/serve.py --port P [--no-adapt]``, the emoji
-benchmark's shipped model, its 2,972 captions as the gallery) and warmed up; then each is sent the same ``--requests``
-image queries (one corruption of the emoji queries, in a seeded order) by ``--concurrency`` client threads, in
-``--rounds`` alternating blocks (on, off, on, off, ...: load from other users of the machine hits both alike; after
-each block the adapting service finishes its backlog before the other block starts, so it never slows the baseline);
-then both are stopped (SIGINT: graceful). The run is bounded: a fixed number of requests, a per-request timeout and a
-``--max-seconds`` deadline. Nothing leaves the machine (the address is fixed to 127.0.0.1).
+Both services run in their own processes (``python recipes/serve.py --port P [--no-adapt]``: the emoji benchmark's
+shipped model, its 2,972 captions as the gallery; adaptation on = the answering process plus its spawned adapting
+process) and are warmed up. Then, for each ``--rates`` value, each service gets ``--rounds`` alternating blocks (on,
+off, on, off, ...: load from other users of the machine hits both alike) of ``--requests`` image queries in all (one
+corruption of the emoji queries, in a seeded order), sent *open loop*: request i is due at ``i / rate`` s whatever the
+answers do, and its latency counts from its due time (a stalled service cannot slow the client down and hide it).
+After each block of the adapting service the script waits until it has adapted on what it owes (so that its backlog
+never takes CPU from the other service's block). The run is bounded (a per-request timeout, ``--max-seconds``), and
+nothing leaves the machine.
 
-Reports p50 / p99 latency, queries per second and R@1 (each answer's top-1 against the query's captions) per service,
-their ratios, and writes one row per request (``--rows``) so the table can be recomputed. The warm-up queries are
-adapted on too (adaptation on), as a live service would.
+Reports per rate and service: p50 / p95 / p99 latency, errors, the adapted share (queries adapted on by the end of the
+blocks / queries answered), the dropped share (the bounded queue's drops), the published state's age at answer time
+(p50 / p95 over the answers with an adapted state) and R@1; the on/off ratios; one row per request (``--rows``).
 
-    python recipes/serve_loadtest.py --requests 400 --concurrency 4
+    python recipes/serve_loadtest.py --rates 20 40 --requests 400 --rounds 4 --rows loadtest.csv
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
+FIELDS = ["rate", "service", "i", "query", "status", "latency_ms", "version", "state_age_s", "queued", "top1"]
 
 
 def encode_png(image: np.ndarray) -> str:
@@ -49,7 +53,7 @@ def wait_ready(client, proc: subprocess.Popen, deadline: float) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the service exited with code {proc.returncode} before it was ready")
         try:
-            if client.get("/health", timeout=2).status_code == 200:
+            if client.get("/readyz", timeout=2).status_code == 200:
                 return
         except Exception:  # noqa: BLE001 - not listening yet
             pass
@@ -57,15 +61,14 @@ def wait_ready(client, proc: subprocess.Popen, deadline: float) -> None:
     raise TimeoutError("the service was not ready in time")
 
 
-def run_load(
-    port: int, payloads: list[str], order: np.ndarray, concurrency: int, deadline: float, rate: float = 0.0
-) -> tuple[list[dict], float]:
-    """Send ``payloads[order[i]]`` for every i from ``concurrency`` threads; one row per request. ``rate`` > 0: request
-    i is due at ``i / rate`` s (open loop) and its latency counts from then (waiting for a free client included)."""
+def run_open_loop(port: int, payloads: dict[int, str], order: np.ndarray, rate: float, concurrency: int, deadline: float) -> list[dict]:
+    """Request i (``payloads[order[i]]``) is due at ``i / rate`` s; ``concurrency`` client threads send them. One row
+    per request, latency from its due time."""
     import httpx
 
     rows: list[dict] = []
     lock, counter = threading.Lock(), iter(range(len(order)))
+    start = time.perf_counter() + 0.1
 
     def worker() -> None:
         with httpx.Client(base_url=f"http://{HOST}:{port}", timeout=30) as client:
@@ -74,104 +77,77 @@ def run_load(
                     i = next(counter, None)
                 if i is None:
                     return
-                q = int(order[i])
-                t0 = time.perf_counter()
-                if rate > 0:
-                    due = start + i / rate
-                    time.sleep(max(0.0, due - t0))
-                    t0 = due
-                r = client.post("/search", json={"image": payloads[q], "k": 1})
-                latency = time.perf_counter() - t0
-                body = r.json() if r.status_code == 200 else {}
+                q, due = int(order[i]), start + i / rate
+                time.sleep(max(0.0, due - time.perf_counter()))
+                try:
+                    r = client.post("/search", json={"image": payloads[q], "k": 1})
+                    status, body = r.status_code, (r.json() if r.status_code == 200 else {})
+                except httpx.TransportError:
+                    status, body = 599, {}
+                latency = time.perf_counter() - due
                 with lock:
-                    rows.append({"i": i, "query": q, "status": r.status_code, "latency_ms": 1000 * latency,
-                                 "version": body.get("version", -1), "top1": (body.get("ids") or [-1])[0]})
+                    rows.append({"i": i, "query": q, "status": status, "latency_ms": 1000 * latency,
+                                 "version": body.get("version", -1), "state_age_s": body.get("state_age_s"),
+                                 "queued": int(bool(body.get("queued_for_adaptation"))), "top1": (body.get("ids") or [-1])[0]})
 
-    start = time.perf_counter() + (0.05 if rate > 0 else 0.0)
     with ThreadPoolExecutor(concurrency) as pool:
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
-    return sorted(rows, key=lambda r: r["i"]), time.perf_counter() - start
+    return sorted(rows, key=lambda r: r["i"])
 
 
 def start_service(adapt: bool, port: int, args) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--checkpoint-every", "0",
-           "--batch-size", str(args.batch_size), "--max-wait", str(args.max_wait), "--worker-nice", str(args.worker_nice)]
+    cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--no-access-log",
+           "--worker-nice", str(args.worker_nice)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(cmd + ([] if adapt else ["--no-adapt"]), env=env)
 
 
-def wait_idle(client, deadline: float) -> None:
-    """Until the service has adapted on every buffered query (its backlog must not slow the other service's block)."""
+def wait_drained(client, deadline: float) -> None:
+    """Until the adapting service has adapted on every batch it owes (fewer than its min batch may stay queued)."""
     while time.monotonic() < deadline:
-        health = client.get("/health").json()
-        if not health["pending"] and not health["adapting"]:
+        if client.get("/health").json()["drained"]:
             return
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
-def serve_and_load(args, payloads, order, warm) -> tuple[dict[str, list[dict]], dict[str, float], dict[str, dict]]:
-    """Both services up at once (the idle one takes no CPU); ``--rounds`` alternating blocks of the requests, adaptation
-    on first in each round, so that drifting load from other users of the machine hits both alike."""
-    import httpx
-
-    services = {"adaptation on": (True, args.port), "adaptation off": (False, args.port + 1)}
-    procs = {label: start_service(adapt, port, args) for label, (adapt, port) in services.items()}
-    rows: dict[str, list[dict]] = {label: [] for label in services}
-    walls = dict.fromkeys(services, 0.0)
-    health = {}
-    try:
-        clients = {label: httpx.Client(base_url=f"http://{HOST}:{port}", timeout=30) for label, (_, port) in services.items()}
-        deadline = time.monotonic() + args.max_seconds
-        for label in services:
-            wait_ready(clients[label], procs[label], deadline)
-            run_load(services[label][1], payloads, warm, args.concurrency, deadline)
-            wait_idle(clients[label], deadline)
-        for block in np.array_split(np.arange(len(order)), args.rounds):
-            for label, (_, port) in services.items():
-                got, wall = run_load(port, payloads, order[block], args.concurrency, deadline, args.rate)
-                rows[label] += [{**r, "i": int(block[r["i"]]), "service": label} for r in got]
-                walls[label] += wall
-                wait_idle(clients[label], deadline)
-        health = {label: c.get("/health").json() for label, c in clients.items()}
-    finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGINT)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return rows, walls, health
+def adapted_queries(client) -> tuple[int, int]:
+    health = client.get("/health").json()
+    return int(health["adapted"].get("queries", 0)), sum(health["queue"]["dropped"].values())
 
 
-def summarise(rows: list[dict], wall: float, captions_of: list[list[int]]) -> dict:
+def summarise(rows: list[dict], captions_of: list[list[int]]) -> dict:
+    """p50/p95/p99 latency (ms), errors, state age p50/p95 (s, answers from an adapted state) and R@1 of ``rows``."""
     ok = [r for r in rows if r["status"] == 200]
-    lat = np.array([r["latency_ms"] for r in ok])
+    lat = np.array([r["latency_ms"] for r in ok]) if ok else np.array([np.nan])
+    ages = np.array([float(r["state_age_s"]) for r in ok if r.get("state_age_s") not in (None, "")])
     hits = [r["top1"] in captions_of[r["query"]] for r in ok]
     return {"n": len(ok), "errors": len(rows) - len(ok), "p50": float(np.percentile(lat, 50)),
-            "p99": float(np.percentile(lat, 99)), "qps": len(ok) / wall, "r1": 100 * float(np.mean(hits))}
+            "p95": float(np.percentile(lat, 95)), "p99": float(np.percentile(lat, 99)),
+            "age50": float(np.percentile(ages, 50)) if ages.size else float("nan"),
+            "age95": float(np.percentile(ages, 95)) if ages.size else float("nan"),
+            "r1": 100 * float(np.mean(hits)) if hits else float("nan")}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=32)
-    p.add_argument("--rate", type=float, default=0.0, help="requests/s, open loop (0: closed loop, as fast as answered)")
-    p.add_argument("--rounds", type=int, default=4, help="alternating blocks of requests per service")
+    p.add_argument("--rates", type=float, nargs="+", default=[20.0, 40.0], help="requests/s, open loop")
+    p.add_argument("--requests", type=int, default=400, help="per service and rate")
+    p.add_argument("--rounds", type=int, default=4, help="alternating blocks per service and rate")
+    p.add_argument("--concurrency", type=int, default=16, help="client threads (enough that requests go out when due)")
+    p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--shift", default="defocus_blur")
     p.add_argument("--severity", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-wait", type=float, default=0.05)
     p.add_argument("--worker-nice", type=int, default=10, help="passed to serve.py")
     p.add_argument("--port", type=int, default=8765, help="adaptation on uses PORT, off uses PORT+1")
-    p.add_argument("--max-seconds", type=float, default=900, help="deadline per service (start + load)")
+    p.add_argument("--max-seconds", type=float, default=1800, help="deadline of the whole run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", default=None, help="CSV of one row per request")
     args = p.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.requests:
-        p.error("--requests and --concurrency must be positive, --warmup >= 0, 1 <= --rounds <= --requests")
+    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.requests or min(args.rates) <= 0:
+        p.error("--requests, --concurrency and --rates must be positive, --warmup >= 0, 1 <= --rounds <= --requests")
+    import httpx
+
     from hf_tta.benchmarks import load_emoji_benchmark
     from hf_tta.benchmarks.emoji import query_images
     from hf_tta.benchmarks.source_model import weights_input_side
@@ -179,29 +155,59 @@ def main(argv=None) -> None:
     bench = load_emoji_benchmark()
     images = query_images(bench, args.shift, args.severity, input_side=weights_input_side(), seed=args.seed)
     rng = np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(images)) for _ in range(-(-(args.requests + args.warmup) // len(images)))])
-    warm, order = order[: args.warmup], order[args.warmup : args.warmup + args.requests]
-    payloads = {}
-    for q in np.unique(np.concatenate([warm, order])):
-        payloads[int(q)] = encode_png(images[q])
-    rows, walls, health = serve_and_load(args, payloads, order, warm)
-    stats = {label: {**summarise(rows[label], walls[label], bench.image_to_captions), "batches": health[label]["batches_adapted"]}
-             for label in rows}
-    all_rows = [r for label in rows for r in rows[label]]
-    on, off = stats["adaptation on"], stats["adaptation off"]
-    print(f"{args.requests} requests per service in {args.rounds} alternating rounds at concurrency {args.concurrency}, {args.shift} {args.severity}, batch {args.batch_size}, "
-          f"max_wait {args.max_wait}, worker nice +{args.worker_nice}, "
-          f"{'rate %g/s' % args.rate if args.rate else 'closed loop'}")
-    print("| service | requests | errors | p50 ms | p99 ms | queries/s | R@1 | batches adapted |")
-    print("|---|---|---|---|---|---|---|---|")
-    for label, s in stats.items():
-        print(f"| {label} | {s['n']} | {s['errors']} | {s['p50']:.1f} | {s['p99']:.1f} | {s['qps']:.1f} | {s['r1']:.1f} | {s['batches']} |")
-    print(f"ratios on/off: p50 {on['p50'] / off['p50']:.2f}x, p99 {on['p99'] / off['p99']:.2f}x, queries/s {on['qps'] / off['qps']:.2f}x")
+    need = args.warmup + args.requests * len(args.rates)
+    order = np.concatenate([rng.permutation(len(images)) for _ in range(-(-need // len(images)))])
+    warm, order = order[: args.warmup], order[args.warmup : need]
+    payloads = {int(q): encode_png(images[q]) for q in np.unique(np.concatenate([warm, order]))}
+    services = {"adaptation on": (True, args.port), "adaptation off": (False, args.port + 1)}
+    procs = {label: start_service(adapt, port, args) for label, (adapt, port) in services.items()}
+    rows: list[dict] = []
+    shares: dict[float, tuple[float, float]] = {}
+    deadline = time.monotonic() + args.max_seconds
+    try:
+        clients = {label: httpx.Client(base_url=f"http://{HOST}:{port}", timeout=30) for label, (_, port) in services.items()}
+        for label, (_, port) in services.items():
+            wait_ready(clients[label], procs[label], deadline)
+            run_open_loop(port, payloads, warm, max(args.rates), args.concurrency, deadline)
+        on = clients["adaptation on"]
+        wait_drained(on, deadline)
+        for r, rate in enumerate(args.rates):
+            part = order[r * args.requests : (r + 1) * args.requests]
+            adapted0, dropped0 = adapted_queries(on)
+            for block in np.array_split(np.arange(len(part)), args.rounds):
+                for label, (_, port) in services.items():
+                    got = run_open_loop(port, payloads, part[block], rate, args.concurrency, deadline)
+                    rows += [{**x, "i": int(block[x["i"]]), "service": label, "rate": rate} for x in got]
+                    if label == "adaptation on":
+                        wait_drained(on, deadline)
+            adapted1, dropped1 = adapted_queries(on)
+            shares[rate] = ((adapted1 - adapted0) / len(part), (dropped1 - dropped0) / len(part))
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(f"open loop, {args.requests} requests per service and rate in {args.rounds} alternating blocks, {args.shift} "
+          f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}")
+    print("| rate/s | service | answered | errors | p50 ms | p95 ms | p99 ms | adapted share | dropped | state age p50/p95 s | R@1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for rate in args.rates:
+        stats = {label: summarise([x for x in rows if x["rate"] == rate and x["service"] == label], bench.image_to_captions) for label in services}
+        for label, s in stats.items():
+            share = f"{100 * shares[rate][0]:.1f} %" if label == "adaptation on" else "—"
+            dropped = f"{100 * shares[rate][1]:.1f} %" if label == "adaptation on" else "—"
+            age = f"{s['age50']:.2f} / {s['age95']:.2f}" if label == "adaptation on" else "—"
+            print(f"| {rate:g} | {label} | {s['n']} | {s['errors']} | {s['p50']:.1f} | {s['p95']:.1f} | {s['p99']:.1f} | {share} | {dropped} | {age} | {s['r1']:.1f} |")
+        a, b = stats["adaptation on"], stats["adaptation off"]
+        print(f"| {rate:g} | ratio on/off | | | {a['p50'] / b['p50']:.2f}x | {a['p95'] / b['p95']:.2f}x | {a['p99'] / b['p99']:.2f}x | | | | |")
     if args.rows:
         with open(args.rows, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=["service", "i", "query", "status", "latency_ms", "version", "top1"])
+            writer = csv.DictWriter(fh, fieldnames=FIELDS)
             writer.writeheader()
-            writer.writerows(all_rows)
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":

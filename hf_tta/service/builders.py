@@ -1,0 +1,67 @@
+"""Picklable builders of the service's wrapper and input encoders: the adapting process is spawned, so what builds
+the model must be importable by name (``functools.partial`` of these functions pickles).
+
+* :func:`build_wrapper`: ``TTAWrapper(model_factory(), config)``.
+* :func:`load_config`: a :class:`~hf_tta.TTAConfig` from a JSON or YAML file (``--config``), refused in one line.
+* :func:`pretrained_model` / :func:`pretrained_encoders`: a user's own dual-encoder checkpoint (a folder or Hub id
+  that ``transformers.AutoModel`` and ``AutoProcessor`` load; offline unless the environment says otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import TTAConfig
+from ..wrapper import TTAWrapper
+
+
+def build_wrapper(model_factory: Callable[[], torch.nn.Module], config: TTAConfig) -> TTAWrapper:
+    """The wrapper at its source state."""
+    return TTAWrapper(model_factory(), config)
+
+
+def load_config(path: str | Path) -> TTAConfig:
+    """A ``TTAConfig`` from a ``.json`` or ``.yaml``/``.yml`` file (its fields as a mapping)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of TTAConfig fields, got {type(data).__name__}")
+    return TTAConfig.from_dict(data)
+
+
+def pretrained_model(name_or_path: str) -> torch.nn.Module:
+    """``transformers.AutoModel.from_pretrained(name_or_path)`` in eval mode."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(name_or_path).eval()
+
+
+def _images(processor: Any, images: list) -> dict[str, torch.Tensor]:
+    return {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
+
+
+def _texts(processor: Any, max_length: int, texts: list) -> dict[str, torch.Tensor]:
+    tok = getattr(processor, "tokenizer", processor)
+    return dict(tok(list(texts), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"))
+
+
+def pretrained_encoders(name_or_path: str, max_length: int = 64) -> dict[str, Callable[[list], dict[str, torch.Tensor]]]:
+    """The input encoders of a checkpoint's processor: images to ``pixel_values``, text padded to ``max_length``."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name_or_path)
+    return {"image": partial(_images, processor), "text": partial(_texts, processor, max_length)}
+
+
+__all__ = ["build_wrapper", "load_config", "pretrained_encoders", "pretrained_model"]

@@ -1,0 +1,189 @@
+"""The adapting process: takes batches of queries, adapts per tenant, publishes every new state to the channel,
+checkpoints on an interval and on SIGTERM. Answers never run here, and backward passes never run anywhere else.
+
+It is started with :mod:`multiprocessing`'s ``spawn`` (a fresh interpreter: no copy of the server's threads or locks,
+the same on every OS) by :class:`hf_tta.service.supervisor.Supervisor`, which owns the queues. Messages in (tuples):
+``("adapt", batch_id, tenant, {name: ndarray})``, ``("gallery", embeddings ndarray)``, ``("reset", req, tenant|None)``,
+``("rollback", req, tenant)``, ``("checkpoint", req)``, ``("stop",)``. Messages out: ``("started", version)``,
+``("done", batch_id, tenant, n, action, error)``, ``("reply", req, ok, message)``. A batch that fails is reported
+(``error``) and the worker goes on; only the process dying stops adapting, which the supervisor sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_mod
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """What the adapting process is built from (picklable: ``build`` is a module-level callable or a partial of one
+    that returns the :class:`~hf_tta.TTAWrapper` at its source state)."""
+
+    build: Callable[[], Any]
+    channel: dict[str, Any]  # {"kind": "shm", "name": ...} or {"kind": "redis", "url": ..., "key": ...}
+    max_tenants: int = 8
+    checkpoint: str | None = None  # the tenants' checkpoint file
+    checkpoint_every: float = 30.0
+    nice: int = 10
+    threads: int = 1
+    start_version: int = 0  # publish versions above this (a restarted worker goes on from the last published)
+    start_versions: dict[str, int] | None = None  # the tenants' last published versions (a restart goes on above them)
+
+
+def open_channel(spec: dict[str, Any]) -> Any:
+    """The channel a spec names (the writer's or a reader's end)."""
+    if spec["kind"] == "shm":
+        from .channel import SharedMemoryChannel
+
+        return SharedMemoryChannel(spec["name"])
+    if spec["kind"] == "redis":
+        from .redis_channel import RedisChannel
+
+        return RedisChannel(spec["url"], spec.get("key", "hf_tta"))
+    raise ValueError(f"unknown channel kind {spec['kind']!r}: 'shm' or 'redis'")
+
+
+class Worker:
+    """The adapting loop's state and message handling (driven by :func:`worker_main`, or in-process by tests)."""
+
+    def __init__(self, spec: WorkerSpec, channel: Any):
+        from .tenants import TenantAdapters
+
+        self.spec, self.channel = spec, channel
+        self.adapters = TenantAdapters(spec.build(), spec.max_tenants)
+        if spec.checkpoint and os.path.exists(spec.checkpoint):
+            self.adapters.load(spec.checkpoint)
+            logger.info("Worker resumed %d tenant(s) at version %d from %s.", len(self.adapters.tenants), self.adapters.version, spec.checkpoint)
+        if spec.start_version:  # a restart: what was published after the checkpoint is lost; new versions say so
+            self.adapters.version = max(self.adapters.version, spec.start_version) + 1
+            for key, version in (spec.start_versions or {}).items():
+                tenant = self.adapters.tenants.get(key) or self.adapters.activate(key)
+                if tenant.version != version:
+                    tenant.version = max(tenant.version, version) + 1
+                    tenant.published = time.time()
+        self.gallery = None
+        self.dirty, self.last_save, self.unpublished = False, time.monotonic(), False
+
+    def publish(self) -> bool:
+        """Publish every tenant's state; a store that cannot be written is logged and retried at the next tick."""
+        from .codec import encode
+
+        try:
+            self.channel.publish(self.adapters.version, encode(self.adapters.snapshot()))
+        except Exception as err:  # noqa: BLE001 - a store down must not kill adaptation: retried by tick()
+            if not self.unpublished:
+                logger.error("Worker: publishing version %d failed (%s); retrying.", self.adapters.version, err)
+            self.unpublished = True
+            self.adapters.counters["publish_errors"] = self.adapters.counters.get("publish_errors", 0) + 1
+            return False
+        if self.unpublished:
+            logger.info("Worker: published version %d again.", self.adapters.version)
+        self.unpublished = False
+        return True
+
+    def handle(self, msg: tuple) -> tuple | None:
+        """Handle one message; returns the reply to send (or ``None``)."""
+        import numpy as np
+        import torch
+
+        kind = msg[0]
+        if kind == "gallery":
+            self.gallery = torch.from_numpy(np.ascontiguousarray(msg[1]))
+            return None
+        if kind == "adapt":
+            _, batch_id, tenant, arrays = msg
+            n = next(iter(arrays.values())).shape[0]
+            try:
+                if self.gallery is None:
+                    raise RuntimeError("no gallery yet")
+                queries = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+                kwargs = {"scoring": "before_update"} if self.adapters.wrapper.score_transform is not None else {}
+                out = self.adapters.adapt(tenant, queries, self.gallery, **kwargs)
+            except Exception as err:  # noqa: BLE001 - one bad batch is reported, the worker goes on
+                self.adapters.counters["errors"] += 1
+                logger.warning("Worker: batch %s of tenant %r not adapted on: %s", batch_id, tenant, err)
+                return ("done", batch_id, tenant, n, None, f"{type(err).__name__}: {err}".splitlines()[0])
+            self.dirty = True
+            self.publish()
+            return ("done", batch_id, tenant, n, getattr(out, "safety_action", None), None)
+        if kind in ("reset", "rollback"):
+            _, req, tenant = msg
+            try:
+                if kind == "reset":
+                    done = self.adapters.reset(tenant)
+                    message = f"reset {len(done)} tenant(s) to the source model"
+                else:
+                    left = self.adapters.rollback(tenant)
+                    message = f"tenant {tenant!r} rolled back one adapted batch ({left} earlier state(s) kept)"
+            except (KeyError, LookupError) as err:
+                return ("reply", req, False, str(err).strip("'\""))
+            self.dirty = True
+            self.publish()
+            return ("reply", req, True, message)
+        if kind == "checkpoint":
+            self.save()
+            return ("reply", msg[1], True, f"saved version {self.adapters.version}")
+        raise ValueError(f"unknown message {kind!r}")
+
+    def save(self) -> None:
+        if self.spec.checkpoint:
+            self.adapters.save(self.spec.checkpoint)
+            logger.info("Worker checkpoint written (version %d) to %s.", self.adapters.version, self.spec.checkpoint)
+        self.dirty, self.last_save = False, time.monotonic()
+
+    def tick(self) -> None:
+        """Heartbeat (or a retried publish), and the interval checkpoint when the state changed."""
+        try:
+            if not self.unpublished or self.publish():
+                self.channel.beat()
+        except Exception:  # noqa: BLE001 - the store is down: publish() logs it and retries next tick
+            self.unpublished = True
+        if self.dirty and self.spec.checkpoint_every > 0 and time.monotonic() - self.last_save >= self.spec.checkpoint_every:
+            self.save()
+
+
+def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
+    """The process's entry point (see :mod:`hf_tta.service.worker`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s [worker] %(levelname)s %(message)s")
+    stop = {"flag": False}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us in order
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    if spec.nice:
+        try:
+            os.nice(spec.nice)
+        except OSError as err:
+            logger.warning("Could not lower the worker's priority (%s).", err)
+    import torch
+
+    torch.set_num_threads(max(1, spec.threads))
+    channel = open_channel(spec.channel)
+    worker = Worker(spec, channel)
+    worker.publish()
+    results.put(("started", worker.adapters.version))
+    try:
+        while not stop["flag"]:
+            try:
+                msg = tasks.get(timeout=0.25)
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
+                if msg[0] == "stop":
+                    break
+                reply = worker.handle(msg)
+                if reply is not None:
+                    results.put(reply)
+            worker.tick()
+    finally:
+        worker.save()
+        channel.close()
+
+
+__all__ = ["Worker", "WorkerSpec", "open_channel", "worker_main"]
