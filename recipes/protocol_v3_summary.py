@@ -343,26 +343,39 @@ def selection_lines(rows: list[dict], direction: str) -> list[str]:
     return lines
 
 
-def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
-    """The report split's table (default grid for i2t): R@1 per column, share, Δ with its one-sided bound, verdict."""
-    from hf_tta.benchmarks.report import abbreviation
+def _report(rows: list[dict], direction: str, seeds: tuple[int, ...], phase: str = "report"):
+    """The report split's rows of a phase (refusing selection rows), its source rows and its labelled cells."""
     from hf_tta.benchmarks.splits import check_report_rows
 
-    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == "report" and r["seed"] in seeds])
-    src = sources(rows)
-    cells_by = by_label(rows, ("report",))
+    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == phase and r["seed"] in seeds])
+    return sources(rows), by_label(rows, (phase,))
+
+
+def _complete(cells: dict, cols: list[tuple], seeds: tuple[int, ...]) -> bool:
+    return all(c in cells and all(s in cells[c] for s in seeds) for c in cols)
+
+
+def _r1(cells: dict, c: tuple, seeds: tuple[int, ...]) -> float:
+    return float(np.mean([hits(cells[c][s]).mean() * 100 for s in seeds]))
+
+
+def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
+    """The report split's table (default grid for i2t): R@1 per column, share, Δ with its one-sided bound, verdict;
+    the rows that ran on every seed of ``seeds``."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    src, cells_by = _report(rows, direction, seeds)
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    clean = np.mean([hits(src[("clean", None)][s]).mean() * 100 for s in seeds])
     head = f"| row | {' | '.join(f'{abbreviation(c[0])} {c[1]}' for c in cols)} | won back | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |"
     lines = [head, "|---|" + "---|" * (len(cols) + 3),
-             f"| clean (source) | {' | '.join(figure(clean) for _ in cols)} | | | |",
-             f"| source | {' | '.join(figure(np.mean([hits(src[c][s]).mean() * 100 for s in seeds])) for c in cols)} | | | |"]
+             f"| clean (source) | {' | '.join(figure(_r1(src, ('clean', None), seeds)) for _ in cols)} | | | |",
+             f"| source | {' | '.join(figure(_r1(src, c, seeds)) for c in cols)} | | | |"]
     for name, cells in sorted(cells_by.items()):
-        if not all(c in cells and all(s in cells[c] for s in seeds) for c in cols):
+        if not _complete(cells, cols, seeds):
             continue
         ni = verdict(cells, src, cols)
-        r1 = [figure(np.mean([hits(cells[c][s]).mean() * 100 for s in seeds])) for c in cols]
-        lines.append(f"| {name} | {' | '.join(r1)} | {figure(share(cells, src, cols), percent=True)} | "
+        lines.append(f"| {name} | {' | '.join(figure(_r1(cells, c, seeds)) for c in cols)} | "
+                     f"{figure(share(cells, src, cols), percent=True)} | "
                      f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} |")
     return lines
 
@@ -370,20 +383,40 @@ def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 
 def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
     """The report split's streams per row: Δ R@1 against the source with its one-sided bound and the verdict."""
     from hf_tta.benchmarks.report import abbreviation
-    from hf_tta.benchmarks.splits import check_report_rows
 
-    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == "report" and r["seed"] in seeds])
-    src = sources(rows)
+    src, cells_by = _report(rows, direction, seeds)
     lines = ["| row | stream | source R@1 | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |", "|---|---|---|---|---|"]
-    for name, cells in sorted(by_label(rows, ("report",)).items()):
+    for name, cells in sorted(cells_by.items()):
         for stream in STREAMS:
             c = (stream, None)
-            if c not in cells or not all(s in cells[c] for s in seeds) or c not in src:
+            if c not in src or not _complete(cells, [c], seeds):
                 continue
             ni = verdict(cells, src, [c])
-            r1 = np.mean([hits(src[c][s]).mean() * 100 for s in seeds])
-            lines.append(f"| {name} | {abbreviation(stream)} | {figure(r1)} | {figure(ni.delta, sign=True)} "
+            lines.append(f"| {name} | {abbreviation(stream)} | {figure(_r1(src, c, seeds))} | {figure(ni.delta, sign=True)} "
                          f"[{figure(ni.lower, sign=True)}] | {ni.verdict} |")
+    return lines
+
+
+def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
+    """The papers' after-update scoring (phase ``after``) beside the prequential row of the same objective and lr on
+    the same columns and seeds: each row's share both ways, and the gain the after-update scoring adds, Δ R@1 (after −
+    before) with its two-sided 95 % interval (items and seeds resampled jointly)."""
+    from hf_tta.benchmarks.figures import interval
+    from hf_tta.benchmarks.intervals import paired_bootstrap
+
+    src, before = _report(rows, direction, seeds)
+    _, after = _report(rows, direction, seeds, phase="after")
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    lines = ["| row | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
+             "Δ R@1 after − before [95 % interval] |", "|---|---|---|---|"]
+    for name, post in sorted(after.items()):
+        pre = before.get(name, {})
+        if not (_complete(post, cols, seeds) and _complete(pre, cols, seeds)):
+            continue
+        diffs = [np.stack([hits(post[c][s]) - hits(pre[c][s]) for s in seeds]) for c in cols]
+        delta, (lo, hi) = paired_bootstrap(diffs)
+        lines.append(f"| {name} | {figure(share(pre, src, cols), percent=True)} | {figure(share(post, src, cols), percent=True)} | "
+                     f"{figure(delta, sign=True)} {interval(lo, hi)} |")
     return lines
 
 
@@ -410,6 +443,12 @@ def summarise(out, direction: str = "i2t") -> str:
         streams = stream_lines(rows, direction)
         if len(streams) > 2:
             parts += ["", f"**Report split ({direction}): streams, seeds 3, 4, 5**", "", *streams]
+        parts += ["", f"**Report split ({direction}): every objective at the paper's lr and at its selected lr, seed 3**", "",
+                  *report_lines(rows, direction, seeds=(3,))]
+    after = after_lines(rows, direction)
+    if len(after) > 2:
+        parts += ["", f"**The papers' after-update scoring next to the prequential rows ({direction}, report split, seed 3)**",
+                  "", *after]
     return "\n".join(parts)
 
 

@@ -359,3 +359,18 @@ def test_v3_after_phase_scores_the_selected_lrs_after_the_update(v3, monkeypatch
     value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
     assert (value("--scoring"), value("--seeds"), value("--corruptions"), value("--lr")) == ("after_update", "3", "default", "1e-2")
     assert args.count("--scoring") == 1 and "before_update" not in args
+
+
+def test_v3_after_update_column_by_hand(v3):
+    """Source: clean 400/400, contrast 1 200/400 (seed 3, the report split); TCR at 1e-2 answers 300 before the
+    update (share 100/200 = 50 %) and 320 after it (60 %): after − before = +5.0 R@1, its interval around it."""
+    rep = dict(seed=3, lr=1e-2)
+    rows = [_v3_row("source", "clean", None, 400, phase="report", seed=3), _v3_row("source", "contrast", 1, 200, phase="report", seed=3),
+            _v3_row("tcr", "contrast", 1, 300, phase="report", **rep), _v3_row("tcr", "clean", None, 400, phase="report", **rep),
+            _v3_row("source", "contrast", 1, 200, phase="after", seed=3), _v3_row("tcr", "contrast", 1, 320, phase="after", **rep)]
+    lines = v3.after_lines(rows, "i2t")
+    assert len(lines) == 3 and lines[2].startswith("| tcr@1e-2 | 50.0 % | 60.0 % | +5.0 [")
+    lo, hi = (float(x.replace("−", "-")) for x in lines[2].split("[")[1].rstrip(" |]").split(", "))
+    assert 0 < lo < 5.0 < hi
+    with pytest.raises(ValueError, match="selection"):  # the report refuses the selection split's rows
+        v3.after_lines([*rows, _v3_row("tcr", "spatter", 5, 300, phase="after", **rep)], "i2t")
