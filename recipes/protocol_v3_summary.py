@@ -420,36 +420,49 @@ def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,))
     return lines
 
 
-def summarise(out, direction: str = "i2t") -> str:
-    rows = load(out, direction)
-    parts = [f"**Selection split ({direction}): share of lost recall won back per lr, seed 0, 500-concept slice**", "",
-             *selection_lines(rows, direction)]
-    if proxy_study(rows, direction):
-        parts += ["", f"**Label-free proxies against the true share across the lr grid ({direction}, selection split)**", "",
-                  *proxy_lines(rows, direction)]
+def _preset_lines(rows: list[dict], direction: str) -> list[str]:
     preset = preset_candidates(rows, direction)
-    if preset:
-        parts += ["", "**Preset candidates (selection split)**", "", "| candidate | won back | worst column or stream | eligible |",
-                  "|---|---|---|---|"]
-        for name, c in sorted(preset.items()):
-            (col, ni) = c["worst"]
-            parts.append(f"| {name} | {figure(c['share'], percent=True)} | {col[0]} {col[1] or ''}: {ni.verdict} | "
-                         f"{'yes' if c['eligible'] else 'no'} |")
-        chosen = selected_preset(rows, direction)
-        parts.append(f"\nchosen: {chosen['label'] if chosen else 'none eligible'}")
-    if any(r["phase"] == "report" for r in rows):
-        parts += ["", f"**Report split ({direction}), default grid, seeds 3, 4, 5, all queries, prequential**", "",
-                  *report_lines(rows, direction)]
-        streams = stream_lines(rows, direction)
-        if len(streams) > 2:
-            parts += ["", f"**Report split ({direction}): streams, seeds 3, 4, 5**", "", *streams]
-        parts += ["", f"**Report split ({direction}): every objective at the paper's lr and at its selected lr, seed 3**", "",
-                  *report_lines(rows, direction, seeds=(3,))]
-    after = after_lines(rows, direction)
-    if len(after) > 2:
-        parts += ["", f"**The papers' after-update scoring next to the prequential rows ({direction}, report split, seed 3)**",
-                  "", *after]
-    return "\n".join(parts)
+    if not preset:
+        return []
+    lines = ["| candidate | won back | worst column or stream | eligible |", "|---|---|---|---|"]
+    for name, c in sorted(preset.items()):
+        (col, ni) = c["worst"]
+        lines.append(f"| {name} | {figure(c['share'], percent=True)} | {col[0]} {col[1] or ''}: {ni.verdict} | "
+                     f"{'yes' if c['eligible'] else 'no'} |")
+    chosen = selected_preset(rows, direction)
+    return [*lines, "", f"chosen: {chosen['label'] if chosen else 'none eligible'}"]
+
+
+#: The summary's parts, in order: ``(name, title, lines)``; the results card prints each under its topic
+#: (``<!-- v3: rows.jsonl i2t report -->``), the command line prints them all. A part without rows is left out.
+PARTS = (
+    ("selection", "Selection split ({d}): share of lost recall won back per lr, seed 0, 500-concept slice", selection_lines),
+    ("proxies", "Label-free proxies against the true share across the lr grid ({d}, selection split)",
+     lambda rows, d: proxy_lines(rows, d) if proxy_study(rows, d) else []),
+    ("preset", "Preset candidates ({d}, selection split)", _preset_lines),
+    ("report", "Report split ({d}), default grid, seeds 3, 4, 5, all queries, prequential", report_lines),
+    ("streams", "Report split ({d}): streams, seeds 3, 4, 5", stream_lines),
+    ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
+     lambda rows, d: report_lines(rows, d, seeds=(3,))),
+    ("after", "The papers' after-update scoring next to the prequential rows ({d}, report split, seed 3)", after_lines),
+)
+
+
+def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
+    """The tables of :data:`PARTS` (``part``: one of them) for the rows under ``out`` in ``direction``."""
+    names = [name for name, _, _ in PARTS]
+    if part is not None and part not in names:
+        raise ValueError(f"part {part!r}: one of {', '.join(names)}")
+    rows = load(out, direction)
+    blocks = []
+    for name, title, lines_of in PARTS:
+        if part not in (None, name):
+            continue
+        has_rows = name in ("selection", "proxies", "preset") or any(r["phase"] == ("after" if name == "after" else "report") for r in rows)
+        lines = lines_of(rows, direction) if has_rows else []
+        if len(lines) > 2 or (name == "selection" and lines):
+            blocks.append("\n".join([f"**{title.format(d=direction)}**", "", *lines]))
+    return "\n\n".join(blocks)
 
 
 def export(out: Path, dest: Path) -> None:
@@ -467,11 +480,12 @@ def main(argv=None) -> None:
     parser.add_argument("out", type=Path, nargs="+")
     parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
     parser.add_argument("--export", type=Path)
+    parser.add_argument("--part", choices=[name for name, _, _ in PARTS], help="print one table (default: all)")
     args = parser.parse_args(argv)
     if args.export:
         export(args.out[0], args.export)
         return
-    print(summarise(args.out, args.direction))
+    print(summarise(args.out, args.direction, args.part))
 
 
 if __name__ == "__main__":

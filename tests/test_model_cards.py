@@ -136,10 +136,12 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
 #:
 #:     <!-- study: results/beyond-ln/rows.jsonl [t2i] -->  (recipes/beyond_ln_summary.py: issue 29's study, i2t or t2i)
 #:     <!-- batch-size: results/batch-size-recall -->      (recipes/batch_size_recall.py: its bs<B>/rows.jsonl)
-#:     <!-- v3: results/protocol-v3/rows.jsonl i2t -->     (recipes/protocol_v3_summary.py: protocol v3's choices and report)
+#:     <!-- v3: results/protocol-v3/rows.jsonl i2t report -->  (recipes/protocol_v3_summary.py: one part of protocol v3's tables)
 #:     ...the summary's output...
 #:     <!-- /study -->  or  <!-- /batch-size -->
-RECIPE_BLOCK = re.compile(r"<!-- (?P<kind>study|batch-size|v3): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S)
+RECIPE_BLOCK = re.compile(
+    r"<!-- (?P<kind>study|batch-size|v3): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))?(?: (?P<part>[a-z0-9]+))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S
+)
 
 
 def _recipe(name: str):
@@ -151,12 +153,12 @@ def _recipe(name: str):
     return module
 
 
-def recipe_block(kind: str, rows: Path, direction: str | None = None) -> str:
-    """What the recipe's summary prints for the committed rows of a ``kind`` block."""
+def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str | None = None) -> str:
+    """What the recipe's summary prints for the committed rows of a ``kind`` block (``part``: one v3 table)."""
     if kind == "study":
         return _recipe("beyond_ln_summary").summarise(rows, direction or "i2t")
     if kind == "v3":
-        return _recipe("protocol_v3_summary").summarise(rows, direction or "i2t")
+        return _recipe("protocol_v3_summary").summarise(rows, direction or "i2t", part)
     return _recipe("batch_size_recall").summary_of(rows)
 
 
@@ -168,7 +170,7 @@ def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     blocks = [b for b in RECIPE_BLOCK.finditer((CARDS / card).read_text()) if b["kind"] == kind]
     assert blocks, f"{card} has no {kind} block"
     for block in blocks:
-        assert block["body"].strip() == recipe_block(kind, CARDS / block["rows"], block["direction"]).strip()
+        assert block["body"].strip() == recipe_block(kind, CARDS / block["rows"], block["direction"], block["part"]).strip()
 
 
 def write(card: Path) -> None:
@@ -179,7 +181,7 @@ def write(card: Path) -> None:
         lines[line : _block_end(lines, line)] = [lines[line], *expected[1:]]
     text = "\n".join(lines)
     for block in reversed(list(RECIPE_BLOCK.finditer(text))):
-        body = recipe_block(block["kind"], CARDS / block["rows"], block["direction"]).strip() + "\n"
+        body = recipe_block(block["kind"], CARDS / block["rows"], block["direction"], block["part"]).strip() + "\n"
         text = text[: block.start("body")] + body + text[block.end("body") :]
     card.write_text(text)
 
