@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("datasets", reason="needs the data extra: pip install 'hf_tta[data]'")
@@ -207,3 +208,68 @@ def test_merge_refuses_results_of_another_model_or_scoring_rule(folders, tmp_pat
     assert cli.main(["merge", blip, str(tmp_path / "blip" / "rows.jsonl"), "--output-dir", out, "--no-plots"]) == 0
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert merged["meta"]["identity"]["model"] == str(folders["blip"]) and merged["meta"]["identity"]["scoring"] == "before_update"
+
+
+def _on_a_terminal(*argv, env: dict[str, str]) -> tuple[int, str]:
+    """The `hf-tta` command with stdout and stderr on a pseudo-terminal (where every progress bar would draw);
+    ``(exit status, everything it wrote)``."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns: else bars draw empty
+    proc = subprocess.Popen([sys.executable, "-m", "hf_tta.cli", *map(str, argv)], stdout=slave, stderr=slave,
+                            stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT))
+    os.close(slave)
+    chunks = []
+    try:
+        while select.select([master], [], [], 600)[0]:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # the command exited and closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        proc.kill() if proc.poll() is None else None
+    return proc.wait(), b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def _bar_lines(text: str) -> list[str]:
+    """Progress-bar lines (tqdm's ``50%|#####     |`` or ``6 examples [00:00, 12.3 examples/s]``), redraws included."""
+    import re
+
+    return [line for line in re.split(r"[\r\n]", text) if re.search(r"\d%\||/s\]", line)]
+
+
+def test_quiet_build_and_run_draw_no_progress_bar_on_a_terminal(folders, tmp_path):
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(src / f"{i}.png")
+        rows.append(json.dumps({"image": f"{i}.png", "caption": f"photo of a red cat {i}"}))
+    (src / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
+    code, text = _on_a_terminal("build", "--pairs", src / "pairs.jsonl", "--output-dir", tmp_path / "built",
+                                "--configs", "clean,image-fog-5", "--quiet", env=env)
+    assert code == 0 and "hf-tta: built 2 configs of pairs" in text, text
+    assert not _bar_lines(text), _bar_lines(text)  # before: datasets' generate/save bars, 6 lines here, 58 on a real build
+    hub = tmp_path / "hub"  # the same benchmark as a dataset repository (as downloaded from the Hub): read by its card
+    shutil.copytree(tmp_path / "built", hub)
+    for info in hub.glob("*/dataset_info.json"):
+        info.unlink()
+    code, text = _on_a_terminal("run", "--model", folders["blip"], "--dataset", hub, "--corruptions", "fog",
+                                "--objectives", "tent", *FAST, "--output-dir", tmp_path / "res", env=env)
+    assert code == 0 and "| • tent |" in text, text  # the summary still prints
+    assert not _bar_lines(text), _bar_lines(text)

@@ -26,6 +26,7 @@ import logging
 from pathlib import Path
 
 from .common import UsageError, comma_list
+from .environment import hide_library_progress_bars
 
 SOURCES = ("pairs", "nocaps", "fashion_gen", "cuhk_pedes", "icfg_pedes", "fashioniq", "cirr")
 
@@ -59,7 +60,7 @@ def add_build_parser(sub) -> None:
     p.add_argument("--wordnet", default=None, help="WordNet folder for the synonym corruptions (default: nltk's or Debian's)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="publish the built configs and the card to this dataset repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (hf_tta's, datasets', the hub's); errors and the summary still print")
 
 
 def _source(args) -> tuple[str, str]:
@@ -156,6 +157,8 @@ def cmd_build(args) -> int:
     from ..data.builders import push_benchmark
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="hf-tta: %(message)s")
+    if args.quiet:  # no bar at all: datasets' (generating, saving splits), the hub's and transformers' too
+        hide_library_progress_bars()
     builder, configs, notes = make_builder(args)
     if args.configs:
         configs = comma_list(args.configs)
