@@ -116,6 +116,9 @@ def test_missing_configs_and_folders_are_named_before_anything_runs(folders, tmp
     assert cli.main([*common, "--dataset", str(folders["dataset"]), "--corruptions", "frost"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no config image-frost-5 (it has: clean, image-fog-5, text-ocr-7)" in err
+    # no build record (a folder made by hand): both ways to add the config
+    assert f"`hf-tta build --pairs <your pairs> --output-dir {folders['dataset']} --configs image-frost-5` (a set of your own)" in err
+    assert "or `python recipes/build_benchmarks.py --benchmark coco-c --karpathy-json <split json>" in err
     assert not (tmp_path / "res").exists()  # nothing ran
     monkeypatch.chdir(tmp_path)
     for missing in ("coco-c-built", "./coco-c-built", "res/coco-c"):  # a bare name, a path, a/b with a folder a here
@@ -210,6 +213,20 @@ def test_merge_refuses_results_of_another_model_or_scoring_rule(folders, tmp_pat
     assert merged["meta"]["identity"]["model"] == str(folders["blip"]) and merged["meta"]["identity"]["scoring"] == "before_update"
 
 
+def _write_pairs(folder: Path, n: int = 4) -> Path:
+    """A user's own image-text set: ``n`` PNG images and a ``pairs.jsonl`` naming them with a caption each."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        rows.append(json.dumps({"image": f"{i}.png", "caption": f"photo of a red cat {i}"}))
+    (folder / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    return folder / "pairs.jsonl"
+
+
 def _on_a_terminal(*argv, env: dict[str, str]) -> tuple[int, str]:
     """The `hf-tta` command with stdout and stderr on a pseudo-terminal (where every progress bar would draw);
     ``(exit status, everything it wrote)``."""
@@ -248,16 +265,7 @@ def _bar_lines(text: str) -> list[str]:
 
 
 def test_quiet_build_and_run_draw_no_progress_bar_on_a_terminal(folders, tmp_path):
-    from PIL import Image
-
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(src / f"{i}.png")
-        rows.append(json.dumps({"image": f"{i}.png", "caption": f"photo of a red cat {i}"}))
-    (src / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    src = _write_pairs(tmp_path / "src").parent
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
@@ -273,3 +281,38 @@ def test_quiet_build_and_run_draw_no_progress_bar_on_a_terminal(folders, tmp_pat
                                 "--objectives", "tent", *FAST, "--output-dir", tmp_path / "res", env=env)
     assert code == 0 and "| • tent |" in text, text  # the summary still prints
     assert not _bar_lines(text), _bar_lines(text)
+
+
+def test_a_config_a_pairs_build_lacks_is_named_with_the_build_command_that_adds_it(folders, tmp_path, monkeypatch, capsys):
+    pairs, built = _write_pairs(tmp_path / "src"), tmp_path / "built"
+    assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(built), "--configs", "clean,image-fog-5", "--seed", "3",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    run = ["run", "--model", str(folders["blip"]), "--dataset", str(built), "--corruptions", "frost", "--objectives", "tent",
+           *FAST, "--output-dir", str(tmp_path / "res")]
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err.strip()
+    command = f"hf-tta build --pairs pairs.jsonl --seed 3 --output-dir {built} --configs image-frost-5"
+    assert len(err.splitlines()) == 1 and f"or add it to the build: `{command}`." in err, err  # before: recipes/build_benchmarks.py
+    assert "build_benchmarks" not in err
+    monkeypatch.chdir(pairs.parent)  # the command as printed, from the pairs file's folder: the build resumes and adds it
+    assert cli.main([*command.split()[1:], "--quiet"]) == 0
+    assert sorted(p.parent.name for p in built.glob("*/dataset_info.json")) == ["clean", "image-fog-5", "image-frost-5"]
+    assert cli.main(run) == 0
+    assert "| Frost 5 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("params, command", [
+    ({"benchmark": "coco-c", "seed": 0, "limit": 100}, "python recipes/build_benchmarks.py --benchmark coco-c --karpathy-json "
+     "<split json> --images-root <images> --limit 100 --output-dir {out} --configs image-frost-5 text-ocr-7"),
+    ({"benchmark": "nocaps-out", "seed": 2, "source": {"raw": "nocaps_val_4500_captions.json"}},
+     "hf-tta build --nocaps nocaps_val_4500_captions.json --domain out --images-root <images> --seed 2 --output-dir {out} "
+     "--configs image-frost-5,text-ocr-7"),
+    ({"benchmark": "shop", "seed": 0, "source": {"pairs": "pairs.csv"}, "spec": {"license_id": "cc-by-4.0"}},
+     "hf-tta build --pairs pairs.csv --name shop --license cc-by-4.0 --output-dir {out} --configs image-frost-5,text-ocr-7"),
+])
+def test_the_command_adding_configs_is_the_builds_own(tmp_path, params, command):
+    from hf_tta.cli.build import add_configs_command
+
+    (tmp_path / "build_info.json").write_text(json.dumps({"params": params}))  # the keys a build records
+    assert add_configs_command(tmp_path, ["image-frost-5", "text-ocr-7"]) == f"`{command.format(out=tmp_path)}`"

@@ -200,4 +200,38 @@ def suggested_command(directions, output_dir) -> str:
     return f"hf-tta run --model <model> --dataset {output_dir} --direction {direction}{extra}"
 
 
-__all__ = ["add_build_parser", "cmd_build", "default_grid_configs", "default_image_text_configs", "make_builder", "suggested_command"]
+def add_configs_command(folder, configs) -> str:
+    """The command that adds ``configs`` to the built benchmark ``folder``, read from its ``build_info.json``: the
+    `hf-tta build` source it was built from (``--pairs``, ``--nocaps``, ...) with the settings a resumed build must
+    repeat (seed, limit, name, licence), or ``recipes/build_benchmarks.py`` for COCO-C / Flickr-C; both forms for a
+    folder without a build record. Re-running a build on its folder resumes it and adds the configs."""
+    import json
+
+    from ..data.builders.base import BUILD_INFO
+
+    try:
+        params = json.loads((Path(folder) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+    except (OSError, ValueError, AttributeError):
+        params = {}
+    name, source, spec = params.get("benchmark"), params.get("source") or {}, params.get("spec") or {}
+    kept = (["--seed", str(params["seed"])] if params.get("seed") else []) + (["--limit", str(params["limit"])] if params.get("limit") else [])
+    tail = " ".join([*kept, "--output-dir", str(folder)])
+    if "pairs" in source:
+        file = source["pairs"]
+        named = ["--name", name] if name and name not in (file, Path(file).stem) else []
+        licence = ["--license", spec["license_id"]] if spec.get("license_id", "other") != "other" else []
+        return f"`hf-tta build --pairs {' '.join([file, *named, *licence])} {tail} --configs {','.join(configs)}`"
+    if "raw" in source:
+        flag = {"fashion-gen": "--fashion-gen", "fashion-gen-d": "--fashion-gen", "cuhk-pedes": "--cuhk-pedes", "icfg-pedes": "--icfg-pedes"}
+        head = (f"--nocaps {source['raw']} --domain {name.split('-')[1]} --images-root <images>" if str(name).startswith("nocaps-")
+                else f"{flag.get(name, '--' + str(name))} {source['raw']}" + (" --diverse-stream" if name == "fashion-gen-d" else "")
+                + (" --images-root <images>" if str(name).endswith("-pedes") else ""))
+        return f"`hf-tta build {head} {tail} --configs {','.join(configs)}`"
+    recipe = (f"`python recipes/build_benchmarks.py --benchmark {name or 'coco-c'} --karpathy-json <split json> "
+              f"--images-root <images> {tail} --configs {' '.join(configs)}`")
+    if name:
+        return recipe
+    return f"`hf-tta build --pairs <your pairs> {tail} --configs {','.join(configs)}` (a set of your own) or {recipe} (COCO-C / Flickr-C)"
+
+
+__all__ = ["add_build_parser", "add_configs_command", "cmd_build", "default_grid_configs", "default_image_text_configs", "make_builder", "suggested_command"]

@@ -484,5 +484,7 @@ def check_dataset_configs(args, jobs) -> None:
     if missing and not named:
         return  # the grid's defaults: streams the folder lacks are left out with a note (_built_jobs)
     if missing:
+        from .build import add_configs_command
+
         raise UsageError(f"--dataset {args.dataset} has no config {', '.join(missing)} (it has: {', '.join(sorted(have)) or 'none'}); "
-                         "leave it out of --corruptions / --text-corruptions or build it with recipes/build_benchmarks.py.")
+                         f"leave it out of --corruptions / --text-corruptions or add it to the build: {add_configs_command(args.dataset, missing)}.")
