@@ -316,3 +316,45 @@ def test_the_command_adding_configs_is_the_builds_own(tmp_path, params, command)
 
     (tmp_path / "build_info.json").write_text(json.dumps({"params": params}))  # the keys a build records
     assert add_configs_command(tmp_path, ["image-frost-5", "text-ocr-7"]) == f"`{command.format(out=tmp_path)}`"
+
+
+def _prepare_on_rank(rank: int, world: int, init_file: str, argv: list[str], out_dir: str) -> None:
+    """One process of a multi-process run (the accelerate recipe's `prepare_run` on every rank): what it printed."""
+    import contextlib
+    import io
+
+    from support import gloo_worker
+
+    with gloo_worker(rank, world, init_file):
+        from hf_tta.cli import build_parser, prepare_run
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            prepare_run(build_parser().parse_args(["run", *argv]), show_progress=False)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(printed.getvalue())
+
+
+def test_the_runs_notes_print_once_across_processes(folders, tmp_path):
+    import torch.multiprocessing as mp
+
+    from hf_tta.data.builders.pairs import pairs_builder
+
+    built = tmp_path / "built"  # a --pairs build: its spec sets the baselines' tau (0.01), a note the run prints
+    pairs_builder(_write_pairs(tmp_path / "src"), built, show_progress=False).build(["clean", "image-fog-5"])
+    argv = ["--model", str(folders["blip"]), "--dataset", str(built), "--objectives", "tent", "--quiet", "--threads", "1"]
+    mp.spawn(_prepare_on_rank, args=(2, str(tmp_path / "init"), argv, str(tmp_path)), nprocs=2, join=True)
+    main, other = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    tau = [line for line in main.splitlines() if "use tau = 0.01 (the papers' value for this set" in line]
+    assert len(tau) == 1 and tau[0].startswith("hf-tta: pairs: baselines "), main
+    assert "running the 1 corruption streams it has" in main
+    assert other == ""  # before: every process printed the tau line (and the others) once more
+
+
+def test_a_launchers_other_ranks_print_no_notes(monkeypatch, capsys):
+    """`accelerate launch` / torchrun before any process group: the launcher's RANK decides."""
+    from hf_tta.cli.common import say
+
+    for rank, printed in (("1", ""), ("0", "hf-tta: a note\n")):
+        monkeypatch.setenv("RANK", rank)
+        say("a note")
+        assert capsys.readouterr().out == printed
