@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("datasets", reason="needs the data extra: pip install 'hf_tta[data]'")
@@ -115,6 +116,9 @@ def test_missing_configs_and_folders_are_named_before_anything_runs(folders, tmp
     assert cli.main([*common, "--dataset", str(folders["dataset"]), "--corruptions", "frost"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no config image-frost-5 (it has: clean, image-fog-5, text-ocr-7)" in err
+    # no build record (a folder made by hand): both ways to add the config
+    assert f"`hf-tta build --pairs <your pairs> --output-dir {folders['dataset']} --configs image-frost-5` (a set of your own)" in err
+    assert "or `python recipes/build_benchmarks.py --benchmark coco-c --karpathy-json <split json>" in err
     assert not (tmp_path / "res").exists()  # nothing ran
     monkeypatch.chdir(tmp_path)
     for missing in ("coco-c-built", "./coco-c-built", "res/coco-c"):  # a bare name, a path, a/b with a folder a here
@@ -207,3 +211,150 @@ def test_merge_refuses_results_of_another_model_or_scoring_rule(folders, tmp_pat
     assert cli.main(["merge", blip, str(tmp_path / "blip" / "rows.jsonl"), "--output-dir", out, "--no-plots"]) == 0
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert merged["meta"]["identity"]["model"] == str(folders["blip"]) and merged["meta"]["identity"]["scoring"] == "before_update"
+
+
+def _write_pairs(folder: Path, n: int = 4) -> Path:
+    """A user's own image-text set: ``n`` PNG images and a ``pairs.jsonl`` naming them with a caption each."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        rows.append(json.dumps({"image": f"{i}.png", "caption": f"photo of a red cat {i}"}))
+    (folder / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    return folder / "pairs.jsonl"
+
+
+def _on_a_terminal(*argv, env: dict[str, str]) -> tuple[int, str]:
+    """The `hf-tta` command with stdout and stderr on a pseudo-terminal (where every progress bar would draw);
+    ``(exit status, everything it wrote)``."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns: else bars draw empty
+    proc = subprocess.Popen([sys.executable, "-m", "hf_tta.cli", *map(str, argv)], stdout=slave, stderr=slave,
+                            stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT))
+    os.close(slave)
+    chunks = []
+    try:
+        while select.select([master], [], [], 600)[0]:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # the command exited and closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        proc.kill() if proc.poll() is None else None
+    return proc.wait(), b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def _bar_lines(text: str) -> list[str]:
+    """Progress-bar lines (tqdm's ``50%|#####     |`` or ``6 examples [00:00, 12.3 examples/s]``), redraws included."""
+    import re
+
+    return [line for line in re.split(r"[\r\n]", text) if re.search(r"\d%\||/s\]", line)]
+
+
+def test_quiet_build_and_run_draw_no_progress_bar_on_a_terminal(folders, tmp_path):
+    src = _write_pairs(tmp_path / "src").parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
+    code, text = _on_a_terminal("build", "--pairs", src / "pairs.jsonl", "--output-dir", tmp_path / "built",
+                                "--configs", "clean,image-fog-5", "--quiet", env=env)
+    assert code == 0 and "hf-tta: built 2 configs of pairs" in text, text
+    assert not _bar_lines(text), _bar_lines(text)  # before: datasets' generate/save bars, 6 lines here, 58 on a real build
+    hub = tmp_path / "hub"  # the same benchmark as a dataset repository (as downloaded from the Hub): read by its card
+    shutil.copytree(tmp_path / "built", hub)
+    for info in hub.glob("*/dataset_info.json"):
+        info.unlink()
+    code, text = _on_a_terminal("run", "--model", folders["blip"], "--dataset", hub, "--corruptions", "fog",
+                                "--objectives", "tent", *FAST, "--output-dir", tmp_path / "res", env=env)
+    assert code == 0 and "| • tent |" in text, text  # the summary still prints
+    assert not _bar_lines(text), _bar_lines(text)
+
+
+def test_a_config_a_pairs_build_lacks_is_named_with_the_build_command_that_adds_it(folders, tmp_path, monkeypatch, capsys):
+    pairs, built = _write_pairs(tmp_path / "src"), tmp_path / "built"
+    assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(built), "--configs", "clean,image-fog-5", "--seed", "3",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    run = ["run", "--model", str(folders["blip"]), "--dataset", str(built), "--corruptions", "frost", "--objectives", "tent",
+           *FAST, "--output-dir", str(tmp_path / "res")]
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err.strip()
+    command = f"hf-tta build --pairs pairs.jsonl --seed 3 --output-dir {built} --configs image-frost-5"
+    assert len(err.splitlines()) == 1 and f"or add it to the build: `{command}`." in err, err  # before: recipes/build_benchmarks.py
+    assert "build_benchmarks" not in err
+    monkeypatch.chdir(pairs.parent)  # the command as printed, from the pairs file's folder: the build resumes and adds it
+    assert cli.main([*command.split()[1:], "--quiet"]) == 0
+    assert sorted(p.parent.name for p in built.glob("*/dataset_info.json")) == ["clean", "image-fog-5", "image-frost-5"]
+    assert cli.main(run) == 0
+    assert "| Frost 5 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("params, command", [
+    ({"benchmark": "coco-c", "seed": 0, "limit": 100}, "python recipes/build_benchmarks.py --benchmark coco-c --karpathy-json "
+     "<split json> --images-root <images> --limit 100 --output-dir {out} --configs image-frost-5 text-ocr-7"),
+    ({"benchmark": "nocaps-out", "seed": 2, "source": {"raw": "nocaps_val_4500_captions.json"}},
+     "hf-tta build --nocaps nocaps_val_4500_captions.json --domain out --images-root <images> --seed 2 --output-dir {out} "
+     "--configs image-frost-5,text-ocr-7"),
+    ({"benchmark": "shop", "seed": 0, "source": {"pairs": "pairs.csv"}, "spec": {"license_id": "cc-by-4.0"}},
+     "hf-tta build --pairs pairs.csv --name shop --license cc-by-4.0 --output-dir {out} --configs image-frost-5,text-ocr-7"),
+])
+def test_the_command_adding_configs_is_the_builds_own(tmp_path, params, command):
+    from hf_tta.cli.build import add_configs_command
+
+    (tmp_path / "build_info.json").write_text(json.dumps({"params": params}))  # the keys a build records
+    assert add_configs_command(tmp_path, ["image-frost-5", "text-ocr-7"]) == f"`{command.format(out=tmp_path)}`"
+
+
+def _prepare_on_rank(rank: int, world: int, init_file: str, argv: list[str], out_dir: str) -> None:
+    """One process of a multi-process run (the accelerate recipe's `prepare_run` on every rank): what it printed."""
+    import contextlib
+    import io
+
+    from support import gloo_worker
+
+    with gloo_worker(rank, world, init_file):
+        from hf_tta.cli import build_parser, prepare_run
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            prepare_run(build_parser().parse_args(["run", *argv]), show_progress=False)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(printed.getvalue())
+
+
+def test_the_runs_notes_print_once_across_processes(folders, tmp_path):
+    import torch.multiprocessing as mp
+
+    from hf_tta.data.builders.pairs import pairs_builder
+
+    built = tmp_path / "built"  # a --pairs build: its spec sets the baselines' tau (0.01), a note the run prints
+    pairs_builder(_write_pairs(tmp_path / "src"), built, show_progress=False).build(["clean", "image-fog-5"])
+    argv = ["--model", str(folders["blip"]), "--dataset", str(built), "--objectives", "tent", "--quiet", "--threads", "1"]
+    mp.spawn(_prepare_on_rank, args=(2, str(tmp_path / "init"), argv, str(tmp_path)), nprocs=2, join=True)
+    main, other = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    tau = [line for line in main.splitlines() if "use tau = 0.01 (the papers' value for this set" in line]
+    assert len(tau) == 1 and tau[0].startswith("hf-tta: pairs: baselines "), main
+    assert "running the 1 corruption streams it has" in main
+    assert other == ""  # before: every process printed the tau line (and the others) once more
+
+
+def test_a_launchers_other_ranks_print_no_notes(monkeypatch, capsys):
+    """`accelerate launch` / torchrun before any process group: the launcher's RANK decides."""
+    from hf_tta.cli.common import say
+
+    for rank, printed in (("1", ""), ("0", "hf-tta: a note\n")):
+        monkeypatch.setenv("RANK", rank)
+        say("a note")
+        assert capsys.readouterr().out == printed

@@ -34,6 +34,9 @@ def _image_cases(processor):
         "1 channel": ({"pixel_values": px[:, :1]}, ValueError, r"size 1 on axis -3 \(C\).*expects 3 \(vision_config.num_channels=3\)"),
         "4 channels": ({"pixel_values": torch.cat([px, px[:, :1]], 1)}, ValueError, "expects 3"),
         "float 0..255 pixels": ({"pixel_values": px.clamp(-1, 1) * 127 + 128}, ValueError, f"raw 0..255 pixels.*{processor}"),
+        "64x48 pixels": ({"pixel_values": torch.nn.functional.interpolate(px, size=(64, 48))}, ValueError,
+                         rf"^image inputs are 64x48 images but the model expects 32x32 \(vision_config.image_size=32\): "
+                         rf"preprocess them with the model's processor \({processor}\)"),
     }
 
 
@@ -69,8 +72,10 @@ CASES += [
     ("xclip", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
     ("xclip", "video", "3 frames", {"pixel_values": _vid[:, :3]}, ValueError, "vision_config.num_frames=4"),
     ("xclip", "video", "1 channel", {"pixel_values": _vid[:, :, :1]}, ValueError, "vision_config.num_channels=3"),
+    ("xclip", "video", "16x16 frames", {"pixel_values": _vid[..., :16, :16]}, ValueError, r"video inputs are 16x16 images but the model expects"),
     ("xclip", "video", "float 0..255 video", {"pixel_values": _vid.clamp(-1, 1) * 127 + 128}, ValueError, "raw 0..255 pixels"),
     ("clip_video", "video", "float 0..255 video", {"pixel_values": _vid.clamp(-1, 1) * 127 + 128}, ValueError, "raw 0..255"),
+    ("clip_video", "video", "16x16 frames", {"pixel_values": _vid[..., :16, :16]}, ValueError, r"expects 32x32 .*CLIPImageProcessor"),
     ("clip_video", "video", "4-D video", {"pixel_values": _vid[:, 0]}, ValueError, r"\(B, T, C, H, W\)"),
     ("clip_video", "video", "int video", {"pixel_values": _vid.long()}, TypeError, "CLIPImageProcessor"),
     ("clip_video", "video", "frame_mask rank", {"pixel_values": _vid, "frame_mask": torch.ones(2)}, ValueError, r"\(B, T\)"),
@@ -292,3 +297,35 @@ def test_every_image_processors_output_passes_the_pixel_range_check(processor_cl
     bad = px.clone()
     bad[0, 0, 0, 0] = float("inf")  # not a range problem: the wrapper's NaN/inf check names it
     assert torch.equal(tta.adapter.check_inputs("image", {"pixel_values": bad})["pixel_values"], bad)
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_wrong_image_size_names_the_checkpoints_processor_and_changes_nothing(name, tmp_path):
+    """A checkpoint loaded by path: the refusal names the processor call of that path, in one line, before the
+    tower's own error ("Input image size (64*64) doesn't match model (32*32)." without the processor)."""
+    from transformers import AutoModel
+
+    make_model(name).save_pretrained(tmp_path / name)
+    tta = TTAWrapper(AutoModel.from_pretrained(tmp_path / name), TTAConfig(objective="tcr", query_modality="image"))
+    g = tta.encode_gallery(_gallery_inputs("text"))
+    tta.adapt_step(GOOD["image"](), g)
+    before = _snapshot(tta)
+    px = torch.nn.functional.interpolate(batch("image", 4, seed=3)["pixel_values"], size=(64, 64))
+    with pytest.raises(ValueError) as err:
+        tta.adapt_step({"pixel_values": px}, g)
+    assert str(err.value) == (
+        "image inputs are 64x64 images but the model expects 32x32 (vision_config.image_size=32): preprocess them with "
+        f"the model's processor (AutoProcessor.from_pretrained({str(tmp_path / name)!r})), which resizes them.")
+    _assert_bit_identical(before, _snapshot(tta))
+
+
+def test_a_tower_that_takes_any_size_is_not_refused():
+    """A ConvNeXt vision tower (the emoji source model's) has no position embeddings: any H x W runs."""
+    from transformers import BertConfig, ConvNextConfig, VisionTextDualEncoderConfig, VisionTextDualEncoderModel
+
+    vision = ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32, hidden_size=16)
+    text = BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20)
+    model = VisionTextDualEncoderModel(VisionTextDualEncoderConfig.from_vision_text_configs(vision, text, projection_dim=8))
+    tta = TTAWrapper(model.eval(), TTAConfig(objective="tent", query_modality="image"))
+    for side in (32, 48):
+        assert tta.adapter.embed("image", {"pixel_values": torch.randn(2, 3, side, side)}).shape == (2, 8)

@@ -98,6 +98,17 @@ def test_missing_image_builds_nothing_and_skip_counts_it(tmp_path):
     assert info["source_report"]["missing"] == ["imgs/003.png"]
 
 
+def test_a_pairs_build_resumes_and_adds_configs_with_the_same_settings_only(tmp_path):
+    path, out = write_jsonl(tmp_path), tmp_path / "out"
+    pairs_builder(path, out, show_progress=False).build(["clean"])
+    again = pairs_builder(path, out, show_progress=False)  # before: refused, its spec's tuples against the record's lists
+    again.build(["clean", "image-fog-5"])
+    assert again.built_configs() == ["clean", "image-fog-5"]
+    with pytest.raises(ValueError, match=r"other settings \{'seed': \(0, 1\)\}"):
+        pairs_builder(path, out, seed=1, show_progress=False).build(["image-snow-2"])
+    assert pairs_builder(path, out).built_configs() == ["clean", "image-fog-5"]
+
+
 def test_groups_make_items_relevant_to_each_others_captions(tmp_path):
     builder = pairs_builder(write_jsonl(tmp_path), tmp_path / "out", show_progress=False, text_pool=(("ocr", 7),))
     builder.build(["clean", "text-ocr-7"])

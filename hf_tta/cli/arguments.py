@@ -178,7 +178,8 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
     o = run.add_argument_group("output")
     o.add_argument("--output-dir", default="outputs/hf-tta", help="Where results.json/.csv/.md and the plots go.")
     o.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
-    o.add_argument("--quiet", action="store_true", help="No progress bars.")
+    o.add_argument("--quiet", action="store_true", help="No progress bars (hf_tta's, datasets', transformers' or the hub's); "
+                   "errors and the tables still print.")
     o.add_argument("--fresh", action="store_true", help="Ignore the rows an interrupted run with the same arguments left in --output-dir.")
 
     from .build import add_build_parser
@@ -191,7 +192,7 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
     _add_common(clean)
     clean.add_argument("--seed", type=int, default=0, help="Seeds the emoji --limit slice and the query order.")
     clean.add_argument("--direction", type=_directions, default=None, help="Directions to evaluate (default i2t,t2i; an audio/video dataset needs e.g. a2t,t2a or v2t,t2v; see `hf-tta run --help`).")
-    clean.add_argument("--quiet", action="store_true")
+    clean.add_argument("--quiet", action="store_true", help="No progress bars (errors and the result still print).")
 
     plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
     plot.add_argument("results", help="a results.json written by `hf-tta run`")

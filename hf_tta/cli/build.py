@@ -26,6 +26,7 @@ import logging
 from pathlib import Path
 
 from .common import UsageError, comma_list
+from .environment import hide_library_progress_bars
 
 SOURCES = ("pairs", "nocaps", "fashion_gen", "cuhk_pedes", "icfg_pedes", "fashioniq", "cirr")
 
@@ -59,7 +60,7 @@ def add_build_parser(sub) -> None:
     p.add_argument("--wordnet", default=None, help="WordNet folder for the synonym corruptions (default: nltk's or Debian's)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="publish the built configs and the card to this dataset repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: a private repository")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (hf_tta's, datasets', the hub's); errors and the summary still print")
 
 
 def _source(args) -> tuple[str, str]:
@@ -156,6 +157,8 @@ def cmd_build(args) -> int:
     from ..data.builders import push_benchmark
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="hf-tta: %(message)s")
+    if args.quiet:  # no bar at all: datasets' (generating, saving splits), the hub's and transformers' too
+        hide_library_progress_bars()
     builder, configs, notes = make_builder(args)
     if args.configs:
         configs = comma_list(args.configs)
@@ -197,4 +200,38 @@ def suggested_command(directions, output_dir) -> str:
     return f"hf-tta run --model <model> --dataset {output_dir} --direction {direction}{extra}"
 
 
-__all__ = ["add_build_parser", "cmd_build", "default_grid_configs", "default_image_text_configs", "make_builder", "suggested_command"]
+def add_configs_command(folder, configs) -> str:
+    """The command that adds ``configs`` to the built benchmark ``folder``, read from its ``build_info.json``: the
+    `hf-tta build` source it was built from (``--pairs``, ``--nocaps``, ...) with the settings a resumed build must
+    repeat (seed, limit, name, licence), or ``recipes/build_benchmarks.py`` for COCO-C / Flickr-C; both forms for a
+    folder without a build record. Re-running a build on its folder resumes it and adds the configs."""
+    import json
+
+    from ..data.builders.base import BUILD_INFO
+
+    try:
+        params = json.loads((Path(folder) / BUILD_INFO).read_text(encoding="utf-8")).get("params", {})
+    except (OSError, ValueError, AttributeError):
+        params = {}
+    name, source, spec = params.get("benchmark"), params.get("source") or {}, params.get("spec") or {}
+    kept = (["--seed", str(params["seed"])] if params.get("seed") else []) + (["--limit", str(params["limit"])] if params.get("limit") else [])
+    tail = " ".join([*kept, "--output-dir", str(folder)])
+    if "pairs" in source:
+        file = source["pairs"]
+        named = ["--name", name] if name and name not in (file, Path(file).stem) else []
+        licence = ["--license", spec["license_id"]] if spec.get("license_id", "other") != "other" else []
+        return f"`hf-tta build --pairs {' '.join([file, *named, *licence])} {tail} --configs {','.join(configs)}`"
+    if "raw" in source:
+        flag = {"fashion-gen": "--fashion-gen", "fashion-gen-d": "--fashion-gen", "cuhk-pedes": "--cuhk-pedes", "icfg-pedes": "--icfg-pedes"}
+        head = (f"--nocaps {source['raw']} --domain {name.split('-')[1]} --images-root <images>" if str(name).startswith("nocaps-")
+                else f"{flag.get(name, '--' + str(name))} {source['raw']}" + (" --diverse-stream" if name == "fashion-gen-d" else "")
+                + (" --images-root <images>" if str(name).endswith("-pedes") else ""))
+        return f"`hf-tta build {head} {tail} --configs {','.join(configs)}`"
+    recipe = (f"`python recipes/build_benchmarks.py --benchmark {name or 'coco-c'} --karpathy-json <split json> "
+              f"--images-root <images> {tail} --configs {' '.join(configs)}`")
+    if name:
+        return recipe
+    return f"`hf-tta build --pairs <your pairs> {tail} --configs {','.join(configs)}` (a set of your own) or {recipe} (COCO-C / Flickr-C)"
+
+
+__all__ = ["add_build_parser", "add_configs_command", "cmd_build", "default_grid_configs", "default_image_text_configs", "make_builder", "suggested_command"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def setup_environment(args) -> None:
@@ -14,12 +15,27 @@ def setup_environment(args) -> None:
     if args.model is None:
         go_offline()  # the emoji benchmark never needs the network; say so to the Hugging Face libraries
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if getattr(args, "quiet", False):  # --quiet: no progress bars, transformers' and the hub's (loading weights) too
-        import huggingface_hub.utils
-        from transformers.utils import logging as transformers_logging
+    if getattr(args, "quiet", False):
+        hide_library_progress_bars()
 
-        transformers_logging.disable_progress_bar()
-        huggingface_hub.utils.disable_progress_bars()
+
+def hide_library_progress_bars() -> None:
+    """``--quiet``: no progress bar from the Hugging Face libraries, each hidden by its own switch: transformers'
+    (loading weights), the hub's (downloads, uploads) and datasets' (generating, saving and loading splits: a build
+    wrote 58 bar lines without it). hf_tta's own bars follow the commands' ``show_progress`` flags. datasets is not
+    imported for this (a run of the emoji benchmark never loads it): until it is, its environment switch is set,
+    which datasets reads at import."""
+    import huggingface_hub.utils
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+    else:
+        os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def go_offline() -> None:

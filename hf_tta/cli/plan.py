@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
+from .common import say
 
 
 def _ints(value: str, allowed: Sequence[int], flag: str) -> list[int]:
@@ -163,8 +164,8 @@ def resolve_grid(args) -> tuple[list, dict]:
                 notes["text_corruptions_left_out"] = missing
             text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
     if notes.get("streams_from_build"):
-        print(f"hf-tta: --dataset {args.dataset}: running the {len(notes['streams_from_build'])} corruption streams it has "
-              "(--corruptions / --text-corruptions pick others)", flush=True)
+        say(f"--dataset {args.dataset}: running the {len(notes['streams_from_build'])} corruption streams it has "
+            "(--corruptions / --text-corruptions pick others)")
     notes["text_corruptions"] = text_corruptions
     if args.switch and not emoji:
         raise UsageError("--switch runs on the emoji benchmark only; leave it out with --model (--degenerate works there).")
@@ -353,8 +354,8 @@ def _dataset_tau(args, objective_configs: dict, notes: dict) -> dict:
             applied.append(name)
     if applied:
         notes["baseline_tau"] = {"tau": spec.baseline_tau, "benchmark": spec.name, "objectives": applied}
-        print(f"hf-tta: {spec.name}: baselines {', '.join(applied)} use tau = {spec.baseline_tau:g} (the papers' value for "
-              "this set; --objective-config overrides it)", flush=True)
+        say(f"{spec.name}: baselines {', '.join(applied)} use tau = {spec.baseline_tau:g} (the papers' value for this set; "
+            "--objective-config overrides it)")
     return out
 
 
@@ -367,7 +368,7 @@ def _dataset_gd(args, notes: dict) -> tuple[str, ...] | None:
     if spec is None or not spec.diverse_stream:
         return None
     notes["gradient_decoupling"] = {"objectives": ["rest"], "why": f"{spec.name} is a diverse-stream set (REST's DQS)"}
-    print(f"hf-tta: {spec.name}: rest runs with gradient decoupling (REST's DQS protocol; --gradient-decoupling overrides it)", flush=True)
+    say(f"{spec.name}: rest runs with gradient decoupling (REST's DQS protocol; --gradient-decoupling overrides it)")
     return ("rest",)
 
 
@@ -387,8 +388,8 @@ def _built_jobs(args, task, jobs: list, notes: dict) -> list:
     dropped = sorted({task._config(j.condition) for j in jobs} - available)
     if dropped:
         notes["configs_not_built"] = dropped
-        print(f"hf-tta: {len(dropped)} streams left out: not built in {args.dataset} ({', '.join(dropped[:6])}"
-              f"{', ...' if len(dropped) > 6 else ''})", flush=True)
+        say(f"{len(dropped)} streams left out: not built in {args.dataset} ({', '.join(dropped[:6])}"
+            f"{', ...' if len(dropped) > 6 else ''})")
     if not keep:
         raise UsageError(f"{args.dataset} has none of the configs this grid needs; it has {', '.join(sorted(available))} "
                          "(a real-world set holds only clean: add --clean).")
@@ -484,5 +485,7 @@ def check_dataset_configs(args, jobs) -> None:
     if missing and not named:
         return  # the grid's defaults: streams the folder lacks are left out with a note (_built_jobs)
     if missing:
+        from .build import add_configs_command
+
         raise UsageError(f"--dataset {args.dataset} has no config {', '.join(missing)} (it has: {', '.join(sorted(have)) or 'none'}); "
-                         "leave it out of --corruptions / --text-corruptions or build it with recipes/build_benchmarks.py.")
+                         f"leave it out of --corruptions / --text-corruptions or add it to the build: {add_configs_command(args.dataset, missing)}.")

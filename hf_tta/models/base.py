@@ -45,6 +45,9 @@ class ModelAdapter:
             are images, so ``{"video": "image"}``); benchmark tasks read it to pick the processor.
         processors: per modality, what prepares the inputs (named in the input errors).
         vocab_config: the sub-config whose ``vocab_size`` bounds the text ids (``"text_config"``).
+        fixed_image_size: the vision tower's position embeddings fix the input H x W to ``vision_config.image_size``
+            (ViT-style towers: CLIP, SigLIP, BLIP, BLIP-2, X-CLIP); another size is refused in one line naming the
+            processor, before transformers' own error from inside the tower.
 
     What each input key must look like is declared by :meth:`input_specs` (from the model's config) and checked by
     :meth:`check_inputs` before anything runs; adapters override :meth:`input_specs`, never the wrapper.
@@ -70,6 +73,7 @@ class ModelAdapter:
         "video": "the model's processor (AutoProcessor / AutoImageProcessor on the frames)",
     }
     vocab_config: ClassVar[str] = "text_config"
+    fixed_image_size: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -113,7 +117,8 @@ class ModelAdapter:
             sizes = () if channels is None else ((-3, channels, f"vision_config.num_channels={channels}"),)
             layout = ("B", "C", "H", "W") if modality == "image" else ("B", "T", "C", "H", "W")
             specs = {"pixel_values": InputSpec(
-                FEATURES, layout, sizes, processor=proc, description="normalised pixel values", max_abs=PIXEL_MAX_ABS
+                FEATURES, layout, sizes, processor=proc, description="normalised pixel values", max_abs=PIXEL_MAX_ABS,
+                **self._image_size_spec(getattr(config, "vision_config", None)),
             )}
             if modality == "video":
                 specs["frame_mask"] = InputSpec(MASK, ("B", "T"), processor=proc)
@@ -136,6 +141,18 @@ class ModelAdapter:
             "input_values": InputSpec(FEATURES, processor=proc, description="audio values"),
             "attention_mask": InputSpec(MASK, processor=proc),
         }
+
+    def _image_size_spec(self, vision) -> dict:
+        """The :class:`InputSpec` fields of the H x W check (none unless :attr:`fixed_image_size`): the size from
+        ``vision_config.image_size`` (an int or ``(H, W)``) and the processor call of the checkpoint it came from."""
+        size = getattr(vision, "image_size", None) if self.fixed_image_size else None
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size, size)
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) for v in size)):
+            return {}
+        path = getattr(self.model, "name_or_path", "") or getattr(getattr(self.model, "config", None), "_name_or_path", "") or ""
+        return {"image_size": tuple(size), "image_size_source": f"vision_config.image_size={size[0] if size[0] == size[1] else list(size)}",
+                "resize_with": f"AutoProcessor.from_pretrained({str(path)!r})" if path else ""}
 
     def input_dtype(self) -> torch.dtype | None:
         """The dtype floating-point inputs are cast to: the model's (its first floating-point parameter's)."""

@@ -16,6 +16,7 @@ class BlipAdapter(ModelAdapter):
     # the ITC text embedding runs no cross-attention (no encoder_hidden_states): its LayerNorms never run
     unused_norms = {"text": (r"text_encoder\.encoder\.layer\.\d+\.crossattention\..*",)}
     processors = {"image": "BlipProcessor / BlipImageProcessor", "text": "BlipProcessor / BertTokenizer"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         m = self.model

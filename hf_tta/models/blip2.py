@@ -40,6 +40,7 @@ class Blip2Adapter(ModelAdapter):
     # Not given by the papers for BLIP-2; BLIP's rates (TCR App. B.2).
     default_lr = {"image": 3e-4, "text": 3e-5}
     processors = {"image": "Blip2Processor / BlipImageProcessor", "text": "Blip2Processor (its Q-Former tokenizer)"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
     vocab_config = "qformer_config"
     _layer = r"qformer\.encoder\.layer\.\d+\."
     unused_norms = {

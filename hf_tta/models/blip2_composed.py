@@ -44,6 +44,7 @@ class Blip2ComposedAdapter(ModelAdapter):
     # so BLIP's text-query rate, 3e-5 (TCR App. B.2); the gallery side keeps BLIP's image rate.
     default_lr = {"composed": 3e-5, "image": 3e-4}
     processors = {"composed": "Blip2Processor(images=references, text=modifications)", "image": "Blip2Processor / BlipImageProcessor"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
     vocab_config = "qformer_config"
 
     def input_specs(self, modality: str) -> dict[str, InputSpec]:

@@ -18,6 +18,7 @@ class CLIPAdapter(ModelAdapter):
     # TCR App. B.2: 3e-4 for image queries; 3e-4 for text queries with CLIP (3e-5 is BLIP's).
     default_lr = {"image": 3e-4, "text": 3e-4}
     processors = {"image": "CLIPProcessor / CLIPImageProcessor", "text": "CLIPProcessor / CLIPTokenizer"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if modality == "image":

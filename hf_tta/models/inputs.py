@@ -53,6 +53,13 @@ class InputSpec:
         default=None,
         metadata={"help": "Refuse floating-point features with a larger |value| (pixels that skipped normalisation)."},
     )
+    image_size: tuple[int, int] | None = field(
+        default=None, metadata={"help": "(H, W) the last two axes must have: the size a tower's position embeddings fix (None = any)."}
+    )
+    image_size_source: str = field(default="", metadata={"help": "Where image_size comes from, e.g. 'vision_config.image_size=224'."})
+    resize_with: str = field(
+        default="", metadata={"help": "The call that loads the processor resizing to image_size (named in the error; else `processor`)."}
+    )
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -93,6 +100,12 @@ def check_input(
                 f"{where} has size {value.shape[axis]} on axis {axis}{axis_name} but the model expects {size} ({source}); "
                 f"got shape {tuple(value.shape)}. Prepare it with {spec.processor}."
             )
+    if spec.image_size is not None and value.dim() >= 2 and tuple(value.shape[-2:]) != tuple(spec.image_size):
+        (h, w), (eh, ew) = value.shape[-2:], spec.image_size
+        raise ValueError(
+            f"{modality} inputs are {h}x{w} images but the model expects {eh}x{ew} ({spec.image_size_source}): preprocess "
+            f"them with the model's processor ({spec.resize_with or spec.processor}), which resizes them."
+        )
     if spec.like is not None and spec.like in inputs and value.shape != inputs[spec.like].shape:
         raise ValueError(
             f"{where} must have the shape of {spec.like!r}, {tuple(inputs[spec.like].shape)}; got {tuple(value.shape)}."

@@ -14,6 +14,7 @@ class SiglipAdapter(ModelAdapter):
     # Not in the papers; CLIP-family contrastive models use TCR's CLIP rates.
     default_lr = {"image": 3e-4, "text": 3e-4}
     processors = {"image": "SiglipProcessor / SiglipImageProcessor", "text": "SiglipProcessor / AutoTokenizer"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
 
     def _embed(self, modality: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if modality == "image":

@@ -38,6 +38,7 @@ class XCLIPAdapter(ModelAdapter):
     # CLIP-family contrastive model: TCR's CLIP rates.
     default_lr = {"video": 3e-4, "text": 3e-4}
     processors = {"video": "XCLIPProcessor / VideoMAEImageProcessor", "text": "XCLIPProcessor / CLIPTokenizer"}
+    fixed_image_size = True  # ViT-style tower: its position embeddings fix H x W (vision_config.image_size)
 
     def input_specs(self, modality: str) -> dict[str, InputSpec]:
         specs = super().input_specs(modality)

@@ -319,7 +319,8 @@ class BenchmarkBuilder:
         info = self._read_info()
         if info is None:
             return
-        old, new = info.get("params", {}), self._params()
+        # as written to build_info.json (tuples read back as lists: a spec's citations, directions)
+        old, new = info.get("params", {}), json.loads(json.dumps(self._params(), default=str))
         diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
         if diff and self.built_configs():
             raise ValueError(
