@@ -169,7 +169,7 @@ def cmd_build(args) -> int:
     for what, items in notes.items():
         for name, why in (items or {}).items():
             print(f"hf-tta: {what}: {name} ({why})")
-    from ..data.corruptions.base import MissingResourceError
+    from ..data.corruptions.base import BuildSettingsError, MissingResourceError
 
     try:  # reading and checking the raw files: their mistakes are the user's to fix (exit status 2)
         builder.prepare()
@@ -177,6 +177,8 @@ def cmd_build(args) -> int:
         raise UsageError(str(err).strip().splitlines()[0]) from None
     try:
         built = builder.build(configs)
+    except BuildSettingsError as err:  # resuming a folder with other settings: the user's to fix (exit status 2)
+        raise UsageError(str(err).splitlines()[0]) from None
     except MissingResourceError as err:
         raise UsageError(f"{str(err).splitlines()[0][:300]} ... Pass --text-model NAME=ID (or --wordnet DIR), or leave those "
                          "configs out with --configs (e.g. without the *_sent / text-<sentence> ones).") from None

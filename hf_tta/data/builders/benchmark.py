@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ...logging import tqdm
-from ..corruptions.base import MissingResourceError, derive_seed
+from ..corruptions.base import BuildSettingsError, MissingResourceError, derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import corrupt_image
 from ..corruptions.text import (
@@ -323,7 +323,7 @@ class BenchmarkBuilder:
         old, new = info.get("params", {}), json.loads(json.dumps(self._params(), default=str))
         diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
         if diff and self.built_configs():
-            raise ValueError(
+            raise BuildSettingsError(
                 f"{self.output_dir} holds configs built with other settings {diff} (old, new): use another output "
                 "directory, or the same settings to resume."
             )

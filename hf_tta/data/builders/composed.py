@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..corruptions.base import derive_seed
+from ..corruptions.base import BuildSettingsError, derive_seed
 from ..corruptions.diverse import DEFAULT_IMAGE_POOL, DEFAULT_TEXT_POOL, corrupt_image_diverse, corrupt_text_diverse
 from ..corruptions.image import MAX_IMAGE_SEVERITY, corrupt_image
 from ..corruptions.text import MAX_TEXT_SEVERITY, check_text_resources, corrupt_text
@@ -206,7 +206,7 @@ class ComposedBuilder:
         if info_path.is_file() and self.built_configs():
             old = json.loads(info_path.read_text(encoding="utf-8")).get("params", {})
             if old != json.loads(json.dumps(self._params())):
-                raise ValueError(f"{self.output_dir} holds configs built with other settings: use another output directory, or the same settings to resume.")
+                raise BuildSettingsError(f"{self.output_dir} holds configs built with other settings: use another output directory, or the same settings to resume.")
         self.prepare()
         needed = {self.text_reps[c.split("_")[1]] for c in configs if c in O_CONFIGS}
         needed |= {n for n, _ in self.text_pool} if "diverse" in configs else set()

@@ -60,6 +60,11 @@ class MissingResourceError(RuntimeError):
     """A corruption needs data or a model that is not available here; the message says what to install."""
 
 
+class BuildSettingsError(ValueError):
+    """A build folder holds configs built with other settings (a resumed build must repeat them); the message names
+    the differing settings and the fix."""
+
+
 def bare_word(word: str) -> str:
     """``word`` lower-cased with everything but ``a``..``z`` removed (EDA's normalisation)."""
     return re.sub(r"[^a-z]", "", word.lower())
