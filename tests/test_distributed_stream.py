@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper
+from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper, TuningConfig
 from hf_tta.distributed import shard_bounds
 from support import gloo_worker
 from tiny_models import make_model
@@ -30,7 +30,7 @@ SAFE = TTAConfig(
 SAVE_AFTER = 4  # the safety stream is saved after 4 batches (2 rollbacks in a row: the next one resets) and resumed
 REC_BATCH = 9  # the preset judges batches of >= 8 queries (SafetyConfig.min_queries); 5 + 4 rows
 # L2-SP's anchor with one step per batch: the first batch's logged penalty is its value at the source point
-ANCHORED = TTAConfig(objective="tcr", query_modality="image", steps=1, lr=5e-3, anchor_weight=50.0)
+ANCHORED = TTAConfig(objective="tcr", query_modality="image", steps=1, lr=5e-3, tuning=TuningConfig(anchor_weight=50.0))
 
 
 def _model(rank: int):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_tta import DualEncoderAdapter, TTAConfig, TTAWrapper
+from hf_tta import DualEncoderAdapter, TTAConfig, TTAWrapper, TuningConfig
 from hf_tta.models.inputs import FEATURES, InputSpec
 from tiny_av_models import clap_audio_batch, tiny_clap, tiny_clip, tiny_xclip, video_batch
 from tiny_models import TINY_MODELS, batch, make_model, text_batch
@@ -266,7 +266,7 @@ def test_a_model_already_wrapped_is_refused_in_one_line():
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
     assert [p.requires_grad for p in model.parameters()] == flags
     lora = make_model("clip")
-    TTAWrapper(lora, TTAConfig(query_modality="image", tuning="lora", target_modules=".*vision_model.*fc1"))
+    TTAWrapper(lora, TTAConfig(query_modality="image", tuning=TuningConfig(method="lora", target_modules=".*vision_model.*fc1")))
     with pytest.raises(ValueError, match="carries PEFT adapter layers"):
         TTAWrapper(lora, TTAConfig(query_modality="image"))
     import copy

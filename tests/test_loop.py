@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import RunConfig, TTAConfig, TTAWrapper
 from hf_tta.loop import StepLoop, grads_finite, skip_reason
 from hf_tta.objectives import ObjectiveInputs
 from hf_tta.objectives.base import LossOutput
@@ -22,7 +22,7 @@ GALLERY = F.normalize(torch.randn(30, 16, generator=torch.Generator().manual_see
 
 
 def _target(objective: str = "tcr", fast: bool = False) -> TTAWrapper:
-    return TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image", lr=1e-2, fast_step=fast))
+    return TTAWrapper(make_model("clip"), TTAConfig(objective=objective, query_modality="image", lr=1e-2, run=RunConfig(fast_step=fast)))
 
 
 def _make_inputs(tta: TTAWrapper, queries: dict, nan_steps: tuple[int, ...] = (), calls: list | None = None, nan_scores=False):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from hf_tta import TTAConfig, TTAWrapper, get_adapter
+from hf_tta import RunConfig, TTAConfig, TTAWrapper, TuningConfig, get_adapter
 from tiny_models import batch, make_model
 
 
@@ -100,7 +100,7 @@ def test_layernorm_tuning_is_plain_optimisation_of_the_models_own_layernorms():
     """The adapted LayerNorms equal a reference that optimises a plain model's LayerNorm parameters directly with the
     same optimiser (AdamW, TTAConfig's lr and weight decay) on Tent's loss (mean entropy of softmax(scores / tau))."""
     lr, tau = 1e-2, 0.01
-    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tent", query_modality="image", lr=lr, steps=2, fast_step=False,
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tent", query_modality="image", lr=lr, steps=2, run=RunConfig(fast_step=False),
                                                    objective_config={"tau": tau}))
     texts, queries = batch("text", 12, seed=1), [batch("image", 8, seed=10 + i) for i in range(3)]
     g = tta.encode_gallery(texts)
@@ -129,7 +129,7 @@ def test_layernorm_tuning_is_plain_optimisation_of_the_models_own_layernorms():
 @pytest.mark.parametrize("tuning", ["ln", "lora"])
 def test_disabled_works_after_merge_and_unload_and_export(tuning, tmp_path):
     """Before: after merge_and_unload, `with tta.disabled():` raised PEFT's "No adapter layers found in the model"."""
-    cfg = {"tuning": "lora", "target_modules": ".*vision_model.*mlp.fc[12]"} if tuning == "lora" else {}
+    cfg = {"tuning": TuningConfig(method="lora", target_modules=".*vision_model.*mlp.fc[12]")} if tuning == "lora" else {}
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2, **cfg))
     g = tta.encode_gallery(batch("text", 12, seed=1))
     for i in range(2):
