@@ -122,10 +122,10 @@ class LRSearchConfig(ConfigMixin):
             self.candidates = list(self.candidates)
         check_field_types(self)
         if self.candidates is not None:
-            ok = len(self.candidates) >= 2 and all(c > 0 for c in self.candidates)
-            if not ok or any(b <= a for a, b in zip(self.candidates, self.candidates[1:])):
-                raise ValueError("LRSearchConfig `candidates` must be at least 2 lrs > 0 in increasing order, got "
-                                 f"{self.candidates!r}.")
+            c = self.candidates
+            ok = len(c) >= 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in c)
+            if not ok or any(b <= a for a, b in zip(c, c[1:])):
+                raise ValueError(f"LRSearchConfig `candidates` must be at least 2 finite lrs > 0 in increasing order, got {c!r}.")
         if isinstance(self.probe_batches, bool) or self.probe_batches < 2:
             raise ValueError(f"LRSearchConfig `probe_batches` must be an integer >= 2 (the first probe batch only "
                              f"starts the shadows), got {self.probe_batches!r}.")
