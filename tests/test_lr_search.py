@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from hf_tta import RoutedTTAWrapper, TTAConfig, TTAWrapper
-from hf_tta.lr_search import LRSearchConfig, choose, proxy_value
+from hf_tta import LRSearchConfig, RoutedTTAWrapper, TTAConfig, TTAWrapper
+from hf_tta.lr_search import choose, proxy_value
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, ROLLBACK, AdapterState
 from support import check_resume, dense_gallery, image_stream, source_scores, state_of
