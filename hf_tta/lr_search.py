@@ -274,9 +274,20 @@ class LRSearch:
 
     # ---------------------------------------------------------------------------------------- the probe
     def probe(self, batch: Any) -> TTAOutput:
-        """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts."""
-        w, cfg = self.wrapper, self.config
+        """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts. An
+        error on the way leaves the wrapper as the batch found it."""
+        w = self.wrapper
         before, rng = dict(self._state), w.generator.get_state()
+        try:
+            return self._probe(batch, before, rng)
+        except BaseException:
+            w._source_state.only(SHADOW).apply(w)  # the served state during the probe
+            w.selector_state = before
+            w.generator.set_state(rng)
+            raise
+
+    def _probe(self, batch: Any, before: dict[str, torch.Tensor], rng: torch.Tensor) -> TTAOutput:
+        w, cfg = self.wrapper, self.config
         tally = {"forward": 0, "backward": 0}
         with counting(w.forward, tally):
             source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hf_tta import LRSearchConfig, RoutedTTAWrapper, TTAConfig, TTAWrapper
+from hf_tta import ChunkedGallery, LRSearchConfig, RoutedTTAWrapper, TTAConfig, TTAWrapper
 from hf_tta.lr_search import choose, proxy_value
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, ROLLBACK, AdapterState
@@ -82,7 +82,7 @@ def _fixed(lr: float, steps: int = 1) -> tuple[TTAWrapper, object]:
     return tta, tta.encode_gallery(batch("text", 20, seed=1))
 
 
-def test_the_probe_chooses_what_fixed_lr_runs_say_and_becomes_that_run():
+def test_the_probe_chooses_what_fixed_lr_runs_say_and_becomes_that_run(caplog):
     """Each shadow is a fixed-lr wrapper: with one step per batch, its out.loss on batch i is the shadow's prequential
     loss there. The proxy's means over batches 1 and 2 decide; the committed state is the chosen run's, bit for bit."""
     losses, states, runs = {}, {}, {}
@@ -94,7 +94,9 @@ def test_the_probe_chooses_what_fixed_lr_runs_say_and_becomes_that_run():
     want = LRS[min(range(3), key=lambda k: means[k])]
     assert len({round(m, 6) for m in means}) == 3  # the stream tells the lrs apart
     tta, g = _wrapper()
-    outs = [tta.adapt_step(x, g) for x in STREAM[:3]]
+    with caplog.at_level("INFO", logger="hf_tta"):
+        outs = [tta.adapt_step(x, g) for x in STREAM[:3]]
+    assert f"lr_search: chose lr={want:.3g} by next_loss over 3 probe batches" in caplog.text
     assert [tta.lr_search.probed] == [3] and tta.lr_search.chosen == want and tta.lr_search.lr == want
     assert tta.lr_search.scores == pytest.approx(dict(zip(LRS, means)), rel=1e-6)
     for i in (1, 2):
@@ -141,6 +143,17 @@ def test_the_source_answers_the_probe_and_its_cost_is_counted():
     passes.forward = passes.backward = 0
     tta.adapt_step(STREAM[3], g)  # committed: a fixed-lr batch, the probe counts no more
     assert (passes.forward, passes.backward) == (s, s) and tta.lr_search.cost == cost
+
+
+def test_a_topk_backend_is_answered_by_the_source_during_the_probe():
+    tta, g = _wrapper(proxy="agreement")
+    backend = ChunkedGallery(g.embeddings, "text", k=4)
+    for x in STREAM[:3]:  # the probe
+        expected = tta.answer(x, backend)
+        out = tta.adapt_step(x, backend)
+        assert torch.equal(out.topk.indices, expected.topk.indices) and torch.equal(out.topk.values, expected.topk.values)
+    assert tta.lr_search.chosen in LRS and all(0 <= v <= 1 for v in tta.lr_search.scores.values())
+    assert tta.adapt_step(STREAM[3], backend).num_updates >= 1  # committed: the served state adapts
 
 
 @pytest.mark.parametrize("cut", [1, 4], ids=["mid_probe", "after_commit"])
@@ -232,6 +245,18 @@ def test_a_non_finite_loss_changes_nothing(push):
         else:
             assert not AdapterState.capture(tta, ROLLBACK).equals(before)
     assert tta.lr_search.probed == 3 and tta.lr_search.cost["queries"] == 3 * 8 and tta.lr_search.chosen is not None
+
+
+def test_an_error_inside_the_probe_leaves_the_wrapper_as_it_was(push):
+    cfg = TTAConfig(objective=push, objective_config={"mode": "raise", "harm_batches": [1]}, lr=0.5,
+                    lr_search=LRSearchConfig(candidates=[0.25, 0.5], probe_batches=3))
+    tta = TTAWrapper(make_model("clip"), cfg)
+    g = tta.encode_gallery(batch("text", 20, seed=1))
+    tta.adapt_step(STREAM[0], g)
+    before, rng = AdapterState.capture(tta, ALL), tta.generator.get_state()
+    with pytest.raises(RuntimeError, match="push: batch 1"):
+        tta.adapt_step(STREAM[1], g)
+    assert AdapterState.capture(tta, ALL).equals(before) and torch.equal(rng, tta.generator.get_state())
 
 
 # ------------------------------------------------------------------------------------- config
