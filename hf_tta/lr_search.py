@@ -37,10 +37,17 @@ Ties go to the candidate nearest the wrapper's base lr (``TTAConfig.lr`` or the 
 candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch on
 which no candidate's value is finite (e.g. a NaN input) changes nothing, not even the counters.
 
+**The safety layer.** It judges nothing during the probe (the served state, the source, does not adapt) but its
+rule 1: a degenerate batch is not probed and leaves no trace. After the commit it judges as on any stream. A rollback
+restores the selector's state with the rest, bit-exactly. A safety *reset* returns the adapted state to the source
+but keeps the choice (the lr in use and the cost counters): the stream goes on at that lr rather than probing again
+(which would likely choose it again). :meth:`~hf_tta.TTAWrapper.reset` clears everything, the choice included.
+
 **Back-off (selector (d) of issue 37)**: ``backoff=f`` (needs the safety layer) multiplies the lr in use by ``f``
-after every rollback the safety layer makes for a collapse of the source agreement (its rule 3), after the commit.
-The rollback restores the selector's state bit-exactly; the back-off then acts on the lr in use before the rollback,
-so successive rollbacks compound (``f``, ``f^2``, ...), logged as a warning each time.
+after every rollback (a collapse of the source agreement, the layer's rule 3) and every reset (collapse, or
+``max_rollbacks`` rollbacks in a row), never below the lowest candidate. It acts after the rollback has restored the
+selector's state, on the lr in use before it, so successive rollbacks compound (``f``, ``f^2``, ...); each is logged
+as a warning. ``probe_batches=0`` runs it alone, without a probe: the stream starts at the highest candidate.
 
 **Cost** (``wrapper.lr_search.cost``): the probe counts the query tower's forward and backward passes it runs, per
 query, by a hook on the wrapper's query embedding (so SAM's second pass, re-encoded views and gradient decoupling's
@@ -51,7 +58,7 @@ safety layer). Amortised over ``T`` batches of which ``P`` probe, the ratio of p
 
 **State.** Everything lives in the :data:`~hf_tta.state.SELECTOR` part of the wrapper's
 :class:`~hf_tta.state.AdapterState` (``selector.*`` in a checkpoint): saved and resumed bit-exactly mid-probe,
-cleared by ``reset()`` (and by a safety reset, after which the stream probes again), restored by a rollback.
+cleared by ``reset()``, restored by a rollback, kept (its choice) by a safety reset.
 """
 
 from __future__ import annotations
@@ -100,7 +107,9 @@ class LRSearchConfig(ConfigMixin):
                           "the model's default): x (1/3, 1, 10/3, 10, 100/3), e.g. 1e-4 ... 1e-2 around 3e-4."},
     )
     probe_batches: int = field(
-        default=4, metadata={"help": "Stream batches the probe lasts (>= 2: the first only starts the shadows)."}
+        default=4,
+        metadata={"help": "Stream batches the probe lasts (>= 2: the first only starts the shadows); 0 (with backoff) = "
+                          "no probe: start at the highest candidate and back off (selector (d) alone)."},
     )
     proxy: str = field(
         default="next_loss",
@@ -113,8 +122,9 @@ class LRSearchConfig(ConfigMixin):
     )
     backoff: float | None = field(
         default=None,
-        metadata={"help": "Multiply the lr in use by this factor in (0, 1) after each safety rollback for a collapse "
-                          "of source agreement (needs TTAConfig.safety); None = off."},
+        metadata={"help": "Multiply the lr in use by this factor in (0, 1) after each safety rollback (a collapse of "
+                          "source agreement) or reset, never below the lowest candidate (needs TTAConfig.safety); "
+                          "None = off."},
     )
 
     def __post_init__(self):
@@ -126,9 +136,9 @@ class LRSearchConfig(ConfigMixin):
             ok = len(c) >= 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in c)
             if not ok or any(b <= a for a, b in zip(c, c[1:])):
                 raise ValueError(f"LRSearchConfig `candidates` must be at least 2 finite lrs > 0 in increasing order, got {c!r}.")
-        if isinstance(self.probe_batches, bool) or self.probe_batches < 2:
+        if isinstance(self.probe_batches, bool) or self.probe_batches < 2 and not (self.probe_batches == 0 and self.backoff):
             raise ValueError(f"LRSearchConfig `probe_batches` must be an integer >= 2 (the first probe batch only "
-                             f"starts the shadows), got {self.probe_batches!r}.")
+                             f"starts the shadows), or 0 with `backoff` (no probe), got {self.probe_batches!r}.")
         check_choice("proxy", self.proxy, PROXIES, owner="LRSearchConfig")
         if self.agreement_floor is not None:
             if self.proxy != "agreement":
@@ -208,19 +218,23 @@ class LRSearch:
         return self.wrapper.selector_state
 
     @property
+    def _committed(self) -> bool:
+        return int(self._state.get("chosen", -1)) >= 0
+
+    @property
     def probing(self) -> bool:
-        """Whether the next batch is a probe batch (no lr chosen since the last reset)."""
-        return int(self._state.get("chosen", -1)) < 0
+        """Whether the next batch is a probe batch (no lr chosen since the last reset; never with ``probe_batches=0``)."""
+        return self.config.probe_batches > 0 and not self._committed
 
     @property
     def chosen(self) -> float | None:
-        """The lr the probe chose (``None`` while probing)."""
-        return None if self.probing else self.candidates[int(self._state["chosen"])]
+        """The lr the probe chose (the highest candidate without a probe); ``None`` before."""
+        return self.candidates[int(self._state["chosen"])] if self._committed else None
 
     @property
     def lr(self) -> float | None:
-        """The lr in use after the commit (the chosen lr, times the back-off's factors); ``None`` while probing."""
-        return None if self.probing else float(self._state["lr"])
+        """The lr in use after the commit (the chosen lr, times the back-off's factors); ``None`` before."""
+        return float(self._state["lr"]) if self._committed else None
 
     @property
     def probed(self) -> int:
@@ -260,17 +274,29 @@ class LRSearch:
 
     def before_steps(self) -> None:
         """Before a committed batch's steps: the lr in use into the optimiser (a reset or a rebuilt optimiser starts
-        from the base lr)."""
-        if not self.probing:
-            self.set_lr(self.lr)
+        from the base lr). Without a probe (``probe_batches=0``) the first batch starts at the highest candidate."""
+        if not self._committed:
+            self.wrapper.selector_state = self._unprobed(self.candidates[-1])
+            logger.info("lr_search: no probe: starting at the highest candidate lr=%.3g, backed off by %s on collapse",
+                        self.candidates[-1], self.config.backoff)
+        self.set_lr(self.lr)
 
-    def after_rollback(self, lr_before: float | None) -> None:
-        """The back-off (selector (d)): after a safety rollback, the lr in use before it times ``backoff``."""
-        if self.config.backoff is None or lr_before is None or self.probing:
+    def back_off(self, lr_before: float | None, action: str | None) -> None:
+        """The back-off (selector (d)): after a safety rollback or reset (``action``), the lr in use before it times
+        ``backoff``, never below the lowest candidate."""
+        if self.config.backoff is None or lr_before is None or action not in ("rollback", "reset"):
             return
-        lr = lr_before * self.config.backoff
-        self.wrapper.selector_state = {**self._state, "lr": torch.tensor(lr, dtype=torch.float64)}
-        logger.warning("lr_search: source agreement collapsed (safety rollback): lr backed off %.3g -> %.3g", lr_before, lr)
+        if not self._committed and self.config.probe_batches:  # (a snapshot of a probe is never taken before its commit)
+            return
+        lr = max(lr_before * self.config.backoff, self.candidates[0])
+        # a rollback to a snapshot from before an unprobed start restores no choice: start again, backed off
+        state = self._state if self._committed else self._unprobed(lr)
+        self.wrapper.selector_state = {**state, "lr": torch.tensor(lr, dtype=torch.float64)}
+        logger.warning("lr_search: safety %s: lr backed off %.3g -> %.3g", action, lr_before, lr)
+
+    def _unprobed(self, lr: float) -> dict[str, torch.Tensor]:
+        """The state of a search without a probe (``probe_batches=0``): the highest candidate chosen, ``lr`` in use."""
+        return {**self._fresh(), "chosen": torch.tensor(len(self.candidates) - 1), "lr": torch.tensor(lr, dtype=torch.float64)}
 
     # ---------------------------------------------------------------------------------------- the probe
     def probe(self, batch: Any) -> TTAOutput:

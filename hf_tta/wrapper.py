@@ -34,7 +34,7 @@ from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
-from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
+from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, SHADOW, AdapterState
 from .update_budget import UpdateBudget
 
 logger = logging.getLogger(__name__)
@@ -301,15 +301,14 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     def _apply(self, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
         (batch counter, RNG and score transform go on), or refresh the last-good state after a kept batch."""
+        lr_before = self.lr_search.lr if self.lr_search is not None else None
         if decision.action == "rollback":
-            lr_before = self.lr_search.lr if self.lr_search is not None else None
             self.safety.last_good.apply(self)
-            if self.lr_search is not None:  # LRSearchConfig.backoff: the lr in use before the rollback, backed off
-                self.lr_search.after_rollback(lr_before)
-        elif decision.action == "reset":
-            self._source_state.only(ROLLBACK).apply(self)
-            self.safety.remember(self)
-        elif decision.refresh:
+        elif decision.action == "reset":  # the lr search's choice is kept (hf_tta.lr_search)
+            self._source_state.only(ROLLBACK if self.lr_search is None else SHADOW).apply(self)
+        if self.lr_search is not None:  # LRSearchConfig.backoff, after a rollback or reset
+            self.lr_search.back_off(lr_before, decision.action)
+        if decision.action == "reset" or decision.refresh:
             self.safety.remember(self)
 
     def _report(

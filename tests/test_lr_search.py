@@ -185,7 +185,7 @@ def _harmful(push, harm, mode="shift", **search):
     push objective's loss is 0 off its harm batches, so every proxy ties and the base lr is chosen."""
     safety, lr = ({"min_agreement": 0.5, "collapse_ratio": 0.0}, 0.5) if mode == "shift" else ({}, 5.0)
     cfg = TTAConfig(objective=push, objective_config={"mode": mode, "harm_batches": harm}, lr=lr, safety=safety,
-                    lr_search=LRSearchConfig(candidates=[lr / 2, lr, 2 * lr], probe_batches=2, **search))
+                    lr_search=LRSearchConfig(**{"candidates": [lr / 2, lr, 2 * lr], "probe_batches": 2, **search}))
     return TTAWrapper(make_model("clip"), cfg), dense_gallery()
 
 
@@ -200,28 +200,49 @@ def test_a_rollback_restores_the_selector_state_bit_exactly(push):
 
 
 def test_the_backoff_compounds_over_rollbacks_and_nothing_else_moves(push):
-    tta, g = _harmful(push, harm=[3, 4], backoff=0.5)
+    tta, g = _harmful(push, harm=[3, 4], backoff=0.8)  # 0.5 -> 0.4 -> 0.32, above the lowest candidate 0.25
     for x in HARM_STREAM[:3]:
         tta.adapt_step(x, g)
     chosen, snapshot = tta.lr_search.chosen, AdapterState.capture(tta, ROLLBACK)
     for i, x in zip((3, 4), HARM_STREAM[3:5]):
         assert tta.adapt_step(x, g).safety_action == "rollback"
-        assert tta.lr_search.lr == pytest.approx(chosen * 0.5 ** (i - 2), rel=1e-12)
+        assert tta.lr_search.lr == pytest.approx(chosen * 0.8 ** (i - 2), rel=1e-12)
         now = AdapterState.capture(tta, ROLLBACK)
         assert now.selector.keys() == snapshot.selector.keys()
         assert all(torch.equal(v, snapshot.selector[k]) for k, v in now.selector.items() if k != "lr")
         assert now.only({"params", "optimizer", "objective"}).equals(snapshot.only({"params", "optimizer", "objective"}))
     tta.adapt_step(HARM_STREAM[5], g)
-    assert tta.optimizer.param_groups[0]["lr"] == pytest.approx(chosen * 0.25, rel=1e-12)
+    assert tta.optimizer.param_groups[0]["lr"] == pytest.approx(chosen * 0.64, rel=1e-12)
 
 
-def test_a_safety_reset_returns_to_probing(push):
-    tta, g = _harmful(push, harm=[2], mode="collapse")
+@pytest.mark.parametrize("backoff", [None, 0.5])
+def test_a_safety_reset_returns_to_the_source_and_keeps_the_choice(push, backoff):
+    tta, g = _harmful(push, harm=[2], mode="collapse", backoff=backoff)
+    source = {k: v for k, v in state_of(tta).items()}
     for x in HARM_STREAM[:2]:
         tta.adapt_step(x, g)
-    assert tta.lr_search.chosen is not None
+    chosen, selector = tta.lr_search.chosen, dict(tta.selector_state)
     assert tta.adapt_step(HARM_STREAM[2], g).safety_action == "reset"
-    assert tta.lr_search.probing and tta.selector_state == {}
+    assert {k: v for k, v in state_of(tta).items() if not k.startswith("selector.")}.keys() == source.keys()
+    assert all(torch.equal(v, source[k]) for k, v in state_of(tta).items() if not k.startswith("selector."))
+    assert not tta.lr_search.probing and tta.lr_search.chosen == chosen  # no new probe
+    assert tta.lr_search.lr == chosen * (backoff or 1.0) == max(tta.lr_search.lr, tta.lr_search.candidates[0])
+    assert all(torch.equal(v, selector[k]) for k, v in tta.selector_state.items() if k != "lr")
+    tta.adapt_step(HARM_STREAM[3], g)
+    assert tta.optimizer.param_groups[0]["lr"] == tta.lr_search.lr
+
+
+def test_the_backoff_alone_starts_high_and_halves_down_to_the_lowest_candidate(push):
+    tta, g = _harmful(push, harm=[1, 2, 4, 5], backoff=0.5, probe_batches=0)
+    lrs = []
+    for x in HARM_STREAM:
+        out = tta.adapt_step(x, g)
+        assert out.num_updates == 3  # no probe: every batch adapts the served state
+        lrs.append(tta.lr_search.lr)
+    assert tta.lr_search.chosen == 1.0 and tta.lr_search.cost["queries"] == 0
+    assert lrs[0] == 1.0 and lrs[1] == 0.5 and lrs[2] == 0.25 and min(lrs) == 0.25  # floored at the lowest candidate
+    first, g = _harmful(push, harm=[0], backoff=0.5, probe_batches=0)  # rolled back to the snapshot before the start
+    assert first.adapt_step(HARM_STREAM[0], g).safety_action == "rollback" and first.lr_search.lr == 0.5
 
 
 def test_save_resume_with_rollbacks_across_the_cut(push, tmp_path):
@@ -269,6 +290,7 @@ def test_an_error_inside_the_probe_leaves_the_wrapper_as_it_was(push):
         ({"candidates": [True, 1e-3]}, "`candidates` must be at least 2 finite lrs > 0"),
         ({"candidates": [1e-3, float("inf")]}, "LRSearchConfig `candidates` must be"),
         ({"probe_batches": 1}, "`probe_batches` must be an integer >= 2"),
+        ({"probe_batches": 0}, "or 0 with `backoff` (no probe)"),
         ({"probe_batches": 2.0}, "LRSearchConfig `probe_batches` must be int"),
         ({"proxy": "loss"}, "LRSearchConfig `proxy` must be one of ['next_loss', 'agreement', 'uniformity', 'gap']"),
         ({"agreement_floor": 0.8}, "`agreement_floor` applies to proxy='agreement' only (here proxy='next_loss')"),
