@@ -33,6 +33,9 @@ probe batches):
   candidates' with a top-k backend; ``hf_tta.metrics.recall.modality_gap``, TCR Eq. 15, ``gap_after``); lower is
   better. ``recipes/protocol_v3_summary.py``'s ``proxy_study`` ranks the lrs by the same two on whole streams.
 
+The default proxy, ``next_loss``, and the default grid and ``probe_batches`` are set a priori, before any
+measurement; issue 37's study on the protocol-v3 selection split (:mod:`hf_tta.benchmarks.splits`) is to choose them.
+
 Ties go to the candidate nearest the wrapper's base lr (``TTAConfig.lr`` or the model's default), then the lower. A
 candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch on
 which no candidate's value is finite (e.g. a NaN input) changes nothing, not even the counters.
@@ -54,7 +57,12 @@ query, by a hook on the wrapper's query embedding (so SAM's second pass, re-enco
 second backward count too). With ``K`` candidates, ``S`` steps and a dense gallery a probe batch costs ``1 + K S``
 forwards and ``K S`` backwards per query, against ``S`` and ``S`` for a fixed-lr batch (``S + 1`` forwards with the
 safety layer). Amortised over ``T`` batches of which ``P`` probe, the ratio of passes to a fixed-lr run is
-``1 + P (1 + 2 S (K - 1)) / (2 S T)`` (safety off): K = 5, S = 3, P = 4 gives 1.17 at T = 100 and 1.5 at T = 33.
+``1 + P (1 + 2 S (K - 1)) / (2 S T)`` (safety off; with it, whose source forward the probe shares,
+``1 + 2 S P (K - 1) / ((2 S + 1) T)``): K = 5, S = 3, P = 4 gives 1.17 at T = 100 and 1.5 at T = 33 (safety off).
+
+**Where it runs.** :class:`~hf_tta.TTAWrapper` with a gradient objective on a continual stream; refused in one line
+with a training-free objective, ``reset_policy="episodic"``, ``update_budget`` (which skips batches the probe needs),
+``backoff`` without the safety layer, and by :class:`~hf_tta.RoutedTTAWrapper` and ``DistributedTTAWrapper``.
 
 **State.** Everything lives in the :data:`~hf_tta.state.SELECTOR` part of the wrapper's
 :class:`~hf_tta.state.AdapterState` (``selector.*`` in a checkpoint): saved and resumed bit-exactly mid-probe,
@@ -197,7 +205,7 @@ def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -
     elif proxy == "uniformity":
         value = (q - q.mean(0)).norm(dim=1).mean()
     else:
-        value = (q.mean(0) - first.gallery_emb.detach().double().mean(0)).norm()
+        value = (q.mean(0) - first.gallery_emb.detach().mean(0, dtype=torch.float64)).norm()  # no float64 copy of N x D
     return value.cpu()
 
 
