@@ -340,3 +340,12 @@ def test_wrappers_that_cannot_probe_refuse_before_touching_the_model():
         RoutedTTAWrapper(model, TTAConfig(lr="auto"))
     TTAWrapper(model, TTAConfig(lr="auto"))  # the model was left as it was: it can be wrapped
 
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    import hf_tta.lr_search
+
+    result = doctest.testmod(hf_tta.lr_search)
+    assert result.attempted and not result.failed
