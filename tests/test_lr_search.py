@@ -111,6 +111,26 @@ def test_the_probe_chooses_what_fixed_lr_runs_say_and_becomes_that_run(caplog):
         assert torch.equal(a.scores, b.scores) and a.loss == b.loss and a.num_updates == b.num_updates == 1
 
 
+def test_on_the_fast_path_the_committed_state_is_the_fixed_lr_run():
+    """The one-sync fast path (fused AdamW; the default on CUDA) inside the probe: the committed state is the fixed-lr
+    fast run's at the chosen lr, bit for bit, whichever lr the proxy chose."""
+    run = {"fast_step": True}
+    cfg = TTAConfig(objective="tcr", query_modality="image", steps=2, run=run,
+                    lr_search=LRSearchConfig(candidates=LRS[:2], probe_batches=2))
+    tta = TTAWrapper(make_model("clip"), cfg)
+    g = tta.encode_gallery(batch("text", 20, seed=1))
+    assert tta.fast_path_active
+    for x in STREAM[:2]:
+        tta.adapt_step(x, g)
+    fixed = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", steps=2, run=run,
+                                                      lr=tta.lr_search.chosen))
+    for x in STREAM[:2]:
+        fixed.adapt_step(x, g)
+    mine = {k: v for k, v in state_of(tta).items() if not k.startswith("selector.")}
+    theirs = state_of(fixed)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 class Passes:
     """The query tower's forward passes (a forward hook) and backward passes (a gradient hook on an adapted tensor)."""
 
