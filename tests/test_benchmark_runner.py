@@ -157,6 +157,8 @@ def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes():
     assert info["chosen"] in search["candidates"] and info["lr"] == info["chosen"] and info["queries"] == 8
     assert info["forward_per_query"] == 1 + 2 * 2  # the source's answer, then 2 candidates x 2 steps
     assert row["updates"] <= 2  # the probe batches answer from the source: only the third adapts the served state
+    dn = GridRunner(TinyTask(make_model("clip")), settings).run(Job(Condition("i2t", "clean"), "dn", 0))
+    assert "error" not in dn and "lr_search" not in dn  # a training-free row runs without it, as without tuning
 
 
 def test_oracle_all_adapts_every_parameter_of_the_query_tower():

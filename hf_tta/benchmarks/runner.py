@@ -188,8 +188,8 @@ class GridRunner:
         # the features a row does not run take no options: no tuning of a training-free row, no gd settings without gd
         off = {"gradient_decoupling"} if not gd else set()
         if not get_objective_class(objective).requires_grad:
-            off |= {"tuning", "consistency"}
-        base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, ("",))[0] not in off}
+            off |= {"tuning", "consistency", "lr_search"}
+        base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, (k,))[0] not in off}
         transform = "dn" if spec.dn else base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
