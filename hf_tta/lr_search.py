@@ -20,7 +20,8 @@ the chosen shadow becomes the adapted state, the others are dropped, the chosen 
 again). The safety layer's last-good snapshot is taken at the commit.
 
 **Proxies** (``proxy``; each is a label-free signal of one shadow on the incoming batch, averaged over the scored
-probe batches):
+probe batches). The probe records all four at no extra pass (``wrapper.lr_search.all_scores``, and the lr each
+proxy's rule would choose, ``wrapper.lr_search.choices``; per batch in ``TTAOutput.logs``) and commits by ``proxy``:
 
 * ``"next_loss"``: the objective's own loss (with any penalty) at the first step, on the next batch before updating
   on it; lower is better (the prequential self-supervised loss of issue 37's proxy study);
@@ -191,22 +192,24 @@ def choose(proxy: str, lrs: list[float], values: list[float], valid: list[bool],
 
 
 @torch.no_grad()
-def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -> torch.Tensor:
-    """One shadow's proxy on a batch (a 0-d float64 tensor): ``first`` is its first step's
-    :class:`~hf_tta.objectives.ObjectiveInputs` (before it adapts on the batch), ``first_loss`` that step's loss,
-    ``source`` the source model's view of the batch."""
-    if proxy == "next_loss":
-        return torch.tensor(float("nan") if first_loss is None else first_loss, dtype=torch.float64)
+def proxy_values(first: Any, first_loss: float | None, source: Any, gallery_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Every proxy of one shadow on a batch, in :data:`PROXIES` order (a float64 CPU tensor): ``first`` is its first
+    step's :class:`~hf_tta.objectives.ObjectiveInputs` (before it adapts on the batch), ``first_loss`` that step's
+    loss, ``source`` the source model's view of the batch, ``gallery_mean`` the dense gallery's mean (computed once
+    per batch; ``None``: the mean of ``first``'s gallery rows, a top-k backend's candidates)."""
     q = first.query_emb.detach().double()
-    if proxy == "agreement":
-        mine = window.top1(first.scores.detach(), first.candidate_ids)[1]
-        theirs = window.top1(source.scores, source.candidate_ids)[1].to(mine.device)
-        value = (mine == theirs).double().mean()
-    elif proxy == "uniformity":
-        value = (q - q.mean(0)).norm(dim=1).mean()
-    else:
-        value = (q.mean(0) - first.gallery_emb.detach().mean(0, dtype=torch.float64)).norm()  # no float64 copy of N x D
-    return value.cpu()
+    mine = window.top1(first.scores.detach(), first.candidate_ids)[1]
+    theirs = window.top1(source.scores, source.candidate_ids)[1].to(mine.device)
+    if gallery_mean is None:
+        gallery_mean = first.gallery_emb.detach().mean(0, dtype=torch.float64)  # no float64 copy of N x D
+    loss = torch.tensor(float("nan") if first_loss is None else first_loss, dtype=torch.float64)
+    return torch.stack([loss, (mine == theirs).double().mean().cpu(), (q - q.mean(0)).norm(dim=1).mean().cpu(),
+                        (q.mean(0) - gallery_mean.to(q.device)).norm().cpu()])
+
+
+def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -> torch.Tensor:
+    """One proxy of :func:`proxy_values` (a 0-d float64 tensor)."""
+    return proxy_values(first, first_loss, source)[PROXIES.index(proxy)]
 
 
 # ------------------------------------------------------------------------------------------------- the selector
@@ -251,13 +254,31 @@ class LRSearch:
 
     @property
     def scores(self) -> dict[float, float]:
-        """Each candidate's mean proxy value over the scored probe batches (NaN before the second probe batch, and for
-        a candidate that was out of the choice)."""
+        """Each candidate's mean value of the configured proxy over the scored probe batches (NaN before the second
+        probe batch, and for a candidate that was out of the choice)."""
+        return self.all_scores[self.config.proxy]
+
+    @property
+    def all_scores(self) -> dict[str, dict[float, float]]:
+        """:attr:`scores` for every proxy: the probe records them all (they cost nothing beyond the configured one's),
+        so one stream gives each proxy's choice (:attr:`choices`) for issue 37's proxy study."""
         st = self._state
         if int(st.get("count", 0)) == 0:
-            return {lr: float("nan") for lr in self.candidates}
-        means = (st["sum"] / st["count"]).tolist()
-        return {lr: (m if ok else float("nan")) for lr, m, ok in zip(self.candidates, means, st["valid"].tolist())}
+            return {p: {lr: float("nan") for lr in self.candidates} for p in PROXIES}
+        means, valid = (st["sum"] / st["count"]).tolist(), st["valid"].tolist()
+        return {p: {lr: (m if ok else float("nan")) for lr, m, ok in zip(self.candidates, means[i], valid[i])}
+                for i, p in enumerate(PROXIES)}
+
+    @property
+    def choices(self) -> dict[str, float | None]:
+        """The lr each proxy's rule chooses from the probe's scores so far (``None`` before the second probe batch);
+        the configured proxy's is the one committed to."""
+        st = self._state
+        if int(st.get("count", 0)) == 0:
+            return {p: None for p in PROXIES}
+        means, valid = (st["sum"] / st["count"]).tolist(), st["valid"].tolist()
+        return {p: self.candidates[choose(p, self.candidates, means[i], valid[i], self.base_lr, self.config.floor)]
+                for i, p in enumerate(PROXIES)}
 
     @property
     def cost(self) -> dict[str, float]:
@@ -330,6 +351,7 @@ class LRSearch:
                 return self._answer(batch, source, decision.action, {})
             state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
             cache = [source.scores] if source.candidate_ids is None else []
+            dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
             values, logs = [], {}
             for k, lr in enumerate(self.candidates):
                 self._load(before, k)
@@ -345,17 +367,17 @@ class LRSearch:
                 with torch.enable_grad():
                     result = w.loop.run(w, w.params, make, w._recover)
                 window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
-                values.append(proxy_value(cfg.proxy, first[0], result.first_loss, source))
+                values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
                 tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
                 if meta.get("optim_plain"):
                     raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
                                      "has other state: drop lr_search.")
                 state.update(tensors)
-                logs[f"lr_search.{cfg.proxy}@{lr:.3g}"] = float(values[-1])
+                logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
             w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
-        vals = torch.stack(values)
+        vals = torch.stack(values, dim=1)  # (proxies, candidates)
         finite = torch.isfinite(vals)
-        if not bool(finite.any()):  # a batch no candidate can score (garbage in): nothing changes
+        if not bool(finite[PROXIES.index(cfg.proxy)].any()):  # no candidate can be scored (garbage in): nothing changes
             w.selector_state = before
             w.generator.set_state(rng)
             logger.warning("lr_search: no candidate's %s is finite on this batch: not probed", cfg.proxy)
@@ -379,7 +401,8 @@ class LRSearch:
         counters = {name: torch.zeros((), dtype=torch.int64)  # one tensor each: safetensors refuses shared memory
                     for name in ("count", "probed", "cost.queries", "cost.forward", "cost.backward")}
         return {"candidates": torch.tensor(self.candidates, dtype=torch.float64),
-                "sum": torch.zeros(k, dtype=torch.float64), "valid": torch.ones(k, dtype=torch.bool), **counters,
+                "sum": torch.zeros(len(PROXIES), k, dtype=torch.float64),
+                "valid": torch.ones(len(PROXIES), k, dtype=torch.bool), **counters,
                 "chosen": torch.tensor(-1), "lr": torch.tensor(self.base_lr, dtype=torch.float64)}
 
     def _load(self, state: dict[str, torch.Tensor], k: int) -> None:
@@ -397,18 +420,20 @@ class LRSearch:
     def _commit(self) -> None:
         """The proxy's choice becomes the adapted state; the other shadows are dropped (logged)."""
         w, st = self.wrapper, self._state
-        means = (st["sum"] / st["count"].clamp(min=1)).tolist()
-        k = choose(self.config.proxy, self.candidates, means, st["valid"].tolist(), self.base_lr, self.config.floor)
+        row = PROXIES.index(self.config.proxy)
+        means, valid = (st["sum"][row] / st["count"].clamp(min=1)).tolist(), st["valid"][row].tolist()
+        k = choose(self.config.proxy, self.candidates, means, valid, self.base_lr, self.config.floor)
         self._load(st, k)
         lr = self.candidates[k]
         self.set_lr(lr)
         w.selector_state = {**{key: v for key, v in st.items() if not key.startswith("shadow.")},
                             "chosen": torch.tensor(k), "lr": torch.tensor(lr, dtype=torch.float64)}
-        if not st["valid"][k]:
+        if not valid[k]:
             logger.warning("lr_search: every candidate's %s diverged: the lowest lr %.3g is used", self.config.proxy, lr)
         table = ", ".join(f"{c:.3g}: {m:.4g}" for c, m in zip(self.candidates, means))
-        logger.info("lr_search: chose lr=%.3g by %s over %d probe batches (%s)", lr, self.config.proxy,
-                    int(st["probed"]), table)
+        others = ", ".join(f"{p}: {c:.3g}" for p, c in self.choices.items() if p != self.config.proxy)
+        logger.info("lr_search: chose lr=%.3g by %s over %d probe batches (%s; the other proxies would choose %s)",
+                    lr, self.config.proxy, int(st["probed"]), table, others)
         w.safety.remember(w)
 
     def _answer(self, batch: Any, source: Any, action: str | None, logs: dict[str, float]) -> TTAOutput:

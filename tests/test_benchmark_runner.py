@@ -155,6 +155,7 @@ def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes():
     assert "error" not in row, row.get("error")
     info = row["lr_search"]
     assert info["chosen"] in search["candidates"] and info["lr"] == info["chosen"] and info["queries"] == 8
+    assert info["choices"]["next_loss"] == info["chosen"] and set(info["choices"].values()) <= set(search["candidates"])
     assert info["forward_per_query"] == 1 + 2 * 2  # the source's answer, then 2 candidates x 2 steps
     assert row["updates"] <= 2  # the probe batches answer from the source: only the third adapts the served state
     dn = GridRunner(TinyTask(make_model("clip")), settings).run(Job(Condition("i2t", "clean"), "dn", 0))

@@ -99,6 +99,10 @@ def test_the_probe_chooses_what_fixed_lr_runs_say_and_becomes_that_run(caplog):
     assert f"lr_search: chose lr={want:.3g} by next_loss over 3 probe batches" in caplog.text
     assert [tta.lr_search.probed] == [3] and tta.lr_search.chosen == want and tta.lr_search.lr == want
     assert tta.lr_search.scores == pytest.approx(dict(zip(LRS, means)), rel=1e-6)
+    every = tta.lr_search.all_scores  # every proxy is recorded; each proxy's choice is its rule on its scores
+    assert every["next_loss"] == tta.lr_search.scores and all(0 <= v <= 1 for v in every["agreement"].values())
+    for proxy, lr in tta.lr_search.choices.items():
+        assert lr == LRS[choose(proxy, LRS, list(every[proxy].values()), [True] * 3, tta.lr, 0.5)], proxy
     for i in (1, 2):
         assert [outs[i].logs[f"lr_search.next_loss@{lr:.3g}"] for lr in LRS] == pytest.approx([losses[lr][i] for lr in LRS], rel=1e-6)
     mine = {k: v for k, v in state_of(tta).items() if not k.startswith("selector.")}

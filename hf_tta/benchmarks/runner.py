@@ -358,7 +358,8 @@ class GridRunner:
                 if isinstance(tta, RoutedTTAWrapper):
                     info["domains"] = tta.num_domains
                 if getattr(tta, "lr_search", None) is not None:  # issue 37: the lr the probe chose, and its passes
-                    info["lr_search"] = {"chosen": tta.lr_search.chosen, "lr": tta.lr_search.lr, **tta.lr_search.cost}
+                    search = tta.lr_search
+                    info["lr_search"] = {"chosen": search.chosen, "lr": search.lr, "choices": search.choices, **search.cost}
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
             extra = getattr(self.task, "extra_metrics", None)  # a task's own columns (composed retrieval: REST's)
