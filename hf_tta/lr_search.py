@@ -38,8 +38,10 @@ The default proxy, ``next_loss``, and the default grid and ``probe_batches`` are
 measurement; issue 37's study on the protocol-v3 selection split (:mod:`hf_tta.benchmarks.splits`) is to choose them.
 
 Ties go to the candidate nearest the wrapper's base lr (``TTAConfig.lr`` or the model's default), then the lower. A
-candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch on
-which no candidate's value is finite (e.g. a NaN input) changes nothing, not even the counters.
+candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch whose
+first step selects no query (EATA, SAR, DeYO) leaves ``next_loss`` unscored for that candidate (its mean is over the
+batches it was scored on; a candidate never scored is not chosen; none scored: the lowest lr, with a warning); a batch
+on which every candidate's loss is not finite (garbage in) changes nothing, not even the counters.
 
 **The safety layer.** It judges nothing during the probe (the served state, the source, does not adapt) but its
 rule 1: a degenerate batch is not probed and leaves no trace. After the commit it judges as on any stream. A rollback
@@ -262,22 +264,25 @@ class LRSearch:
     def all_scores(self) -> dict[str, dict[float, float]]:
         """:attr:`scores` for every proxy: the probe records them all (they cost nothing beyond the configured one's),
         so one stream gives each proxy's choice (:attr:`choices`) for issue 37's proxy study."""
+        means = self._means()
+        return {p: dict(zip(self.candidates, means[i])) for i, p in enumerate(PROXIES)}
+
+    def _means(self) -> list[list[float]]:
+        """Mean of each proxy (rows) for each candidate (columns) over the batches it was scored on; NaN where it
+        never was, or where the candidate is out of the choice."""
         st = self._state
-        if int(st.get("count", 0)) == 0:
-            return {p: {lr: float("nan") for lr in self.candidates} for p in PROXIES}
-        means, valid = (st["sum"] / st["count"]).tolist(), st["valid"].tolist()
-        return {p: {lr: (m if ok else float("nan")) for lr, m, ok in zip(self.candidates, means[i], valid[i])}
-                for i, p in enumerate(PROXIES)}
+        if "sum" not in st:
+            return [[float("nan")] * len(self.candidates) for _ in PROXIES]
+        means = torch.where(st["valid"] & (st["count"] > 0), st["sum"] / st["count"].clamp(min=1), float("nan"))
+        return means.tolist()
 
     @property
     def choices(self) -> dict[str, float | None]:
         """The lr each proxy's rule chooses from the probe's scores so far (``None`` before the second probe batch);
         the configured proxy's is the one committed to."""
-        st = self._state
-        if int(st.get("count", 0)) == 0:
-            return {p: None for p in PROXIES}
-        means, valid = (st["sum"] / st["count"]).tolist(), st["valid"].tolist()
-        return {p: self.candidates[choose(p, self.candidates, means[i], valid[i], self.base_lr, self.config.floor)]
+        means = self._means()
+        return {p: self.candidates[choose(p, self.candidates, means[i], [True] * len(self.candidates), self.base_lr,
+                                          self.config.floor)] if any(map(math.isfinite, means[i])) else None
                 for i, p in enumerate(PROXIES)}
 
     @property
@@ -352,7 +357,7 @@ class LRSearch:
             state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
             cache = [source.scores] if source.candidate_ids is None else []
             dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
-            values, logs = [], {}
+            values, losses, logs = [], [], {}
             for k, lr in enumerate(self.candidates):
                 self._load(before, k)
                 self.set_lr(lr)
@@ -368,6 +373,7 @@ class LRSearch:
                     result = w.loop.run(w, w.params, make, w._recover)
                 window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
                 values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
+                losses.append(result.first_loss)
                 tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
                 if meta.get("optim_plain"):
                     raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
@@ -375,17 +381,21 @@ class LRSearch:
                 state.update(tensors)
                 logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
             w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
-        vals = torch.stack(values, dim=1)  # (proxies, candidates)
-        finite = torch.isfinite(vals)
-        if not bool(finite[PROXIES.index(cfg.proxy)].any()):  # no candidate can be scored (garbage in): nothing changes
+        if all(v is not None and not math.isfinite(v) for v in losses):  # garbage in: nothing changes
             w.selector_state = before
             w.generator.set_state(rng)
-            logger.warning("lr_search: no candidate's %s is finite on this batch: not probed", cfg.proxy)
+            logger.warning("lr_search: every candidate's loss is not finite on this batch: not probed")
             return self._answer(batch, source, None, logs)
+        vals = torch.stack(values, dim=1)  # (proxies, candidates)
+        finite = torch.isfinite(vals)
+        # no loss (the objective selected no query) leaves next_loss unscored; a non-finite value puts the candidate out
+        missing = torch.zeros_like(finite)
+        missing[PROXIES.index("next_loss")] = torch.tensor([v is None for v in losses])
+        out = ~finite & ~missing
         if int(state["probed"]) >= 1:  # from the second probe batch on the shadows differ
             state["sum"] = state["sum"] + torch.where(finite, vals, torch.zeros_like(vals))
-            state["count"] = state["count"] + 1
-            state["valid"] = state["valid"] & finite
+            state["count"] = state["count"] + finite.long()
+            state["valid"] = state["valid"] & ~out
         state["probed"] = state["probed"] + 1
         for key, n in tally.items():
             state[f"cost.{key}"] = state[f"cost.{key}"] + n
@@ -399,9 +409,10 @@ class LRSearch:
     def _fresh(self) -> dict[str, torch.Tensor]:
         k = len(self.candidates)
         counters = {name: torch.zeros((), dtype=torch.int64)  # one tensor each: safetensors refuses shared memory
-                    for name in ("count", "probed", "cost.queries", "cost.forward", "cost.backward")}
+                    for name in ("probed", "cost.queries", "cost.forward", "cost.backward")}
         return {"candidates": torch.tensor(self.candidates, dtype=torch.float64),
                 "sum": torch.zeros(len(PROXIES), k, dtype=torch.float64),
+                "count": torch.zeros(len(PROXIES), k, dtype=torch.int64),
                 "valid": torch.ones(len(PROXIES), k, dtype=torch.bool), **counters,
                 "chosen": torch.tensor(-1), "lr": torch.tensor(self.base_lr, dtype=torch.float64)}
 
@@ -420,16 +431,16 @@ class LRSearch:
     def _commit(self) -> None:
         """The proxy's choice becomes the adapted state; the other shadows are dropped (logged)."""
         w, st = self.wrapper, self._state
-        row = PROXIES.index(self.config.proxy)
-        means, valid = (st["sum"][row] / st["count"].clamp(min=1)).tolist(), st["valid"][row].tolist()
-        k = choose(self.config.proxy, self.candidates, means, valid, self.base_lr, self.config.floor)
+        means = self._means()[PROXIES.index(self.config.proxy)]
+        k = choose(self.config.proxy, self.candidates, means, [True] * len(means), self.base_lr, self.config.floor)
         self._load(st, k)
         lr = self.candidates[k]
         self.set_lr(lr)
         w.selector_state = {**{key: v for key, v in st.items() if not key.startswith("shadow.")},
                             "chosen": torch.tensor(k), "lr": torch.tensor(lr, dtype=torch.float64)}
-        if not valid[k]:
-            logger.warning("lr_search: every candidate's %s diverged: the lowest lr %.3g is used", self.config.proxy, lr)
+        if not any(map(math.isfinite, means)):
+            logger.warning("lr_search: no candidate could be scored by %s (diverged, or no loss): the lowest lr %.3g is "
+                           "used", self.config.proxy, lr)
         table = ", ".join(f"{c:.3g}: {m:.4g}" for c, m in zip(self.candidates, means))
         others = ", ".join(f"{p}: {c:.3g}" for p, c in self.choices.items() if p != self.config.proxy)
         logger.info("lr_search: chose lr=%.3g by %s over %d probe batches (%s; the other proxies would choose %s)",

@@ -185,6 +185,24 @@ def test_save_resume_equals_uninterrupted(cut, tmp_path):
     check_resume(lambda: _wrapper(proxy="agreement", steps=2), STREAM, cut=cut, folder=tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("objective", ["sar", "cliptta", "eata"])
+def test_other_objectives_probe_and_resume_mid_probe(objective, tmp_path, caplog):
+    """SAR (SAM's second pass in the step), ClipTTA (an extra optimised tensor, a fresh forward after the update), EATA
+    (on the tiny model its first step selects no query: no loss, so next_loss is never scored: the lowest lr, warned)."""
+    def make():
+        return _wrapper(objective, steps=1, candidates=LRS[:2], probe_batches=2)
+
+    check_resume(make, STREAM[:3], cut=1, folder=tmp_path / "ckpt")
+    tta, g = make()
+    with caplog.at_level("WARNING", logger="hf_tta"):
+        for x in STREAM[:2]:
+            tta.adapt_step(x, g)
+    assert tta.lr_search.chosen in LRS[:2] and tta.lr_search.choices["agreement"] in LRS[:2]
+    if objective == "eata":
+        assert tta.lr_search.choices["next_loss"] is None and tta.lr_search.chosen == LRS[0]
+        assert "no candidate could be scored by next_loss" in caplog.text
+
+
 def test_reset_returns_to_the_source_and_probes_again():
     tta, g = _wrapper()
     source = AdapterState.capture(_wrapper()[0], ALL)  # a wrapper that never adapted
