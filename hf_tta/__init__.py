@@ -51,6 +51,7 @@ _LAZY = {
     "RoutedTTAWrapper": "routing",
     "TTAWrapper": "wrapper",
     "UpdateBudgetConfig": "update_budget",
+    "LRSearchConfig": "lr_search",
 }
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "GalleryBackend",
     "GalleryCache",
     "GradientDecouplingConfig",
+    "LRSearchConfig",
     "LossOutput",
     "ModelAdapter",
     "Objective",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .distributed import DistributedTTAWrapper, init_distributed
     from .gallery import ChunkedGallery, FaissGallery, GalleryBackend, ShardedGallery, TopKScores
     from .gallery.cache import GalleryCache
+    from .lr_search import LRSearchConfig
     from .metrics import retrieval_metrics, topk_retrieval_metrics
     from .models import DualEncoderAdapter, ModelAdapter, get_adapter, register_adapter, supported_architectures
     from .models.clap import ClapAdapter

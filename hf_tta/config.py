@@ -36,6 +36,7 @@ from .configuration_utils import (
     check_known_keys,
     check_positive,
 )
+from .lr_search import LRSearchConfig
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import RECOMMENDED
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TTAConfig", "TuningConfig", "GradientDecouplingConfig", "ConsistencyConfig", "SafetyConfig", "RunConfig",
-    "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
+    "LRSearchConfig", "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
 ]
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
@@ -85,7 +86,9 @@ class TTAConfig(ConfigMixin):
     )
     steps: int = field(default=3, metadata={"help": "Gradient steps per incoming batch (TCR code: --tta_steps 3)."})
     lr: float | None = field(
-        default=None, metadata={"help": "AdamW learning rate; None = the papers' default for this model and query modality."}
+        default=None,
+        metadata={"help": "AdamW learning rate; None = the papers' default for this model and query modality; 'auto' = "
+                          "lr=None with lr_search=LRSearchConfig() (chosen online without labels, issue 37)."},
     )
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (TCR code: 1e-4)."})
     reset_policy: str = field(
@@ -165,6 +168,16 @@ class TTAConfig(ConfigMixin):
             "and changes nothing adapted.",
         },
     )
+    lr_search: LRSearchConfig | None = field(
+        default=None,
+        metadata={
+            "config_class": LRSearchConfig,
+            "help": "Choose the lr online without labels (hf_tta.lr_search, issue 37): an LRSearchConfig (candidates, "
+            "probe_batches, proxy, agreement_floor, backoff) or a dict of its fields turns it on (TTAConfig(lr='auto') "
+            "= its defaults); the first probe_batches batches adapt one shadow per candidate lr while the source "
+            "answers, then the proxy's best becomes the adapted state. None = off: the lr is fixed.",
+        },
+    )
     run: RunConfig = field(
         default_factory=RunConfig,
         metadata={
@@ -188,7 +201,10 @@ class TTAConfig(ConfigMixin):
             self.update_budget = self.update_budget.to_dict()
         if isinstance(self.gradient_decoupling, bool):  # True: the defaults; False: off
             self.gradient_decoupling = GradientDecouplingConfig() if self.gradient_decoupling else None
-        for name in ("tuning", "gradient_decoupling", "consistency", "run"):
+        if isinstance(self.lr, str) and self.lr == "auto":  # short for the lr search's defaults
+            self.lr, self.lr_search = None, self.lr_search if self.lr_search is not None else LRSearchConfig()
+            logger.info("TTAConfig(lr='auto'): the lr is chosen online without labels (lr_search=%s)", self.lr_search)
+        for name in ("tuning", "gradient_decoupling", "consistency", "lr_search", "run"):
             setattr(self, name, _nested(name, getattr(self, name)))
         check_field_types(self)
         for name in ("query_modality", "gallery_modality"):
@@ -237,9 +253,26 @@ class TTAConfig(ConfigMixin):
         budget = build_update_budget_config(self.update_budget)
         if budget is not None and not get_objective_class(self.objective).requires_grad:
             raise ValueError(f"`update_budget` limits updates; {self.objective!r} is training-free: drop update_budget.")
+        self._check_lr_search(budget)
         if budget is not None and budget.fraction is not None and self.reset_policy == "episodic":
             raise ValueError("`update_budget={'fraction': ...}` spaces updates by the batch counter, which "
                              "reset_policy='episodic' resets every batch: use {'entropy_threshold': ...} or reset_policy='never'.")
+
+    def _check_lr_search(self, budget: UpdateBudgetConfig | None) -> None:
+        """``lr_search`` needs a gradient objective on a continual stream that adapts on every probe batch."""
+        search = self.lr_search
+        if search is None:
+            return
+        if not get_objective_class(self.objective).requires_grad:
+            raise ValueError(f"`lr_search` chooses a learning rate; {self.objective!r} is training-free: drop lr_search.")
+        if self.reset_policy == "episodic":
+            raise ValueError("`lr_search` probes over a continual stream; reset_policy='episodic' resets every batch: "
+                             "set reset_policy='never' or drop lr_search.")
+        if budget is not None:
+            raise ValueError("`lr_search` adapts every candidate on every probe batch; `update_budget` skips batches: "
+                             "drop one of them.")
+        if search.backoff is not None and self.safety is None:
+            raise ValueError("LRSearchConfig `backoff` acts on the safety layer's rollbacks: set safety={} or drop backoff.")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TTAConfig":
@@ -379,7 +412,7 @@ def _nested(name: str, value: Any) -> Any:
             raise type(err)(f"`{name}`: {err}") from None
     if value is None or isinstance(value, config_class):
         return value
-    optional = "None, " if name in ("gradient_decoupling", "consistency") else ""
+    optional = "None, " if name in ("gradient_decoupling", "consistency", "lr_search") else ""
     raise ConfigTypeError(f"`{name}` must be {optional}a {config_class.__name__} or a dict of its fields, got {value!r}.")
 
 

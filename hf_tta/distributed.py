@@ -86,6 +86,8 @@ class DistributedTTAWrapper(TTAWrapper):
         group: the process group (default: the world).
     """
 
+    runs_lr_search = False  # TTAConfig.lr_search probes one stream in one process
+
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None, group=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(

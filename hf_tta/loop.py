@@ -63,7 +63,9 @@ class GradientDecoupling:
 
 @dataclass
 class LoopResult:
-    """What the steps of one batch produced: the last step's inputs and detached scores, and what was updated."""
+    """What the steps of one batch produced: the last step's inputs and detached scores, and what was updated.
+    ``first_loss``: the first step's loss, at the parameters the batch found (the prequential loss that
+    :mod:`hf_tta.lr_search`'s ``next_loss`` proxy reads); ``None`` when that step had no loss."""
 
     inputs: ObjectiveInputs
     scores: torch.Tensor
@@ -72,6 +74,7 @@ class LoopResult:
     n_selected: int
     skipped: list[str] = field(default_factory=list)
     logs: dict[str, float] = field(default_factory=dict)
+    first_loss: float | None = None
 
 
 class StepLoop:
@@ -123,7 +126,7 @@ class StepLoop:
         self, target: Adaptable, params: dict[str, nn.Parameter], make_inputs: MakeInputs, recover: Callable[[], None]
     ) -> LoopResult:
         skipped: list[str] = []
-        updates, last_loss, res, scores, inputs = 0, None, None, None, None
+        updates, last_loss, first_loss, res, scores, inputs = 0, None, None, None, None, None
         opt = target.optimizer
         for step in range(self.steps):
             inputs = make_inputs(step)
@@ -131,6 +134,7 @@ class StepLoop:
             res = self.evaluate(inputs, target.state)
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             last_loss = None if res.loss is None else float(res.loss.detach())
+            first_loss = last_loss if step == 0 else first_loss
             reason = skip_reason(res)
             if reason is None:
                 opt.zero_grad(set_to_none=True)
@@ -158,7 +162,7 @@ class StepLoop:
             if self.objective.on_step_end(inputs, res, target.state):
                 recover()
                 opt = target.optimizer
-        return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, float_logs(res.logs))
+        return LoopResult(inputs, scores, last_loss, updates, int(res.n_selected), skipped, float_logs(res.logs), first_loss)
 
     def evaluate(self, inputs: ObjectiveInputs, state: dict) -> LossOutput:
         """The objective's output at the current parameters, with the penalties added to its loss."""
@@ -215,11 +219,12 @@ class StepLoop:
         opt = target.optimizer
         flags: list[tuple[int, torch.Tensor]] = []  # (step, 0 update | 1 nothing selected | 2 non-finite loss | 3 grad)
         skipped: dict[int, str] = {}  # skips decided without the device
-        res = inputs = scores = None
+        res = inputs = scores = first = None
         for step in range(self.steps):
             inputs = make_inputs(step)
             before = AdapterState.view(target, STEP_OBJECTIVE)
             res = self.evaluate(inputs, target.state)
+            first = res.loss if step == 0 else first
             scores = (res.scores if res.scores is not None else inputs.scores).detach()
             n_sel = res.n_selected
             if res.loss is None or not res.loss.requires_grad or (not torch.is_tensor(n_sel) and n_sel == 0):
@@ -247,7 +252,7 @@ class StepLoop:
         # the one sync: step flags, last loss, selected count and logs in one device-to-host transfer
         named = {f"flag.{s}": f for s, f in flags}
         named.update({f"log.{k}": v for k, v in res.logs.items()})
-        named["loss"], named["n_selected"] = res.loss, res.n_selected
+        named["loss"], named["n_selected"], named["first_loss"] = res.loss, res.n_selected, first
         on_device = {k: v for k, v in named.items() if torch.is_tensor(v) and v.device.type != "cpu"}
         values = {k: v.item() if torch.is_tensor(v) else v for k, v in named.items() if k not in on_device}
         if on_device:
@@ -261,7 +266,9 @@ class StepLoop:
         skipped_list = [f"step {s}: {skipped[s]}" for s in sorted(skipped)]
         logs = {k[len("log.") :]: v for k, v in values.items() if k.startswith("log.")}
         loss = None if res.loss is None else values["loss"]
-        return LoopResult(inputs, scores, loss, self.steps - len(skipped_list), int(values["n_selected"]), skipped_list, float_logs(logs))
+        first_loss = None if first is None else values["first_loss"]
+        return LoopResult(inputs, scores, loss, self.steps - len(skipped_list), int(values["n_selected"]), skipped_list,
+                          float_logs(logs), first_loss)
 
 
 def skip_reason(res: LossOutput) -> str | None:

@@ -96,6 +96,8 @@ class RoutedTTAWrapper(TTAWrapper):
         >>> [tta.domain_keys[i] for i in out.domains.tolist()]  # doctest: +SKIP
     """
 
+    runs_lr_search = False  # TTAConfig.lr_search probes one stream in one process
+
     def __init__(
         self,
         model: nn.Module | ModelAdapter,

@@ -1,6 +1,6 @@
 """``AdapterState``: one exact copy of what adaptation changes, captured and applied by named parts.
 
-What a :class:`~hf_tta.TTAWrapper` changes while it adapts is six parts:
+What a :class:`~hf_tta.TTAWrapper` changes while it adapts is seven parts:
 
 ========== ==============================================================================================
 part       what it holds
@@ -13,6 +13,9 @@ objective  the objective's state (TCR's queue, SAR's EMA, ...)
 transform  the score transform's state (DN's query mean)
 rng        the wrapper's random generator
 counter    the batch counter
+selector   the learning-rate search's state (:mod:`hf_tta.lr_search`, issue 37): one shadow copy of the
+           :data:`SHADOW` parts per candidate lr during the probe, the proxy's running scores, the chosen lr and
+           the probe's cost counters; empty when ``TTAConfig.lr_search`` is off or after a reset
 ========== ==============================================================================================
 
 State is copied only here, and every copy takes one of the named subsets (the only rules there are):
@@ -20,7 +23,9 @@ State is copied only here, and every copy takes one of the named subsets (the on
 * :data:`STEP_UNDO`: a step's undo (SAM's diverged second pass, the fast path's replay);
 * :data:`STEP_OBJECTIVE`: the checked loop's per-step undo of the objective's state after a non-finite step, and the
   throw-away state SAM's second pass evaluates on (a :meth:`~AdapterState.view`);
-* :data:`ROLLBACK`: the safety layer's last-good snapshot (the batch counter, RNG and score transform go on);
+* :data:`ROLLBACK`: the safety layer's last-good snapshot (the batch counter, RNG and score transform go on), the
+  learning-rate search's state included, so a rollback restores its shadows and choice too;
+* :data:`SHADOW`: one candidate of the learning-rate search (:mod:`hf_tta.lr_search`): what a candidate lr adapts;
 * :data:`ANSWER`: what an answer reads besides the model (:mod:`hf_tta.answering`: objective and score-transform state,
   RNG; a :meth:`~AdapterState.view`), also the score transform's state that a degenerate batch must not change;
 * :data:`SERVED`: an answering copy of the adapted state (:data:`ANSWER` and the adapted parameters), which a service
@@ -34,10 +39,10 @@ foreach call), so a rollback, a reset, a domain swap and a resumed checkpoint ar
 :meth:`AdapterState.view` takes the objective's and score transform's state, the RNG and the counter *without copying
 the tensors*: new dicts sharing them. That is exact because those states are only ever replaced entry by entry, never
 written in place (every objective of the registry is checked: ``tests/test_objectives_base.py``); parameters and
-optimiser moments are written in place by the optimiser and cannot be viewed. :meth:`AdapterState.apply` puts a
-capture or a view back (copies again), :meth:`AdapterState.copy` gives an independent exact copy of a capture. :meth:`AdapterState.to_tensors` writes
+optimiser moments are written in place by the optimiser and cannot be viewed (nor can the selector's shadows).
+:meth:`AdapterState.apply` puts a capture or a view back (copies again), :meth:`AdapterState.copy` gives an independent exact copy of a capture. :meth:`AdapterState.to_tensors` writes
 the checkpoint's keys (``param.*``, ``optim.<pid>.*`` or ``optim.<name>.*``, ``objective.*``, ``score_transform.*``,
-``wrapper.batch_index``, ``wrapper.rng_state``) and :meth:`AdapterState.from_tensors` reads them back.
+``wrapper.batch_index``, ``wrapper.rng_state``, ``selector.*``) and :meth:`AdapterState.from_tensors` reads them back.
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ from typing import Any, Iterable, Mapping, Protocol
 import torch
 
 PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER = "params", "optimizer", "objective", "transform", "rng", "counter"
-ALL = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER})
+SELECTOR = "selector"
+ALL = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, TRANSFORM, RNG, COUNTER, SELECTOR})
 STEP_UNDO = frozenset({PARAMS, OPTIMIZER, OBJECTIVE, RNG})
 STEP_OBJECTIVE = frozenset({OBJECTIVE})
-ROLLBACK = frozenset({PARAMS, OPTIMIZER, OBJECTIVE})
+SHADOW = frozenset({PARAMS, OPTIMIZER, OBJECTIVE})
+ROLLBACK = SHADOW | {SELECTOR}
 ANSWER = frozenset({OBJECTIVE, TRANSFORM, RNG})
 SERVED = ANSWER | {PARAMS}
 VIEWABLE = frozenset({OBJECTIVE, TRANSFORM, RNG, COUNTER})  # the parts that are replaced, never written in place
@@ -68,6 +75,7 @@ class Adaptable(Protocol):
     transform_state: dict[str, torch.Tensor]
     generator: torch.Generator
     batch_index: int
+    selector_state: dict[str, torch.Tensor]
 
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
 
@@ -96,6 +104,7 @@ class AdapterState:
     transform: dict[str, torch.Tensor] = field(default_factory=dict)
     rng: torch.Tensor | None = None
     batch_index: int = 0
+    selector: dict[str, torch.Tensor] = field(default_factory=dict)
     shared: bool = False  # a view: its tensors are the target's (applied as new dicts, not cloned)
 
     # ------------------------------------------------------------------------------------------ capture / apply
@@ -146,6 +155,8 @@ class AdapterState:
             out.rng = target.generator.get_state()
         if COUNTER in parts:
             out.batch_index = int(target.batch_index)
+        if SELECTOR in parts:
+            out.selector = {k: v.clone() for k, v in target.selector_state.items()}
         return out
 
     @classmethod
@@ -176,6 +187,7 @@ class AdapterState:
             objective=clone(self.objective) if OBJECTIVE in p else {},
             transform=clone(self.transform) if TRANSFORM in p else {},
             rng=self.rng.clone() if RNG in p and self.rng is not None else None, batch_index=self.batch_index,
+            selector=clone(self.selector) if SELECTOR in p else {},
         )
 
     def only(self, parts: Iterable[str]) -> AdapterState:
@@ -232,6 +244,8 @@ class AdapterState:
             target.generator.set_state(self.rng)
         if COUNTER in self.parts:
             target.batch_index = self.batch_index
+        if SELECTOR in self.parts:
+            target.selector_state = {k: v.clone() for k, v in self.selector.items()}
 
     # ------------------------------------------------------------------------------------------ checkpoint layout
     def to_tensors(self, prefix: str = "", optimizer_keys: str = "pid") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -262,6 +276,8 @@ class AdapterState:
             tensors[f"{prefix}wrapper.batch_index"] = torch.tensor(self.batch_index)
         if RNG in self.parts and self.rng is not None:
             tensors[f"{prefix}wrapper.rng_state"] = self.rng
+        if SELECTOR in self.parts:
+            tensors.update({f"{prefix}selector.{k}": v for k, v in self.selector.items()})
         return tensors, meta
 
     @classmethod
@@ -304,6 +320,8 @@ class AdapterState:
             out.batch_index = int(entries["wrapper.batch_index"])
         if "wrapper.rng_state" in entries:
             out.rng = entries["wrapper.rng_state"].cpu().clone()
+        if SELECTOR in parts:
+            out.selector = {k[len("selector.") :]: v.clone() for k, v in entries.items() if k.startswith("selector.")}
         return out
 
     def equals(self, other: AdapterState) -> bool:
@@ -331,6 +349,7 @@ class AdapterState:
             TRANSFORM not in p or same(self.transform, other.transform),
             RNG not in p or same(self.rng, other.rng),
             COUNTER not in p or self.batch_index == other.batch_index,
+            SELECTOR not in p or same(self.selector, other.selector),
             OPTIMIZER not in p or (opt_a is None) == (opt_b is None),
             OPTIMIZER not in p or opt_a is None or (opt_a[0] == opt_b[0] and same(opt_a[1], opt_b[1]) and opt_a[2] == opt_b[2]),
         ]

@@ -28,12 +28,13 @@ from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
+from .lr_search import LRSearch
 from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
-from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
+from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, SHADOW, AdapterState
 from .update_budget import UpdateBudget
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,14 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         >>> out.scores.topk(10).indices  # doctest: +SKIP
     """
 
+    #: whether this wrapper runs ``TTAConfig.lr_search`` (one stream in one process: not routed, not distributed)
+    runs_lr_search = True
+
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None):
         self.config = cfg = config if config is not None else TTAConfig()
+        if cfg.lr_search is not None and not self.runs_lr_search:
+            raise ValueError(f"{type(self).__name__} does not run TTAConfig.lr_search (it probes one stream in one "
+                             "process): use TTAWrapper or drop lr_search.")
         model = unwrap_peft(model)  # a LoRA-tuned PeftModel: its adapters merged, then LN-tuned on top (logged)
         self.adapter = get_adapter(model, modalities=(cfg.query_modality, cfg.gallery_modality))
         self.model = self.adapter.model
@@ -91,6 +98,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
+        self.selector_state: dict[str, torch.Tensor] = {}  # TTAConfig.lr_search's (hf_tta.lr_search); empty when off
+        self.lr_search = LRSearch(cfg.lr_search, self) if cfg.lr_search is not None else None
         self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
         self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
@@ -132,8 +141,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         return opt
 
     def rebuild_optimizer(self) -> None:
-        """A fresh optimiser over the adapted parameters (what a reset and SAR's recovery start from)."""
+        """A fresh optimiser over the adapted parameters (what a reset and SAR's recovery start from), at the lr in
+        use (the lr search's, :mod:`hf_tta.lr_search`)."""
         self.optimizer = self._make_optimizer()
+        search = getattr(self, "lr_search", None)
+        if search is not None and search.active is not None:
+            search.set_lr(search.active)
 
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The optimised tensors in the optimiser's order (its groups: ``lr_multipliers``): the adapted parameters by
@@ -228,6 +241,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
         if self.safety.last_good is None:
             self.safety.remember(self)
+        if self.lr_search is not None and self.lr_search.probing:
+            return self.lr_search.probe(batch)  # TTAConfig.lr_search: the source answers, the shadows adapt
         source = self.forward.view(batch, self.config.steps - 1, source=True) if self.safety.active else None
         decision = self.safety.before(source)
         result = None
@@ -239,6 +254,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         else:
             answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
+            if self.lr_search is not None:
+                self.lr_search.before_steps()
             with torch.enable_grad():
                 result = self.loop.run(self, self.params, partial(self.forward.inputs, batch, source_cache=cache), self._recover)
             if result.skipped:
@@ -284,12 +301,14 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     def _apply(self, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
         (batch counter, RNG and score transform go on), or refresh the last-good state after a kept batch."""
+        lr_before = self.lr_search.lr if self.lr_search is not None else None
         if decision.action == "rollback":
             self.safety.last_good.apply(self)
-        elif decision.action == "reset":
-            self._source_state.only(ROLLBACK).apply(self)
-            self.safety.remember(self)
-        elif decision.refresh:
+        elif decision.action == "reset":  # the lr search's choice is kept (hf_tta.lr_search)
+            self._source_state.only(ROLLBACK if self.lr_search is None else SHADOW).apply(self)
+        if self.lr_search is not None:  # LRSearchConfig.backoff, after a rollback or reset
+            self.lr_search.back_off(lr_before, decision.action)
+        if decision.action == "reset" or decision.refresh:
             self.safety.remember(self)
 
     def _report(
@@ -317,7 +336,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     # ------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Return exactly to the source model: adapted parameters, optimiser, objective and score-transform state, batch
-        counter, RNG and the safety monitor."""
+        counter, RNG, the lr search's state (the next batches probe again) and the safety monitor."""
         self.restore_source()
 
     def restore_source(self) -> None:

@@ -27,8 +27,8 @@ QUIET = dict(min_source_diversity=0.0, collapse_ratio=0.0, min_agreement=0.0, ma
 @dataclass
 class PushConfig(ObjectiveConfig):
     """``mode`` on the batches ``harm_batches``: "collapse" pulls every query to item 0, "shift" pulls each query to
-    the item after its own top-1 (predictions change, diversity stays); other batches make a zero-gradient update
-    (AdamW's step count and weight decay still move)."""
+    the item after its own top-1 (predictions change, diversity stays), "nan" gives a NaN loss, "raise" raises; other batches make a
+    zero-gradient update (AdamW's step count and weight decay still move)."""
 
     mode: str = "shift"
     harm_batches: list[int] = field(default_factory=list)
@@ -43,6 +43,10 @@ class Push(Objective):
         s = inputs.scores
         if inputs.batch_index not in self.config.harm_batches:
             return LossOutput(loss=(s * 0).sum(), n_selected=s.shape[0])
+        if self.config.mode == "raise":
+            raise RuntimeError(f"push: batch {inputs.batch_index}")
+        if self.config.mode == "nan":
+            return LossOutput(loss=(s * float("nan")).sum(), n_selected=s.shape[0])
         if self.config.mode == "collapse":
             target = torch.zeros(s.shape[0], dtype=torch.long, device=s.device)
         else:

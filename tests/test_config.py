@@ -25,6 +25,7 @@ from hf_tta import (
 from hf_tta.checkpoint import CONFIG_FILE, read_checkpoint, write_checkpoint
 from hf_tta.config_flat import FLAT_FIELDS, flatten, nest
 from hf_tta.configuration_utils import ConfigMixin
+from hf_tta.lr_search import LRSearchConfig
 from hf_tta.objectives import available_objectives
 from hf_tta.objectives.base import get_objective_class
 from hf_tta.update_budget import UpdateBudgetConfig
@@ -49,14 +50,14 @@ NESTED_V01 = TTAConfig(
 )
 
 
-def test_top_level_fields_31_before_19_after_each_feature_a_config():
+def test_top_level_fields_32_before_20_after_each_feature_a_config():
     fields = {f.name: f for f in dataclasses.fields(TTAConfig)}
-    assert len(fields) == 19  # 31 flat fields before the features nested (30 at issue 35's review, + update_budget)
+    assert len(fields) == 20  # 32 flat fields before the features nested (30 at issue 35's review, + update_budget, lr_search)
     flat = len(fields) - 4 + len(FLAT_FIELDS) + 1  # the plain fields, the flat names of 4 groups, gd's switch
-    assert flat == 31
+    assert flat == 32
     groups = {name: f.metadata["config_class"] for name, f in fields.items() if "config_class" in f.metadata}
     assert groups == {"tuning": TuningConfig, "gradient_decoupling": GradientDecouplingConfig, "consistency": ConsistencyConfig,
-                      "safety": SafetyConfig, "update_budget": UpdateBudgetConfig, "run": RunConfig}
+                      "safety": SafetyConfig, "update_budget": UpdateBudgetConfig, "lr_search": LRSearchConfig, "run": RunConfig}
     assert all(issubclass(c, ConfigMixin) for c in groups.values())
     assert {n for n, c in groups.items() if getattr(c, "loads_across_checkpoints", False)} == {"safety", "run"}  # by type
 

@@ -109,6 +109,8 @@ def test_the_fast_path_equals_the_checked_loop(nan_steps):
     for a, b in zip(rc, rf):
         assert a.num_updates == b.num_updates and a.skipped == b.skipped and a.n_selected == b.n_selected
         torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
+        # the first step's loss (lr_search's next_loss proxy): NaN where step 0 is non-finite, on both paths
+        assert a.first_loss == pytest.approx(b.first_loss, abs=1e-6, nan_ok=True) and a.first_loss is not None
     assert sum(r.num_updates for r in rc) == 2 * (3 - len(nan_steps))
     for name, p in checked.params.items():
         torch.testing.assert_close(p, fast.params[name], rtol=0, atol=1e-5, msg=name)

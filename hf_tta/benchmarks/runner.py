@@ -188,8 +188,8 @@ class GridRunner:
         # the features a row does not run take no options: no tuning of a training-free row, no gd settings without gd
         off = {"gradient_decoupling"} if not gd else set()
         if not get_objective_class(objective).requires_grad:
-            off |= {"tuning", "consistency"}
-        base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, ("",))[0] not in off}
+            off |= {"tuning", "consistency", "lr_search"}
+        base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, (k,))[0] not in off}
         transform = "dn" if spec.dn else base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
@@ -357,6 +357,9 @@ class GridRunner:
                     info["safety"] = tta.safety_counts
                 if isinstance(tta, RoutedTTAWrapper):
                     info["domains"] = tta.num_domains
+                if getattr(tta, "lr_search", None) is not None:  # issue 37: the lr the probe chose, and its passes
+                    search = tta.lr_search
+                    info["lr_search"] = {"chosen": search.chosen, "lr": search.lr, "choices": search.choices, **search.cost}
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
             extra = getattr(self.task, "extra_metrics", None)  # a task's own columns (composed retrieval: REST's)

@@ -116,8 +116,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         field = copy.copy(f)  # HfArgumentParser rewrites field.type: never touch TTAConfig's own fields
         field.name, field.type, field.default, field.default_factory = name, kind, default, dataclasses.MISSING
         field.metadata = {"help": SWITCH_HELP.get(name, f.metadata.get("help", ""))}  # argparse reads every key
-        if dict in (typing.get_origin(field.type), *map(typing.get_origin, typing.get_args(field.type))):
-            field.type = _json_object
+        kinds = (field.type, *typing.get_args(field.type))
+        if dict in map(typing.get_origin, kinds) or any(dataclasses.is_dataclass(k) for k in kinds):
+            field.type = _json_object  # a dict field, or a feature given whole (--lr_search '{"proxy": "agreement"}')
         if name in PER_RUN_FIELDS:
             field.default = None
         start = len(group._group_actions)

@@ -1,0 +1,479 @@
+"""Choosing the learning rate online without labels (issue 37): ``TTAConfig(lr_search=LRSearchConfig(...))``, or
+``TTAConfig(lr="auto")`` for its defaults.
+
+**The probe (selector (a) of issue 37).** During the first ``probe_batches`` batches of the stream the wrapper keeps
+one *shadow* of the adapted state per candidate lr: the adapted parameters, the optimiser's moments and the
+objective's state (:data:`~hf_tta.state.SHADOW`; the LayerNorms are small). Per batch:
+
+1. the served state answers first (prequential: it answers before anything adapts on the batch). During the probe the
+   served state is the source model, which never moves before the proxy has chosen, so this answer is the frozen
+   source model's one no-grad forward, the same forward the safety layer and the ``agreement`` proxy read;
+2. each shadow in turn is loaded into the model and runs the batch's ``steps`` at its own lr (:mod:`hf_tta.loop`);
+   the proxy scores it on its **first** step's forward, i.e. on the incoming batch *before* the shadow adapts on it
+   (prequential, label-free), so scoring costs no extra pass;
+3. the served (source) state is put back.
+
+On the first probe batch every shadow is still the source, so the proxies are scored from the second on: the choice
+rests on ``probe_batches - 1`` prequential scores per candidate. After the last probe batch the selector commits:
+the chosen shadow becomes the adapted state, the others are dropped, the chosen lr is logged and exposed
+(``wrapper.lr_search.chosen``) and the stream goes on as a fixed-lr stream at that lr (``run.scoring`` applies
+again). The safety layer's last-good snapshot is taken at the commit.
+
+**Proxies** (``proxy``; each is a label-free signal of one shadow on the incoming batch, averaged over the scored
+probe batches). The probe records all four at no extra pass (``wrapper.lr_search.all_scores``, and the lr each
+proxy's rule would choose, ``wrapper.lr_search.choices``; per batch in ``TTAOutput.logs``) and commits by ``proxy``:
+
+* ``"next_loss"``: the objective's own loss (with any penalty) at the first step, on the next batch before updating
+  on it; lower is better (the prequential self-supervised loss of issue 37's proxy study);
+* ``"agreement"``: the share of queries whose top-1 gallery item under the shadow equals the source model's; the
+  rule backs off: the highest lr whose mean agreement stays at or above ``agreement_floor``, else the candidate of
+  highest agreement;
+* ``"uniformity"``: TCR's uniformity of the query embeddings, the mean distance to their centre
+  (``hf_tta.metrics.recall.uniformity``, TCR Eq. 14, the benchmark's ``uniformity_after`` column); higher is better;
+* ``"gap"``: TCR's query-gallery gap, the distance between the batch's query centre and the gallery's centre (the
+  candidates' with a top-k backend; ``hf_tta.metrics.recall.modality_gap``, TCR Eq. 15, ``gap_after``); lower is
+  better. ``recipes/protocol_v3_summary.py``'s ``proxy_study`` ranks the lrs by the same two on whole streams.
+
+The default proxy, ``next_loss``, and the default grid and ``probe_batches`` are set a priori, before any
+measurement; issue 37's study on the protocol-v3 selection split (:mod:`hf_tta.benchmarks.splits`) is to choose them.
+
+Ties go to the candidate nearest the wrapper's base lr (``TTAConfig.lr`` or the model's default), then the lower. A
+candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch whose
+first step selects no query (EATA, SAR, DeYO) leaves ``next_loss`` unscored for that candidate (its mean is over the
+batches it was scored on; a candidate never scored is not chosen; none scored: the lowest lr, with a warning); a batch
+on which every candidate's loss is not finite (garbage in) changes nothing, not even the counters.
+
+**The safety layer.** It judges nothing during the probe (the served state, the source, does not adapt) but its
+rule 1: a degenerate batch is not probed and leaves no trace. After the commit it judges as on any stream. A rollback
+restores the selector's state with the rest, bit-exactly. A safety *reset* returns the adapted state to the source
+but keeps the choice (the lr in use and the cost counters): the stream goes on at that lr rather than probing again
+(which would likely choose it again). :meth:`~hf_tta.TTAWrapper.reset` clears everything, the choice included.
+
+**Back-off (selector (d) of issue 37)**: ``backoff=f`` (needs the safety layer) multiplies the lr in use by ``f``
+after every rollback (a collapse of the source agreement, the layer's rule 3) and every reset (collapse, or
+``max_rollbacks`` rollbacks in a row), never below the lowest candidate. It acts after the rollback has restored the
+selector's state, on the lr in use before it, so successive rollbacks compound (``f``, ``f^2``, ...); each is logged
+as a warning. ``probe_batches=0`` runs it alone, without a probe: the stream starts at the highest candidate.
+
+**Cost** (``wrapper.lr_search.cost``): the probe counts the query tower's forward and backward passes it runs, per
+query, by a hook on the wrapper's query embedding (so SAM's second pass, re-encoded views and gradient decoupling's
+second backward count too). With ``K`` candidates, ``S`` steps and a dense gallery a probe batch costs ``1 + K S``
+forwards and ``K S`` backwards per query, against ``S`` and ``S`` for a fixed-lr batch (``S + 1`` forwards with the
+safety layer). Amortised over ``T`` batches of which ``P`` probe, the ratio of passes to a fixed-lr run is
+``1 + P (1 + 2 S (K - 1)) / (2 S T)`` (safety off; with it, whose source forward the probe shares,
+``1 + 2 S P (K - 1) / ((2 S + 1) T)``): K = 5, S = 3, P = 4 gives 1.17 at T = 100 and 1.5 at T = 33 (safety off).
+
+**Where it runs.** :class:`~hf_tta.TTAWrapper` with a gradient objective on a continual stream; refused in one line
+with a training-free objective, ``reset_policy="episodic"``, ``update_budget`` (which skips batches the probe needs),
+``backoff`` without the safety layer, and by :class:`~hf_tta.RoutedTTAWrapper` and ``DistributedTTAWrapper``.
+
+**State.** Everything lives in the :data:`~hf_tta.state.SELECTOR` part of the wrapper's
+:class:`~hf_tta.state.AdapterState` (``selector.*`` in a checkpoint): saved and resumed bit-exactly mid-probe,
+cleared by ``reset()``, restored by a rollback, kept (its choice) by a safety reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from . import tuning, window
+from .configuration_utils import ConfigMixin, check_choice, check_field_types
+from .outputs import TTAOutput
+from .state import SHADOW, AdapterState
+
+logger = logging.getLogger(__name__)
+
+PROXIES = ("next_loss", "agreement", "uniformity", "gap")
+#: The default candidates, relative to the base lr: a half-decade grid (1-3-10 steps) from a third of it to 33 times it,
+#: e.g. (1e-4, 3e-4, 1e-3, 3e-3, 1e-2) around the image towers' 3e-4 (TCR's lr), (1e-5, ..., 1e-3) around BLIP text's
+#: 3e-5. Issue 37: 10x the paper's lr wins most on the emoji image tower, and does nothing on the MiniLM text tower.
+DEFAULT_FACTORS = (1 / 3, 1.0, 10 / 3, 10.0, 100 / 3)
+DEFAULT_AGREEMENT_FLOOR = 0.5
+_LOWER_IS_BETTER = {"next_loss": True, "uniformity": False, "gap": True}
+
+
+@dataclass
+class LRSearchConfig(ConfigMixin):
+    """The learning-rate search (see :mod:`hf_tta.lr_search`). Present = on.
+
+    Example:
+        >>> LRSearchConfig().resolved_candidates(3e-4)
+        [0.0001, 0.0003, 0.001, 0.003, 0.01]
+        >>> LRSearchConfig(agreement_floor=0.8)
+        Traceback (most recent call last):
+        ...
+        ValueError: LRSearchConfig `agreement_floor` applies to proxy='agreement' only (here proxy='next_loss'): drop it or set proxy='agreement'.
+    """
+
+    candidates: list[float] | None = field(
+        default=None,
+        metadata={"help": "The candidate lrs, increasing; None = a half-decade grid around the base lr (TTAConfig.lr or "
+                          "the model's default): x (1/3, 1, 10/3, 10, 100/3), e.g. 1e-4 ... 1e-2 around 3e-4."},
+    )
+    probe_batches: int = field(
+        default=4,
+        metadata={"help": "Stream batches the probe lasts (>= 2: the first only starts the shadows); 0 (with backoff) = "
+                          "no probe: start at the highest candidate and back off (selector (d) alone)."},
+    )
+    proxy: str = field(
+        default="next_loss",
+        metadata={"help": "The label-free signal that chooses: 'next_loss', 'agreement', 'uniformity' or 'gap'."},
+    )
+    agreement_floor: float | None = field(
+        default=None,
+        metadata={"help": f"With proxy='agreement': the highest lr whose source top-1 agreement stays at or above "
+                          f"this floor in (0, 1] wins (default {DEFAULT_AGREEMENT_FLOOR})."},
+    )
+    backoff: float | None = field(
+        default=None,
+        metadata={"help": "Multiply the lr in use by this factor in (0, 1) after each safety rollback (a collapse of "
+                          "source agreement) or reset, never below the lowest candidate (needs TTAConfig.safety); "
+                          "None = off."},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.candidates, tuple):
+            self.candidates = list(self.candidates)
+        check_field_types(self)
+        if self.candidates is not None:
+            c = self.candidates
+            ok = len(c) >= 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in c)
+            if not ok or any(b <= a for a, b in zip(c, c[1:])):
+                raise ValueError(f"LRSearchConfig `candidates` must be at least 2 finite lrs > 0 in increasing order, got {c!r}.")
+        if isinstance(self.probe_batches, bool) or self.probe_batches < 2 and not (self.probe_batches == 0 and self.backoff):
+            raise ValueError(f"LRSearchConfig `probe_batches` must be an integer >= 2 (the first probe batch only "
+                             f"starts the shadows), or 0 with `backoff` (no probe), got {self.probe_batches!r}.")
+        check_choice("proxy", self.proxy, PROXIES, owner="LRSearchConfig")
+        if self.agreement_floor is not None:
+            if self.proxy != "agreement":
+                raise ValueError(f"LRSearchConfig `agreement_floor` applies to proxy='agreement' only (here proxy="
+                                 f"{self.proxy!r}): drop it or set proxy='agreement'.")
+            if not 0 < self.agreement_floor <= 1:
+                raise ValueError(f"LRSearchConfig `agreement_floor` must be in (0, 1], got {self.agreement_floor!r}.")
+        if self.backoff is not None and not 0 < self.backoff < 1:
+            raise ValueError(f"LRSearchConfig `backoff` must be in (0, 1) or None, got {self.backoff!r}.")
+
+    @property
+    def floor(self) -> float:
+        """The agreement floor in use."""
+        return self.agreement_floor if self.agreement_floor is not None else DEFAULT_AGREEMENT_FLOOR
+
+    def resolved_candidates(self, base_lr: float) -> list[float]:
+        """The candidate lrs around ``base_lr`` (3 significant digits for the default grid)."""
+        if self.candidates is not None:
+            return [float(c) for c in self.candidates]
+        return [float(f"{base_lr * f:.3g}") for f in DEFAULT_FACTORS]
+
+
+# ------------------------------------------------------------------------------------------------- the choice rule
+def choose(proxy: str, lrs: list[float], values: list[float], valid: list[bool], base_lr: float,
+           floor: float = DEFAULT_AGREEMENT_FLOOR) -> int:
+    """The index of the chosen lr given each candidate's mean proxy ``values`` and whether it stayed ``valid``
+    (finite on every scored batch). See :mod:`hf_tta.lr_search` for the rule of each proxy; with no valid candidate,
+    the lowest lr."""
+    alive = [k for k in range(len(lrs)) if valid[k] and math.isfinite(values[k])]
+    if not alive:
+        return 0
+    if proxy == "agreement":
+        above = [k for k in alive if values[k] >= floor]
+        if above:
+            return max(above, key=lambda k: lrs[k])
+        key = [-values[k] for k in range(len(lrs))]  # the most agreeing
+    else:
+        key = [v if _LOWER_IS_BETTER[proxy] else -v for v in values]
+    best = min(key[k] for k in alive)
+    tied = [k for k in alive if key[k] == best]
+    return min(tied, key=lambda k: (abs(math.log(lrs[k] / base_lr)), lrs[k]))
+
+
+@torch.no_grad()
+def proxy_values(first: Any, first_loss: float | None, source: Any, gallery_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Every proxy of one shadow on a batch, in :data:`PROXIES` order (a float64 CPU tensor): ``first`` is its first
+    step's :class:`~hf_tta.objectives.ObjectiveInputs` (before it adapts on the batch), ``first_loss`` that step's
+    loss, ``source`` the source model's view of the batch, ``gallery_mean`` the dense gallery's mean (computed once
+    per batch; ``None``: the mean of ``first``'s gallery rows, a top-k backend's candidates)."""
+    q = first.query_emb.detach().double()
+    mine = window.top1(first.scores.detach(), first.candidate_ids)[1]
+    theirs = window.top1(source.scores, source.candidate_ids)[1].to(mine.device)
+    if gallery_mean is None:
+        gallery_mean = first.gallery_emb.detach().mean(0, dtype=torch.float64)  # no float64 copy of N x D
+    loss = torch.tensor(float("nan") if first_loss is None else first_loss, dtype=torch.float64)
+    return torch.stack([loss, (mine == theirs).double().mean().cpu(), (q - q.mean(0)).norm(dim=1).mean().cpu(),
+                        (q.mean(0) - gallery_mean.to(q.device)).norm().cpu()])
+
+
+def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -> torch.Tensor:
+    """One proxy of :func:`proxy_values` (a 0-d float64 tensor)."""
+    return proxy_values(first, first_loss, source)[PROXIES.index(proxy)]
+
+
+# ------------------------------------------------------------------------------------------------- the selector
+class LRSearch:
+    """The learning-rate search of one wrapper; its state is the wrapper's ``selector_state`` (see
+    :mod:`hf_tta.lr_search`), so this object holds only settings and reads the state through the wrapper."""
+
+    def __init__(self, config: LRSearchConfig, wrapper: Any):
+        self.config, self.wrapper = config, wrapper
+        self.base_lr = float(wrapper.lr)
+        self.candidates = config.resolved_candidates(self.base_lr)
+        self.active: float | None = None  # the lr last put into the optimiser
+
+    # ---------------------------------------------------------------------------------------- what it exposes
+    @property
+    def _state(self) -> dict[str, torch.Tensor]:
+        return self.wrapper.selector_state
+
+    @property
+    def _committed(self) -> bool:
+        return int(self._state.get("chosen", -1)) >= 0
+
+    @property
+    def probing(self) -> bool:
+        """Whether the next batch is a probe batch (no lr chosen since the last reset; never with ``probe_batches=0``)."""
+        return self.config.probe_batches > 0 and not self._committed
+
+    @property
+    def chosen(self) -> float | None:
+        """The lr the probe chose (the highest candidate without a probe); ``None`` before."""
+        return self.candidates[int(self._state["chosen"])] if self._committed else None
+
+    @property
+    def lr(self) -> float | None:
+        """The lr in use after the commit (the chosen lr, times the back-off's factors); ``None`` before."""
+        return float(self._state["lr"]) if self._committed else None
+
+    @property
+    def probed(self) -> int:
+        """Probe batches run since the last reset."""
+        return int(self._state.get("probed", 0))
+
+    @property
+    def scores(self) -> dict[float, float]:
+        """Each candidate's mean value of the configured proxy over the scored probe batches (NaN before the second
+        probe batch, and for a candidate that was out of the choice)."""
+        return self.all_scores[self.config.proxy]
+
+    @property
+    def all_scores(self) -> dict[str, dict[float, float]]:
+        """:attr:`scores` for every proxy: the probe records them all (they cost nothing beyond the configured one's),
+        so one stream gives each proxy's choice (:attr:`choices`) for issue 37's proxy study."""
+        means = self._means()
+        return {p: dict(zip(self.candidates, means[i])) for i, p in enumerate(PROXIES)}
+
+    def _means(self) -> list[list[float]]:
+        """Mean of each proxy (rows) for each candidate (columns) over the batches it was scored on; NaN where it
+        never was, or where the candidate is out of the choice."""
+        st = self._state
+        if "sum" not in st:
+            return [[float("nan")] * len(self.candidates) for _ in PROXIES]
+        means = torch.where(st["valid"] & (st["count"] > 0), st["sum"] / st["count"].clamp(min=1), float("nan"))
+        return means.tolist()
+
+    @property
+    def choices(self) -> dict[str, float | None]:
+        """The lr each proxy's rule chooses from the probe's scores so far (``None`` before the second probe batch);
+        the configured proxy's is the one committed to."""
+        means = self._means()
+        return {p: self.candidates[choose(p, self.candidates, means[i], [True] * len(self.candidates), self.base_lr,
+                                          self.config.floor)] if any(map(math.isfinite, means[i])) else None
+                for i, p in enumerate(PROXIES)}
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """The probe's passes of the query tower: ``queries`` probed, ``forward`` and ``backward`` passes (in queries)
+        and their ratios per query."""
+        st = self._state
+        q, f, b = (int(st.get(f"cost.{k}", 0)) for k in ("queries", "forward", "backward"))
+        return {"queries": q, "forward": f, "backward": b, "forward_per_query": f / q if q else 0.0,
+                "backward_per_query": b / q if q else 0.0}
+
+    # ---------------------------------------------------------------------------------------- the lr in use
+    def set_lr(self, lr: float) -> None:
+        """Put ``lr`` (times each group's ``lr_multipliers`` factor) into the wrapper's optimiser; a rebuilt optimiser
+        (a reset, SAR's recovery inside a shadow's steps) gets it too (:attr:`active`)."""
+        w = self.wrapper
+        self.active = lr
+        if w.optimizer is None:
+            return
+        factors = [g["lr"] for g in tuning.param_groups(w.params, 1.0, w.config.tuning.lr_multipliers)]
+        for i, group in enumerate(w.optimizer.param_groups):
+            group["lr"] = lr * (factors[i] if i < len(factors) else 1.0)
+
+    def before_steps(self) -> None:
+        """Before a committed batch's steps: the lr in use into the optimiser (a reset or a rebuilt optimiser starts
+        from the base lr). Without a probe (``probe_batches=0``) the first batch starts at the highest candidate."""
+        if not self._committed:
+            self.wrapper.selector_state = self._unprobed(self.candidates[-1])
+            logger.info("lr_search: no probe: starting at the highest candidate lr=%.3g, backed off by %s on collapse",
+                        self.candidates[-1], self.config.backoff)
+        self.set_lr(self.lr)
+
+    def back_off(self, lr_before: float | None, action: str | None) -> None:
+        """The back-off (selector (d)): after a safety rollback or reset (``action``), the lr in use before it times
+        ``backoff``, never below the lowest candidate."""
+        if self.config.backoff is None or lr_before is None or action not in ("rollback", "reset"):
+            return
+        if not self._committed and self.config.probe_batches:  # (a snapshot of a probe is never taken before its commit)
+            return
+        lr = max(lr_before * self.config.backoff, self.candidates[0])
+        # a rollback to a snapshot from before an unprobed start restores no choice: start again, backed off
+        state = self._state if self._committed else self._unprobed(lr)
+        self.wrapper.selector_state = {**state, "lr": torch.tensor(lr, dtype=torch.float64)}
+        logger.warning("lr_search: safety %s: lr backed off %.3g -> %.3g", action, lr_before, lr)
+
+    def _unprobed(self, lr: float) -> dict[str, torch.Tensor]:
+        """The state of a search without a probe (``probe_batches=0``): the highest candidate chosen, ``lr`` in use."""
+        return {**self._fresh(), "chosen": torch.tensor(len(self.candidates) - 1), "lr": torch.tensor(lr, dtype=torch.float64)}
+
+    # ---------------------------------------------------------------------------------------- the probe
+    def probe(self, batch: Any) -> TTAOutput:
+        """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts. An
+        error on the way leaves the wrapper as the batch found it."""
+        w = self.wrapper
+        before, rng = dict(self._state), w.generator.get_state()
+        try:
+            return self._probe(batch, before, rng)
+        except BaseException:
+            w._source_state.only(SHADOW).apply(w)  # the served state during the probe
+            w.selector_state = before
+            w.generator.set_state(rng)
+            raise
+
+    def _probe(self, batch: Any, before: dict[str, torch.Tensor], rng: torch.Tensor) -> TTAOutput:
+        w, cfg = self.wrapper, self.config
+        tally = {"forward": 0, "backward": 0}
+        with counting(w.forward, tally):
+            source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement
+            decision = w.safety.before(source)
+            if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
+                return self._answer(batch, source, decision.action, {})
+            state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
+            cache = [source.scores] if source.candidate_ids is None else []
+            dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
+            values, losses, logs = [], [], {}
+            for k, lr in enumerate(self.candidates):
+                self._load(before, k)
+                self.set_lr(lr)
+                first: list[Any] = []
+
+                def make(step: int, _first: list = first) -> Any:
+                    inputs = w.forward.inputs(batch, step, source_cache=cache)
+                    if step == 0:
+                        _first[:] = [inputs]
+                    return inputs
+
+                with torch.enable_grad():
+                    result = w.loop.run(w, w.params, make, w._recover)
+                window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
+                values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
+                losses.append(result.first_loss)
+                tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
+                if meta.get("optim_plain"):
+                    raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
+                                     "has other state: drop lr_search.")
+                state.update(tensors)
+                logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
+            w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
+        if all(v is not None and not math.isfinite(v) for v in losses):  # garbage in: nothing changes
+            w.selector_state = before
+            w.generator.set_state(rng)
+            logger.warning("lr_search: every candidate's loss is not finite on this batch: not probed")
+            return self._answer(batch, source, None, logs)
+        vals = torch.stack(values, dim=1)  # (proxies, candidates)
+        finite = torch.isfinite(vals)
+        # no loss (the objective selected no query) leaves next_loss unscored; a non-finite value puts the candidate out
+        missing = torch.zeros_like(finite)
+        missing[PROXIES.index("next_loss")] = torch.tensor([v is None for v in losses])
+        out = ~finite & ~missing
+        if int(state["probed"]) >= 1:  # from the second probe batch on the shadows differ
+            state["sum"] = state["sum"] + torch.where(finite, vals, torch.zeros_like(vals))
+            state["count"] = state["count"] + finite.long()
+            state["valid"] = state["valid"] & ~out
+        state["probed"] = state["probed"] + 1
+        for key, n in tally.items():
+            state[f"cost.{key}"] = state[f"cost.{key}"] + n
+        state["cost.queries"] = state["cost.queries"] + batch.size
+        w.selector_state = state
+        logs["lr_search.probe"] = float(state["probed"])
+        if int(state["probed"]) >= cfg.probe_batches:
+            self._commit()
+        return self._answer(batch, source, decision.action, logs)
+
+    def _fresh(self) -> dict[str, torch.Tensor]:
+        k = len(self.candidates)
+        counters = {name: torch.zeros((), dtype=torch.int64)  # one tensor each: safetensors refuses shared memory
+                    for name in ("probed", "cost.queries", "cost.forward", "cost.backward")}
+        return {"candidates": torch.tensor(self.candidates, dtype=torch.float64),
+                "sum": torch.zeros(len(PROXIES), k, dtype=torch.float64),
+                "count": torch.zeros(len(PROXIES), k, dtype=torch.int64),
+                "valid": torch.ones(len(PROXIES), k, dtype=torch.bool), **counters,
+                "chosen": torch.tensor(-1), "lr": torch.tensor(self.base_lr, dtype=torch.float64)}
+
+    def _load(self, state: dict[str, torch.Tensor], k: int) -> None:
+        """Shadow ``k`` into the wrapper (the source before its first probe batch)."""
+        w = self.wrapper
+        prefix = f"shadow.{k}."
+        if not any(key.startswith(prefix) for key in state):
+            w._source_state.only(SHADOW).apply(w)
+            return
+        names = [n for n, _ in w.named_optimized_parameters()]
+        shadow = AdapterState.from_tensors({key[len(prefix):]: v for key, v in state.items() if key.startswith(prefix)},
+                                           {}, SHADOW, names, optimizer_keys="name", step_on_cpu=w._step_on_cpu())
+        shadow.apply(w)
+
+    def _commit(self) -> None:
+        """The proxy's choice becomes the adapted state; the other shadows are dropped (logged)."""
+        w, st = self.wrapper, self._state
+        means = self._means()[PROXIES.index(self.config.proxy)]
+        k = choose(self.config.proxy, self.candidates, means, [True] * len(means), self.base_lr, self.config.floor)
+        self._load(st, k)
+        lr = self.candidates[k]
+        self.set_lr(lr)
+        w.selector_state = {**{key: v for key, v in st.items() if not key.startswith("shadow.")},
+                            "chosen": torch.tensor(k), "lr": torch.tensor(lr, dtype=torch.float64)}
+        if not any(map(math.isfinite, means)):
+            logger.warning("lr_search: no candidate could be scored by %s (diverged, or no loss): the lowest lr %.3g is "
+                           "used", self.config.proxy, lr)
+        table = ", ".join(f"{c:.3g}: {m:.4g}" for c, m in zip(self.candidates, means))
+        others = ", ".join(f"{p}: {c:.3g}" for p, c in self.choices.items() if p != self.config.proxy)
+        logger.info("lr_search: chose lr=%.3g by %s over %d probe batches (%s; the other proxies would choose %s)",
+                    lr, self.config.proxy, int(st["probed"]), table, others)
+        w.safety.remember(w)
+
+    def _answer(self, batch: Any, source: Any, action: str | None, logs: dict[str, float]) -> TTAOutput:
+        """The source model's answer to a probe batch (through the score transform, unless degenerate)."""
+        w = self.wrapper
+        out = w.forward.scored(batch, source, source.scores, update_state=action != "skip_degenerate")
+        skipped = [] if action is None else ["safety: degenerate batch: not probed"]
+        out = dataclasses.replace(out, skipped=skipped, logs=logs, safety_action=w.safety.action,
+                                  safety_logs=dict(w.safety.logs))
+        w.batch_index += 1
+        return out
+
+
+@contextlib.contextmanager
+def counting(forward: Any, tally: dict[str, int]) -> Iterator[None]:
+    """Count the query tower's passes (in queries) through ``forward.embed`` while the context is open: each call is a
+    forward; each gradient that flows back into its output, a backward."""
+    embed = forward.embed
+
+    def counted(queries: dict) -> torch.Tensor:
+        q = embed(queries)
+        n = int(q.shape[0])
+        tally["forward"] += n
+        if q.requires_grad:
+            q.register_hook(lambda grad: tally.__setitem__("backward", tally["backward"] + n))
+        return q
+
+    forward.embed = counted
+    try:
+        yield
+    finally:
+        forward.embed = embed
