@@ -22,6 +22,9 @@ Phases (each reads the choices of the earlier ones from the rows):
    split's streams for the preset and TCR/REST at their selected lrs.
 6. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
    it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
+7. ``auto``: issue 37's label-free lr probe (``TTAConfig(lr="auto")``, :class:`hf_tta.lr_search.LRSearchConfig` at its
+   defaults) for TCR and REST on the selection split (its corruption and clean streams, then its degenerate stream):
+   each row records the lr the probe chose and the lr each proxy would have chosen.
 
     python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
@@ -138,12 +141,17 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         after = [a if a not in ("3,4,5", SCORING) else {"3,4,5": "3", SCORING: AFTER}[a] for a in grid]
         for name in REPORT_ALL_SEEDS:
             out_jobs.append((f"after/{direction}/{name}-lr{lrs[name]}", [*after, *_objectives([name]), "--lr", lrs[name]]))
+    elif phase == "auto":
+        for name in ("tcr", "rest"):
+            search = ["--lr_search", "{}"]
+            out_jobs.append((f"auto/{direction}/{name}-auto", [*sel_clean, *_objectives([name]), *search]))
+            out_jobs.append((f"auto/{direction}/{name}-auto-degenerate", [*degenerate, *_objectives([name]), *search]))
     return out_jobs
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after"])
+    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after", "auto"])
     parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
     parser.add_argument("--out", type=Path, default=Path("runs/v3"))
     parser.add_argument("--jobs", type=int, default=2)
