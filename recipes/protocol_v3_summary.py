@@ -73,7 +73,7 @@ def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
             phase, config = path.parts[-4], path.parts[-2]
             lines = path.read_text().splitlines()
             head = json.loads(lines[0]).get("hf-tta-run", {}) if lines else {}
-            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit")}
+            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit", "steps")}
             for line in lines[1:]:
                 row = json.loads(line)
                 if "error" not in row:
@@ -433,6 +433,67 @@ def _preset_lines(rows: list[dict], direction: str) -> list[str]:
     return [*lines, "", f"chosen: {chosen['label'] if chosen else 'none eligible'}"]
 
 
+def _share_at(fixed: dict, objective: str, lr_of: dict, src: dict, cols: list[tuple]) -> float | None:
+    """The share the fixed-lr selection rows give when each column runs at ``lr_of[column]`` (``None`` where a
+    column's lr has no fixed-lr row)."""
+    cells = {}
+    for c in cols:
+        row = fixed.get(f"{objective}@{lr_name(lr_of[c])}", {}).get(c) if lr_of.get(c) else None
+        if not row:
+            return None
+        cells[c] = {0: row}
+    return share(cells, src, cols)
+
+
+def auto_lines(rows: list[dict], direction: str) -> list[str]:
+    """Issue 37's label-free lr probe (phase ``auto``, seed 0, the selection split) against the labelled choice.
+
+    Per objective: the labelled lr and its share; the probe's run (its default proxy): the lr it chose per stream,
+    its share and that share over the labelled one, its clean and degenerate verdicts; for every proxy the share the
+    fixed-lr selection rows give at the lrs that proxy would have chosen per stream, over the labelled share (an
+    estimate: those rows adapt at that lr from the first batch, without the probe); and the run's passes of the query
+    tower against a fixed-lr run of the same stream, ``(n − probed) · (2S + 1) + probe passes`` over ``n · (2S + 1)``
+    (``S`` steps per batch, one answering forward each batch, prequential)."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    sel = [r for r in rows if r["direction"] == direction and r["seed"] == 0]
+    auto: dict[str, dict[tuple, dict]] = defaultdict(dict)
+    for r in sel:
+        if r["phase"] == "auto" and r["objective"] != SOURCE and r.get("lr_search"):
+            auto[r["objective"]][column(r)] = r
+    if not auto:
+        return []
+    src = {c: {0: by_seed[0]} for c, by_seed in sources(sel).items() if 0 in by_seed}
+    table, labelled = selection_table(rows, direction), choices(rows, direction)
+    fixed = {name: {c: by_seed[0] for c, by_seed in cells.items() if 0 in by_seed}
+             for name, cells in by_label(sel, ("select", "extend", "degenerate")).items()}
+    cols = selection_columns(direction)
+    proxies = sorted({p for runs in auto.values() for r in runs.values() for p in r["lr_search"]["choices"]})
+    lines = [f"| objective | labelled lr (share) | probe: lr per stream | probe share (of labelled) | clean, degenerate | "
+             f"{' | '.join(f'{p}: share (of labelled)' for p in proxies)} | passes vs fixed lr |",
+             "|---|" + "---|" * (len(proxies) + 5)]
+    for name, runs in sorted(auto.items()):
+        lab_lr = labelled.get(name, {}).get("lr")
+        lab = table.get(name, {}).get(lab_lr, {}).get("share") if lab_lr else None
+        of = lambda x: f"{figure(x, percent=True)} ({figure(x / lab, percent=True) if x is not None and lab else '–'})"  # noqa: E731
+        done = all(c in runs for c in cols)
+        run_share = share({c: {0: runs[c]} for c in cols}, src, cols) if done else None
+        chosen = ", ".join(f"{abbreviation(c[0])}: {lr_name(runs[c]['lr_search']['chosen'])}" for c in [*cols, ("clean", None), ("degenerate", None)] if c in runs)
+        verdicts = ", ".join(verdict({c: {0: runs[c]}}, src, [c]).verdict if c in runs else "not run" for c in (("clean", None), ("degenerate", None)))
+        per_proxy = [of(_share_at(fixed, name, {c: runs[c]["lr_search"]["choices"].get(p) for c in cols}, src, cols)) if done else "–"
+                     for p in proxies]
+        n = probed = probe_passes = 0
+        for r in runs.values():
+            steps, ls = int(r.get("steps") or 3), r["lr_search"]
+            n += r["num_queries"] * (2 * steps + 1)
+            probed += ls["queries"] * (2 * steps + 1)
+            probe_passes += ls["forward"] + ls["backward"]
+        cost = (n - probed + probe_passes) / n if n else None
+        lines.append(f"| {name} | {lr_name(lab_lr) if lab_lr else '–'} ({figure(lab, percent=True)}) | {chosen} | "
+                     f"{of(run_share) if done else '–'} | {verdicts} | {' | '.join(per_proxy)} | {figure(cost, 2)}× |")
+    return lines
+
+
 #: The summary's parts, in order: ``(name, title, lines)``; the results card prints each under its topic
 #: (``<!-- v3: rows.jsonl i2t report -->``), the command line prints them all. A part without rows is left out.
 PARTS = (
@@ -440,6 +501,7 @@ PARTS = (
     ("proxies", "Label-free proxies against the true share across the lr grid ({d}, selection split)",
      lambda rows, d: proxy_lines(rows, d) if proxy_study(rows, d) else []),
     ("preset", "Preset candidates ({d}, selection split)", _preset_lines),
+    ("auto", "The label-free lr probe against the labelled choice ({d}, selection split, seed 0)", auto_lines),
     ("report", "Report split ({d}), default grid, seeds 3, 4, 5, all queries, prequential", report_lines),
     ("streams", "Report split ({d}): streams, seeds 3, 4, 5", stream_lines),
     ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
@@ -458,7 +520,7 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
     for name, title, lines_of in PARTS:
         if part not in (None, name):
             continue
-        has_rows = name in ("selection", "proxies", "preset") or any(r["phase"] == ("after" if name == "after" else "report") for r in rows)
+        has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == ("after" if name == "after" else "report") for r in rows)
         lines = lines_of(rows, direction) if has_rows else []
         if len(lines) > 2 or (name == "selection" and lines):
             blocks.append("\n".join([f"**{title.format(d=direction)}**", "", *lines]))

@@ -374,3 +374,26 @@ def test_v3_after_update_column_by_hand(v3):
     assert 0 < lo < 5.0 < hi
     with pytest.raises(ValueError, match="selection"):  # the report refuses the selection split's rows
         v3.after_lines([*rows, _v3_row("tcr", "spatter", 5, 300, phase="after", **rep)], "i2t")
+
+
+def test_v3_auto_probe_against_the_labelled_choice_by_hand(v3, v3_selection):
+    """The labelled choice: TCR at 3e-4 (23.3 %; 1e-3 fails the clean stream). The probe's run: Gaussian blur at 1e-3
+    (280/400), spatter at 3e-4 (320/400): share (80 + 20) / 300 = 33.3 %, 142.9 % of the labelled. Proxies, from the
+    fixed-lr rows: next_loss (1e-3, 3e-4) gives (100 + 10) / 300 = 36.7 % (157.1 %), agreement (1e-4, 1e-4) 20 / 300 =
+    6.7 % (28.6 %). Passes: 3 streams of 400 queries, 128 probed each at 16 forwards and 15 backwards, S = 3:
+    (3 · 400 · 7 − 3 · 128 · 7 + 3 · 128 · 31) / (3 · 400 · 7) = 2.10×."""
+    rows = [*v3_selection, *(_v3_row("tcr", "degenerate", None, 400, lr, phase="degenerate") for lr in (1e-4, 3e-4))]
+
+    def auto(shift, severity, n_hits, chosen, next_loss, agreement):
+        search = {"chosen": chosen, "lr": chosen, "choices": {"next_loss": next_loss, "agreement": agreement},
+                  "queries": 128, "forward": 128 * 16, "backward": 128 * 15}
+        return _v3_row("tcr", shift, severity, n_hits, None, phase="auto", lr_search=search, num_queries=400, steps=3)
+
+    rows += [auto("gaussian_blur", 5, 280, 1e-3, 1e-3, 1e-4), auto("spatter", 5, 320, 3e-4, 3e-4, 1e-4),
+             auto("clean", None, 400, 3e-4, 3e-4, 1e-4)]
+    lines = v3.auto_lines(rows, "i2t")
+    assert lines[0].split(" | ")[5:7] == ["agreement: share (of labelled)", "next_loss: share (of labelled)"]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:2] == ["tcr", "3e-4 (23.3 %)"] and cells[2] == "G.blur: 1e-3, Spatter: 3e-4, Clean: 3e-4"
+    assert cells[3] == "33.3 % (142.9 %)" and cells[4].startswith("not below the source (bound +0.0") and cells[4].endswith("not run")
+    assert cells[5:] == ["6.7 % (28.6 %)", "36.7 % (157.1 %)", "2.10×"]
