@@ -24,7 +24,8 @@ Phases (each reads the choices of the earlier ones from the rows):
    it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
 7. ``auto``: issue 37's label-free lr probe (``TTAConfig(lr="auto")``, :class:`hf_tta.lr_search.LRSearchConfig` at its
    defaults) for TCR and REST on the selection split (its corruption and clean streams, then its degenerate stream):
-   each row records the lr the probe chose and the lr each proxy would have chosen.
+   each row records the lr the probe chose and the lr each proxy would have chosen; then on the report split's
+   default grid, seed 3.
 
     python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
@@ -146,6 +147,9 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
             search = ["--lr_search", "{}"]
             out_jobs.append((f"auto/{direction}/{name}-auto", [*sel_clean, *_objectives([name]), *search]))
             out_jobs.append((f"auto/{direction}/{name}-auto-degenerate", [*degenerate, *_objectives([name]), *search]))
+        grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
+        seeds3 = [a if a != "3,4,5" else "3" for a in grid]
+        out_jobs += [(f"auto/{direction}/{name}-auto-report", [*seeds3, *_objectives([name]), "--lr_search", "{}"]) for name in ("tcr", "rest")]
     return out_jobs
 
 

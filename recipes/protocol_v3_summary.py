@@ -92,7 +92,8 @@ def column(row: dict) -> tuple:
 def label(row: dict) -> str:
     """A row's name in the tables: its objective (row) and lr, and the preset phase's safety variant."""
     variant = "-lite" if "-lite" in row["config"] else ""
-    return f"{row['objective']}{variant}@{lr_name(row['lr'])}"
+    lr = "auto" if row.get("lr") is None and row.get("lr_search") else lr_name(row["lr"])  # issue 37's probe
+    return f"{row['objective']}{variant}@{lr}"
 
 
 def sources(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
@@ -494,6 +495,32 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
     return lines
 
 
+def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
+    """The probe on the report split (phase ``auto``, seed 3) beside the same objective at its labelled lr and at the
+    paper's lr (phase ``report``, same seed and columns): shares, the probe's share of the labelled one, the lrs it
+    chose per column, and its verdict against the source."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    _, auto = _report(rows, direction, seeds, phase="auto")
+    src, report = _report(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
+    labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    lines = ["| objective | probe: lr per column | won back: probe | at the labelled lr | probe / labelled | at the paper's lr | "
+             "probe vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
+    for name, cells in sorted(auto.items()):
+        objective = name.split("@")[0]
+        if not _complete(cells, cols, seeds) or labelled.get(objective) is None:
+            continue
+        at = {lr: report.get(f"{objective}@{lr_name(lr)}", {}) for lr in (labelled[objective], PAPER_LR)}
+        shares = {lr: share(c, src, cols) if _complete(c, cols, seeds) else None for lr, c in at.items()}
+        mine, lab = share(cells, src, cols), shares[labelled[objective]]
+        chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['chosen'])}" for c in cols)
+        lines.append(f"| {objective} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
+                     f"{figure(lab, percent=True)} | {figure(mine / lab if lab else None, percent=True)} | "
+                     f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} |")
+    return lines
+
+
 #: The summary's parts, in order: ``(name, title, lines)``; the results card prints each under its topic
 #: (``<!-- v3: rows.jsonl i2t report -->``), the command line prints them all. A part without rows is left out.
 PARTS = (
@@ -502,6 +529,7 @@ PARTS = (
      lambda rows, d: proxy_lines(rows, d) if proxy_study(rows, d) else []),
     ("preset", "Preset candidates ({d}, selection split)", _preset_lines),
     ("auto", "The label-free lr probe against the labelled choice ({d}, selection split, seed 0)", auto_lines),
+    ("autoreport", "The label-free lr probe on the report split ({d}, default grid, seed 3)", auto_report_lines),
     ("report", "Report split ({d}), default grid, seeds 3, 4, 5, all queries, prequential", report_lines),
     ("streams", "Report split ({d}): streams, seeds 3, 4, 5", stream_lines),
     ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
@@ -520,7 +548,8 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
     for name, title, lines_of in PARTS:
         if part not in (None, name):
             continue
-        has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == ("after" if name == "after" else "report") for r in rows)
+        phase = {"after": "after", "autoreport": "auto"}.get(name, "report")
+        has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == phase for r in rows)
         lines = lines_of(rows, direction) if has_rows else []
         if len(lines) > 2 or (name == "selection" and lines):
             blocks.append("\n".join([f"**{title.format(d=direction)}**", "", *lines]))

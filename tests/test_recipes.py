@@ -397,3 +397,17 @@ def test_v3_auto_probe_against_the_labelled_choice_by_hand(v3, v3_selection):
     assert cells[:2] == ["tcr", "3e-4 (23.3 %)"] and cells[2] == "G.blur: 1e-3, Spatter: 3e-4, Clean: 3e-4"
     assert cells[3] == "33.3 % (142.9 %)" and cells[4].startswith("not below the source (bound +0.0") and cells[4].endswith("not run")
     assert cells[5:] == ["6.7 % (28.6 %)", "36.7 % (157.1 %)", "2.10×"]
+
+
+def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
+    """Labelled TCR lr 3e-4 (the selection fixture; also the paper's). Report, seed 3, contrast 1: source 200/400,
+    TCR at 3e-4 300/400 (share 100/200 = 50 %), the probe 290/400 (45 %, 90 % of the labelled)."""
+    rows = [*v3_selection, *(_v3_row("tcr", "degenerate", None, 400, lr, phase="degenerate") for lr in (1e-4, 3e-4))]
+    search = {"chosen": 3e-3, "lr": 3e-3, "choices": {}, "queries": 128, "forward": 0, "backward": 0}
+    rows += [_v3_row("source", "clean", None, 400, phase="report", seed=3), _v3_row("source", "contrast", 1, 200, phase="report", seed=3),
+             _v3_row("tcr", "contrast", 1, 300, 3e-4, phase="report", seed=3),
+             _v3_row("source", "contrast", 1, 200, phase="auto", seed=3),
+             _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search)]
+    cells = [c.strip() for c in v3.auto_report_lines(rows, "i2t")[2].strip("|").split("|")]
+    assert cells[:6] == ["tcr", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
+    assert cells[6].startswith("not below the source")
