@@ -438,7 +438,7 @@ def _cost_row(objective, shift, severity, n_hits, config, seconds, passes=(1.0, 
                    forward_per_query=passes[0], backward_per_query=passes[1], stream_seconds=seconds)
 
 
-def test_v3_cheaper_table_by_hand(v3):
+def test_v3_cheaper_table_by_hand(v3, tmp_path):
     """Two runs, each with its source (clean 400/400, contrast 1 200/400, snow 2 300/400): DN alone gains 60 on
     contrast and loses 10 on snow (share 50 / 300 = 16.7 %, worst snow −2.5: below the source), its stream 3 s a
     column against its run's source 2 s (7.50 ms a query, 1.50×); TCR at 25 % of batches gains 100 and 10 (36.7 %,
@@ -461,3 +461,8 @@ def test_v3_cheaper_table_by_hand(v3):
     assert budget[3:] == ["1.75, 0.75", "50.00 ms (5.00×) |"]
     old = [{k: v for k, v in r.items() if k != "stream_seconds"} if r["objective"] == "dn" else r for r in rows]
     assert v3.cheaper_lines(old, "i2t", seeds=(3,))[3].endswith("| – | – |")  # rows from before the cost columns
+    exported = tmp_path / "rows.jsonl"  # the summary's `cheaper` part: the same rows on seeds 3, 4, 5, exported
+    exported.write_text("".join(json.dumps({**r, "seed": seed}) + "\n" for seed in (3, 4, 5) for r in rows))
+    printed = v3.summarise(exported, "i2t", part="cheaper").splitlines()
+    assert printed[0].startswith("**Cheaper alternatives (i2t, report split, seeds 3, 4, 5") and printed[2:5] == lines[:3]
+    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| 1.00, 0.00 | 7.50 ms (1.50×) |")
