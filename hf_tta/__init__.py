@@ -45,6 +45,7 @@ _LAZY = {
     "ObjectiveInputs": "objectives",
     "available_objectives": "objectives",
     "register_objective": "objectives",
+    "PassCounts": "outputs",
     "TTAOutput": "outputs",
     "DomainRouter": "router",
     "RoutingConfig": "router",
@@ -72,6 +73,7 @@ __all__ = [
     "Objective",
     "ObjectiveConfig",
     "ObjectiveInputs",
+    "PassCounts",
     "RoutedTTAWrapper",
     "RoutingConfig",
     "RunConfig",
@@ -128,7 +130,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         available_objectives,
         register_objective,
     )
-    from .outputs import TTAOutput
+    from .outputs import PassCounts, TTAOutput
     from .router import DomainRouter, RoutingConfig
     from .routing import RoutedTTAWrapper
     from .update_budget import UpdateBudgetConfig

@@ -33,7 +33,7 @@ from .gallery.cache import GalleryCache
 from .gallery.candidates import candidate_items, candidate_topk
 from .models.base import ModelAdapter
 from .objectives.base import LossOutput, Objective, ObjectiveInputs
-from .outputs import TTAOutput
+from .outputs import PassCounts, TTAOutput
 from .state import TRANSFORM, AdapterState
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # TTAConfig.autocast_dtype -> the autocast dtype
@@ -70,16 +70,18 @@ class BatchForward:
         stream: what the stream changes (the wrapper).
         disabled: a context in which the model computes as the source model.
         params: the adapted parameters by name (empty for a training-free objective).
+        passes: the meter of queries embedded (:class:`~hf_tta.outputs.PassCounts`; its ``forward`` counts here).
     """
 
     def __init__(
         self, adapter: ModelAdapter, config: Any, objective: Objective, score_transform: Objective | None,
         query_modality: str, gallery_modality: str, stream: Stream, disabled: Callable[[], contextlib.AbstractContextManager],
-        params: dict[str, nn.Parameter],
+        params: dict[str, nn.Parameter], passes: PassCounts | None = None,
     ):
         self.adapter, self.config, self.objective, self.score_transform = adapter, config, objective, score_transform
         self.query_modality, self.gallery_modality = query_modality, gallery_modality
         self.stream, self.disabled, self.params = stream, disabled, params
+        self.passes = passes if passes is not None else PassCounts()  # shared by every reading() copy
         self.source_params: dict[str, torch.Tensor] | None = None  # set with every source capture (the anchor's too)
         #: the version of each live gallery backend the objective and transform state follow (:func:`hf_tta.batch.pinned`)
         self.gallery_versions: dict[int, int] = {}
@@ -137,8 +139,14 @@ class BatchForward:
         with self.autocast():
             return self.adapter.encode(self.query_modality, queries)
 
+    def embedded(self, queries: dict) -> torch.Tensor:
+        """:attr:`embed` (with grad where grad is on), counted in :attr:`passes` (one forward per query)."""
+        q = self.embed(queries)
+        self.passes.forward += int(q.shape[0])
+        return q
+
     def embed_and_score(self, queries: dict, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.score(self.embed(queries), gallery)
+        return self.score(self.embedded(queries), gallery)
 
     def score(self, q: torch.Tensor, gallery: GalleryCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The single-vector query embeddings and the scores ``(B, N)`` against a dense gallery."""
@@ -168,7 +176,7 @@ class BatchForward:
         queries, gallery = batch.queries, batch.gallery
         backend = ids = None
         if isinstance(gallery, GalleryBackend):  # objectives see the batch's candidates, re-scored exactly
-            q_raw = self.embed(queries)
+            q_raw = self.embedded(queries)
             backend = gallery
             ids, gallery = self.candidate_view(q_raw, gallery, step)
             q, scores = self.score(q_raw, gallery)

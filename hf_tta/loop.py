@@ -35,7 +35,7 @@ from torch import nn
 
 from .gradient_decoupling import apply_gradient_decoupling, scaled_step_size
 from .objectives.base import LossOutput, Objective, ObjectiveInputs
-from .outputs import float_logs
+from .outputs import PassCounts, float_logs
 from .state import STEP_OBJECTIVE, STEP_UNDO, Adaptable, AdapterState
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class StepLoop:
         reduce_gradients: called on the adapted parameters after each backward (the distributed all-reduce).
         penalties: terms added to every step's loss (``penalty.value(inputs)``, e.g. :class:`hf_tta.tuning.Anchor`'s
             pull towards the source weights), each logged under its ``name``.
+        passes: the meter of queries in backward passes (:class:`~hf_tta.outputs.PassCounts`; its ``backward``
+            counts here, gradient decoupling's second gradient once more).
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class StepLoop:
         gradient_decoupling: GradientDecoupling | None = None,
         reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
         penalties: Iterable[Penalty] = (),
+        passes: PassCounts | None = None,
     ):
         self.objective, self.steps, self.fast, self.penalties = objective, steps, fast, tuple(penalties)
+        self.passes = passes if passes is not None else PassCounts()
         self.gradient_decoupling, self.reduce_gradients = gradient_decoupling, reduce_gradients
 
     def run(
@@ -175,12 +179,15 @@ class StepLoop:
     def backward(self, res: LossOutput, inputs: ObjectiveInputs, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
         """``loss.backward()``, then gradient decoupling when configured, then the gradient-reduce hook."""
         gd = self.gradient_decoupling
+        rows = int(inputs.query_emb.shape[0])
         if gd is None:
             res.loss.backward()
+            self.passes.backward += rows
             logs: dict[str, torch.Tensor] = {}
         else:
             res.loss.backward(retain_graph=True)  # G_r = grad KL(p_S || p) is taken through the same graph
             logs = apply_gradient_decoupling(res, params, inputs.source_scores, gd.per_tensor, gd.objective, weight_on=gd.weight_on)
+            self.passes.backward += 2 * rows  # G_d, then G_r through the same graph
         if self.reduce_gradients is not None:
             self.reduce_gradients(list(params.values()))
         return logs
@@ -235,6 +242,7 @@ class StepLoop:
                 continue
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
+            self.passes.backward += int(inputs.query_emb.shape[0])
             grads = [p.grad for p in params.values() if p.grad is not None]
             flag = torch.where(torch.isfinite(res.loss.detach()).all(), 0, 2)
             if grads:

@@ -41,6 +41,44 @@ class TTAOutput:
     safety_logs: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class PassCounts:
+    """Queries passed through the query tower, a meter of compute (``TTAWrapper.passes``, since the last ``reset()``).
+
+    ``forward`` counts every query the wrapper's forward embeds: the steps' forwards with grad, the no-grad views (a
+    before-update answer, an update budget's skipped batch, the entropy trigger), the source model's (the safety
+    layer, gradient decoupling), any re-encoding an objective asks for, and ``answer`` / ``embed_and_score``; ``backward`` counts every query in a
+    backward pass (gradient decoupling's second gradient, SAM's second pass, each once more). The gallery's encoding
+    is not counted (it is encoded once), nor the router's feature forward (:mod:`hf_tta.router`). A
+    :class:`~hf_tta.DistributedTTAWrapper` counts the global batch. Divided by the queries answered, they give the
+    passes per query: TCR's 3 steps cost 3 + 3, a batch an update budget skips costs 1 + 0.
+
+    Example:
+        >>> c = PassCounts(forward=8, backward=6)
+        >>> c.since(PassCounts(forward=2, backward=0)), c.per_query(2)
+        (PassCounts(forward=6, backward=6), (4.0, 3.0))
+    """
+
+    forward: int = 0
+    backward: int = 0
+
+    def since(self, earlier: "PassCounts") -> "PassCounts":
+        """The passes run after ``earlier`` (a copy taken then)."""
+        return PassCounts(self.forward - earlier.forward, self.backward - earlier.backward)
+
+    def per_query(self, queries: int) -> tuple[float, float]:
+        """``(forward, backward)`` passes per query over ``queries`` queries answered."""
+        if queries <= 0:
+            raise ValueError(f"per_query needs the number of queries answered (> 0), got {queries!r}.")
+        return self.forward / queries, self.backward / queries
+
+    def copy(self) -> "PassCounts":
+        return PassCounts(self.forward, self.backward)
+
+    def clear(self) -> None:
+        self.forward = self.backward = 0
+
+
 def float_logs(logs: Mapping[str, Any]) -> dict[str, float]:
     """Objectives may log detached 0-d tensors; convert once, for the reported step (no device sync per step)."""
     return {k: float(v) for k, v in logs.items()}

@@ -32,7 +32,7 @@ from .lr_search import LRSearch
 from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
-from .outputs import TTAOutput, float_logs
+from .outputs import PassCounts, TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, SHADOW, AdapterState
 from .update_budget import UpdateBudget
@@ -54,6 +54,9 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             ``BlipForImageTextRetrieval``, ``Blip2ForImageTextRetrieval``, ``VisionTextDualEncoderModel``), or a
             :class:`~hf_tta.DualEncoderAdapter` around a custom dual encoder.
         config (`TTAConfig`, *optional*): objective, query modality, steps, optimiser and parameter selection.
+
+    ``passes`` (:class:`~hf_tta.PassCounts`) meters the compute since the last :meth:`reset`: queries embedded
+    (``forward``) and backpropagated (``backward``); a meter, not adapted state (not saved, not restored).
 
     Example:
         >>> tta = TTAWrapper(model, TTAConfig(objective="tcr", query_modality="image"))  # doctest: +SKIP
@@ -89,8 +92,9 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.lr = cfg.lr
         if self.objective.requires_grad:
             self._wrap_targets()
+        self.passes = PassCounts()  # queries through the query tower since the last reset (a meter, not state)
         self.forward = BatchForward(self.adapter, cfg, self.objective, self.score_transform, self.query_modality,
-                                    self.gallery_modality, self, lambda: self.disabled(), self.params)
+                                    self.gallery_modality, self, lambda: self.disabled(), self.params, self.passes)
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
         self.fast_step = cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda"
         self.optimizer = self._make_optimizer()
@@ -102,7 +106,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.lr_search = LRSearch(cfg.lr_search, self) if cfg.lr_search is not None else None
         self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd)
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, passes=self.passes)
         self.capture_source()
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
@@ -336,8 +340,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     # ------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Return exactly to the source model: adapted parameters, optimiser, objective and score-transform state, batch
-        counter, RNG, the lr search's state (the next batches probe again) and the safety monitor."""
+        counter, RNG, the lr search's state (the next batches probe again) and the safety monitor; the :attr:`passes`
+        meter starts again from zero."""
         self.restore_source()
+        self.passes.clear()
 
     def restore_source(self) -> None:
         """Put the source state into the model and clear the monitor (:meth:`reset`; ``reset_policy="episodic"`` after

@@ -26,10 +26,16 @@ Phases (each reads the choices of the earlier ones from the rows):
    defaults) for TCR and REST on the selection split (its corruption and clean streams, then its degenerate stream):
    each row records the lr the probe chose and the lr each proxy would have chosen; then on the report split's
    default grid, seed 3.
+8. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
+   training-free score transforms alone on the source model (:data:`TRANSFORMS`: DN, NNN, QB-Norm), each under TCR and
+   REST at their selected lrs, and TCR and REST at their selected lrs on every batch and at the update budgets of
+   :data:`BUDGETS` (``+b<percent>``). Every row records its passes per query and the seconds of its stream beside
+   the source row of its own run (``protocol_v3_summary.cheaper_lines``).
 
     python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py report --direction i2t --out runs/v3 --jobs 2 --shard 1/2
+    python recipes/protocol_v3.py cheaper --direction i2t --out runs/v3 --jobs 1
     python recipes/protocol_v3_summary.py runs/v3 --export model_cards/results/protocol-v3
 """
 
@@ -69,6 +75,10 @@ REPORT_ALL_SEEDS = ("tent", "tcr", "rest")
 #: The papers' scoring rule, the secondary column (phase ``after``).
 AFTER = "after_update"
 SAFETY_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
+#: The training-free score transforms of the ``cheaper`` phase (row names: alone, or ``+<name>`` on a method).
+TRANSFORMS = ("dn", "nnn", "qbnorm")
+#: The update budgets of the ``cheaper`` phase, in % of batches adapted on (100 %: the method's plain row).
+BUDGETS = ("50", "25", "10")
 
 
 def _run(folder: Path, args: list[str], cache: str) -> int:
@@ -150,12 +160,20 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         seeds3 = [a if a != "3,4,5" else "3" for a in grid]
         out_jobs += [(f"auto/{direction}/{name}-auto-report", [*seeds3, *_objectives([name]), "--lr_search", "{}"]) for name in ("tcr", "rest")]
+    elif phase == "cheaper":
+        lrs = summary.selected_lrs(summary.load(out), direction)
+        grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
+        out_jobs += [(f"cheaper/{direction}/{name}", [*grid, *_objectives([name])]) for name in TRANSFORMS]  # no lr: nothing adapts
+        for method in ("tcr", "rest"):
+            rows = [method, *(f"{method}+{t}" for t in TRANSFORMS), *(f"{method}+b{b}" for b in BUDGETS)]
+            out_jobs += [(f"cheaper/{direction}/{row}-lr{lrs[method]}", [*grid, *_objectives([row]), "--lr", lrs[method]])
+                         for row in rows]
     return out_jobs
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after", "auto"])
+    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after", "auto", "cheaper"])
     parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
     parser.add_argument("--out", type=Path, default=Path("runs/v3"))
     parser.add_argument("--jobs", type=int, default=2)

@@ -90,10 +90,12 @@ def column(row: dict) -> tuple:
 
 
 def label(row: dict) -> str:
-    """A row's name in the tables: its objective (row) and lr, and the preset phase's safety variant."""
+    """A row's name in the tables: its objective (row) and lr (``auto``: issue 37's probe), and the preset phase's
+    safety variant; a run without an lr (a training-free row, phase ``cheaper``) by its row alone."""
     variant = "-lite" if "-lite" in row["config"] else ""
-    lr = "auto" if row.get("lr") is None and row.get("lr_search") else lr_name(row["lr"])  # issue 37's probe
-    return f"{row['objective']}{variant}@{lr}"
+    if row.get("lr") is None:  # issue 37's probe ("auto"), or a training-free row (no lr)
+        return f"{row['objective']}{variant}" + ("@auto" if row.get("lr_search") else "")
+    return f"{row['objective']}{variant}@{lr_name(row['lr'])}"
 
 
 def sources(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
@@ -521,6 +523,65 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
     return lines
 
 
+def _cheaper_order(name: str) -> tuple:
+    """The cheaper table's order: the transforms alone, then each method on every batch, with each transform, and at
+    falling budgets."""
+    from hf_tta.benchmarks.grid import SCORE_TRANSFORMS, row_spec
+
+    spec = row_spec(name)
+    return (spec.objective not in SCORE_TRANSFORMS, spec.objective, spec.budget is not None, -(spec.budget or 1.0),
+            spec.score_transform or "")
+
+
+def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[str, str]:
+    """``(forward, backward passes per query; seconds per query and their ratio to the source row of the same run)``
+    over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
+    picked = [cells[c][s] for c in cols for s in seeds]
+    if any(r.get("forward_per_query") is None or r.get("stream_seconds") is None for r in picked):
+        return "–", "–"
+    queries = sum(r["num_queries"] for r in picked)
+    forward = sum(r["forward_per_query"] * r["num_queries"] for r in picked) / queries
+    backward = sum(r["backward_per_query"] * r["num_queries"] for r in picked) / queries
+    seconds = sum(r["stream_seconds"] for r in picked)
+    own = [runs.get((r["config"], column(r), r["seed"])) for r in picked]
+    ratio = None
+    if all(o is not None and o.get("stream_seconds") for o in own):
+        ratio = seconds / sum(o["stream_seconds"] for o in own)
+    return (f"{figure(forward, 2)}, {figure(backward, 2)}",
+            f"{figure(seconds / queries * 1000, 2)} ms ({figure(ratio, 2)}×)" if ratio is not None else f"{figure(seconds / queries * 1000, 2)} ms")
+
+
+def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
+    """Phase ``cheaper`` (issue 39): per row, the share won back over the report split's corruption columns, the
+    worst column (or stream) against the source with its one-sided bound and :func:`verdict`, the passes per query
+    through the query tower (forward, backward) and the seconds per query with their ratio to the source row of the
+    same run (``stream_seconds``: each run times its source beside its row). Rows complete on every seed only."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    src, cells_by = _report(rows, direction, seeds, phase="cheaper")
+    phase_rows = [r for r in rows if r["direction"] == direction and r["phase"] == "cheaper" and r["seed"] in seeds]
+    runs = {(r["config"], column(r), r["seed"]): r for r in phase_rows if r["objective"] == SOURCE}
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    lines = ["| row | won back | worst column vs the source: Δ R@1, verdict (one-sided 95 % bound, margin 0.5) | "
+             "passes per query (forward, backward) | seconds per query (× the source's, same run) |", "|---|---|---|---|---|"]
+    if not cols:
+        return lines
+    own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time
+    passes = _cost(src, runs, cols, seeds)[0]
+    seconds = sum(r.get("stream_seconds") or 0.0 for r in own) / sum(r["num_queries"] for r in own) * 1000
+    lines.append(f"| source | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
+    for name, cells in sorted(cells_by.items(), key=lambda kv: _cheaper_order(kv[0].split("@")[0])):
+        if not _complete(cells, cols, seeds):
+            continue
+        streams = [c for c in cells if c not in cols and c in src and _complete(cells, [c], seeds)]
+        checks = {c: verdict(cells, src, [c]) for c in [*cols, *streams]}
+        (col, ni) = min(checks.items(), key=lambda kv: kv[1].lower)
+        passes, seconds = _cost(cells, runs, cols, seeds)
+        lines.append(f"| {name} | {figure(share(cells, src, cols), percent=True)} | {abbreviation(col[0])} {col[1] or ''}: "
+                     f"{figure(ni.delta, sign=True)}, {ni.verdict} | {passes} | {seconds} |")
+    return lines
+
+
 #: The summary's parts, in order: ``(name, title, lines)``; the results card prints each under its topic
 #: (``<!-- v3: rows.jsonl i2t report -->``), the command line prints them all. A part without rows is left out.
 PARTS = (
@@ -535,6 +596,8 @@ PARTS = (
     ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
      lambda rows, d: report_lines(rows, d, seeds=(3,))),
     ("after", "The papers' after-update scoring next to the prequential rows ({d}, report split, seed 3)", after_lines),
+    ("cheaper", "Cheaper alternatives ({d}, report split, seeds 3, 4, 5, prequential): training-free score transforms "
+     "and update budgets", cheaper_lines),
 )
 
 
@@ -548,7 +611,7 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
     for name, title, lines_of in PARTS:
         if part not in (None, name):
             continue
-        phase = {"after": "after", "autoreport": "auto"}.get(name, "report")
+        phase = {"after": "after", "autoreport": "auto", "cheaper": "cheaper"}.get(name, "report")
         has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == phase for r in rows)
         lines = lines_of(rows, direction) if has_rows else []
         if len(lines) > 2 or (name == "selection" and lines):

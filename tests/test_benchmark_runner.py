@@ -162,6 +162,43 @@ def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes():
     assert "error" not in dn and "lr_search" not in dn  # a training-free row runs without it, as without tuning
 
 
+@pytest.mark.parametrize(
+    ("row", "transform", "budget", "passes"),
+    [
+        ("dn", None, None, (1.0, 0.0)),  # the source model re-scored: one forward per query, nothing adapted
+        ("nnn", None, None, (1.0, 0.0)),
+        ("qbnorm", None, None, (1.0, 0.0)),
+        ("tcr+nnn", "nnn", None, (2.0, 2.0)),  # 2 steps a batch: 2 forwards and 2 backwards per query
+        ("rest+qbnorm", "qbnorm", None, (2.0, 2.0)),
+        # 25 % of 4 batches of 3: batch 0 adapted on (2 + 2), batches 1-3 answered from one forward: (2 + 3) / 4, 2 / 4
+        ("tcr+dn+b25", "dn", 0.25, (1.25, 0.5)),
+    ],
+)
+def test_transform_and_budget_rows_configure_the_wrapper_and_record_their_cost(row, transform, budget, passes):
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(steps=2, batch_size=3, show_progress=False))
+    cond = Condition("i2t", "fog", 5)
+    cfg = runner.row_config(row, cond, 0)
+    assert cfg.objective == row.split("+")[0] and cfg.score_transform == transform
+    assert cfg.update_budget == (None if budget is None else {"fraction": budget})
+    got = runner.run(Job(cond, row, 0))
+    assert "error" not in got, got.get("error")
+    assert (got["forward_per_query"], got["backward_per_query"]) == passes and got["stream_seconds"] > 0
+    if budget is not None:  # one batch adapted on (2 updates), three answered (one skip each)
+        assert (got["updates"], got["skipped_steps"]) == (2, 3)
+    source = runner.run(Job(cond, SOURCE, 0))
+    assert (source["forward_per_query"], source["backward_per_query"]) == (1.0, 0.0) and source["stream_seconds"] > 0
+
+
+def test_an_update_budget_of_every_row_leaves_training_free_rows_alone():
+    """``--update_budget`` (config_overrides) applies to gradient rows; a ``+b`` row's own budget wins; a training-free
+    row has nothing to update and runs without it (TTAConfig would refuse it)."""
+    runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, config_overrides={"update_budget": {"fraction": 0.5}}))
+    cond = Condition("i2t", "fog", 5)
+    assert runner.row_config("tcr", cond, 0).update_budget == {"fraction": 0.5}
+    assert runner.row_config("tcr+b10", cond, 0).update_budget == {"fraction": 0.1}
+    assert runner.row_config("qbnorm", cond, 0).update_budget is None
+
+
 def test_oracle_all_adapts_every_parameter_of_the_query_tower():
     model = make_model("clip")
     adapter = get_adapter(model)

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from hf_tta.benchmarks import SOURCE, Condition, GridRunner, Job, RunSettings, build_grid
-from hf_tta.benchmarks.grid import ROBUSTNESS_SHIFTS, SWITCH_IMAGE_CORRUPTIONS, stream_order, switch_segments
+from hf_tta.benchmarks.grid import (
+    ROBUSTNESS_SHIFTS,
+    SWITCH_IMAGE_CORRUPTIONS,
+    RowSpec,
+    row_spec,
+    stream_order,
+    switch_segments,
+)
 from test_benchmark_runner import N, TinyTask
 from tiny_models import make_model
 
@@ -80,7 +87,7 @@ def test_row_names_parse_their_options():
     assert row_spec("tcr+gd+safe") == RowSpec("tcr", gd=True, safe=True)
     assert row_spec("tent+route") == RowSpec("tent", route=True)
     assert row_spec("oracle_all") == RowSpec("oracle", all_params=True) == row_spec("oracle+all")
-    assert row_spec("tcr+dn+all+safe") == RowSpec("tcr", safe=True, all_params=True, dn=True)
+    assert row_spec("tcr+dn+all+safe") == RowSpec("tcr", safe=True, all_params=True, score_transform="dn")
     assert row_objective("rest+gd") == ("rest", True)
     for bad in ("tcr+fast", "tcr+safe+safe", "oracle_all+all"):
         with pytest.raises(ValueError, match="options are"):
@@ -90,6 +97,45 @@ def test_row_names_parse_their_options():
     for bad in ("tcr@", "tcr@fast", "tcr@-1e-3", "tcr@0", "tcr@inf", "tcr@nan"):
         with pytest.raises(ValueError, match="learning rate, a positive number"):
             row_spec(bad)
+
+
+@pytest.mark.parametrize(
+    ("row", "spec"),
+    [
+        ("tcr+nnn", RowSpec("tcr", score_transform="nnn")),
+        ("rest+qbnorm", RowSpec("rest", score_transform="qbnorm")),
+        ("tcr+dn", RowSpec("tcr", score_transform="dn")),
+        ("nnn", RowSpec("nnn")),  # the transforms alone: training-free objectives on the source model
+        ("qbnorm+safe", RowSpec("qbnorm", safe=True)),
+        ("tcr+b25", RowSpec("tcr", budget=0.25)),
+        ("rest+b10@1e-3", RowSpec("rest", budget=0.1, lr=1e-3)),
+        ("tcr+b12.5+nnn+safe", RowSpec("tcr", safe=True, score_transform="nnn", budget=0.125)),
+        ("tcr+b100", RowSpec("tcr", budget=1.0)),
+        ("recommended", RowSpec("tcr", safe=True, score_transform="dn")),
+    ],
+)
+def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
+    assert row_spec(row) == spec and row_spec(row).row == row
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ("tcr+dn+nnn", r"one score transform per row; got \+dn and \+nnn"),
+        ("recommended+qbnorm", r"one score transform per row; got \+dn and \+qbnorm"),
+        ("dn+nnn", "dn is training-free"),
+        ("qbnorm+b25", r"qbnorm is training-free .* \+b25 on a gradient objective"),
+        ("tcr+b0", r"percent in \(0, 100\]"),
+        ("tcr+b150", r"percent in \(0, 100\]"),
+        ("tcr+b25+b50", "one update budget per row"),
+        ("tcr+b25+b25", "each at most once"),
+        ("tcr+bx", r"options are .*\+qbnorm and \+b<percent>"),
+    ],
+)
+def test_row_names_refuse_two_transforms_and_bad_budgets_in_one_line(row, match):
+    with pytest.raises(ValueError, match=match) as err:
+        row_spec(row)
+    assert "\n" not in str(err.value)
 
 
 def test_a_row_at_its_own_lr_runs_at_it_and_the_others_at_the_grids():

@@ -208,6 +208,8 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         ("run", "--direction", "t2i", "--text-corruptions", "ocr,char_swp"): "unknown text corruptions ['char_swp']",
         ("run", "--gradient-decoupling", "dn"): "--gradient-decoupling: ['dn'] are training-free",
         ("run", "--objectives", "tent,dn+gd"): "['dn+gd']: gradient decoupling (+gd) needs a gradient objective",
+        ("run", "--objectives", "tcr+dn+nnn"): "Row 'tcr+dn+nnn': one score transform per row",
+        ("run", "--objectives", "tcr+b0"): "percent in (0, 100]",
         ("run", "--bogus"): "unrecognized arguments: --bogus (see `hf-tta run --help`)",
         ("clean", "--bogus"): "(see `hf-tta clean --help`)",
         ("clean", "--direction", "a2t"): "audio/video directions need --model",

@@ -411,3 +411,58 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
     cells = [c.strip() for c in v3.auto_report_lines(rows, "i2t")[2].strip("|").split("|")]
     assert cells[:6] == ["tcr", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
     assert cells[6].startswith("not below the source")
+
+
+def test_v3_cheaper_phase_lists_the_transforms_the_methods_and_their_budgets(v3, monkeypatch, tmp_path):
+    """Issue 39: DN, NNN and QB-Norm alone (no lr: nothing adapts), TCR and REST at their selected lrs on every batch,
+    with each transform and at 50 / 25 / 10 % of batches; the report split's default grid, seeds 3, 4, 5, prequential."""
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: {"tent": "1e-3", "tcr": "1e-2", "rest": "3e-3"})
+    jobs = dict(recipe.jobs("cheaper", "i2t", tmp_path))
+    rows = lambda m: [m, f"{m}+dn", f"{m}+nnn", f"{m}+qbnorm", f"{m}+b50", f"{m}+b25", f"{m}+b10"]  # noqa: E731
+    assert list(jobs) == [f"cheaper/i2t/{n}" for n in ("dn", "nnn", "qbnorm")] + [
+        f"cheaper/i2t/{r}-lr{lr}" for m, lr in (("tcr", "1e-2"), ("rest", "3e-3")) for r in rows(m)]
+    for folder, args in jobs.items():
+        value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+        assert (value("--seeds"), value("--corruptions"), value("--scoring")) == ("3,4,5", "default", "before_update")
+        assert value("--objectives") == folder.split("/")[-1].split("-lr")[0]
+        assert ("--lr" in args) == ("-lr" in folder) and (value("--lr") == folder.split("-lr")[1] if "--lr" in args else True)
+    from hf_tta.benchmarks.grid import row_spec  # every listed row parses, and the budgets are what they say
+
+    assert [row_spec(r).budget for r in rows("tcr")[-3:]] == [0.5, 0.25, 0.1]
+
+
+def _cost_row(objective, shift, severity, n_hits, config, seconds, passes=(1.0, 0.0), lr=None):
+    return _v3_row(objective, shift, severity, n_hits, lr=lr, phase="cheaper", config=config, seed=3, num_queries=400,
+                   forward_per_query=passes[0], backward_per_query=passes[1], stream_seconds=seconds)
+
+
+def test_v3_cheaper_table_by_hand(v3, tmp_path):
+    """Two runs, each with its source (clean 400/400, contrast 1 200/400, snow 2 300/400): DN alone gains 60 on
+    contrast and loses 10 on snow (share 50 / 300 = 16.7 %, worst snow −2.5: below the source), its stream 3 s a
+    column against its run's source 2 s (7.50 ms a query, 1.50×); TCR at 25 % of batches gains 100 and 10 (36.7 %,
+    worst snow +2.5), 1.75 forwards and 0.75 backwards a query, 20 s a column against its run's 4 s (50 ms, 5×)."""
+    tcr = dict(config="tcr+b25-lr1e-3", lr=1e-3)
+    rows = []
+    for config, src_seconds in (("dn", 2.0), (tcr["config"], 4.0)):
+        rows += [_cost_row("source", "clean", None, 400, config, 2.0), _cost_row("source", "contrast", 1, 200, config, src_seconds),
+                 _cost_row("source", "snow", 2, 300, config, src_seconds)]
+    rows += [_cost_row("dn", "contrast", 1, 260, "dn", 3.0), _cost_row("dn", "snow", 2, 290, "dn", 3.0),
+             _cost_row("tcr+b25", "contrast", 1, 300, seconds=20.0, passes=(1.75, 0.75), **tcr),
+             _cost_row("tcr+b25", "snow", 2, 310, seconds=20.0, passes=(1.75, 0.75), **tcr),
+             _cost_row("rest+nnn", "contrast", 1, 300, "rest+nnn-lr3e-3", 9.0, lr=3e-3)]  # incomplete: no snow yet
+    lines = v3.cheaper_lines(rows, "i2t", seeds=(3,))
+    assert len(lines) == 5 and lines[2] == "| source | – | – | 1.00, 0.00 | 7.50 ms (1×, mean of 2 runs) |"
+    dn, budget = lines[3].split(" | "), lines[4].split(" | ")
+    assert dn[0] == "| dn" and dn[1] == "16.7 %" and dn[2].startswith("Snow 2: −2.5, below the source (bound −")
+    assert "not below" not in dn[2] and dn[3:] == ["1.00, 0.00", "7.50 ms (1.50×) |"]
+    assert budget[0] == "| tcr+b25@1e-3" and budget[1] == "36.7 %" and budget[2].startswith("Snow 2: +2.5, not below the source (bound ")
+    assert budget[3:] == ["1.75, 0.75", "50.00 ms (5.00×) |"]
+    old = [{k: v for k, v in r.items() if k != "stream_seconds"} if r["objective"] == "dn" else r for r in rows]
+    assert v3.cheaper_lines(old, "i2t", seeds=(3,))[3].endswith("| – | – |")  # rows from before the cost columns
+    exported = tmp_path / "rows.jsonl"  # the summary's `cheaper` part: the same rows on seeds 3, 4, 5, exported
+    exported.write_text("".join(json.dumps({**r, "seed": seed}) + "\n" for seed in (3, 4, 5) for r in rows))
+    printed = v3.summarise(exported, "i2t", part="cheaper").splitlines()
+    assert printed[0].startswith("**Cheaper alternatives (i2t, report split, seeds 3, 4, 5") and printed[2:5] == lines[:3]
+    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| 1.00, 0.00 | 7.50 ms (1.50×) |")

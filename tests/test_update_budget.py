@@ -155,3 +155,34 @@ def test_each_routed_domain_keeps_its_own_schedule():
     g = tta.encode_gallery(batch("text", 20, seed=1))
     updates = [tta.adapt_step(q, g, domain=d).num_updates for q, d in zip(STREAM, "aabab")]
     assert updates == [3, 0, 3, 3, 0]  # a: batches 0, 1, 2 of its own; b: 0, 1
+
+
+# ------------------------------------------------------------------------------------- the cost meter (TTAWrapper.passes)
+@pytest.mark.parametrize(
+    "extra,want",
+    [
+        # TCR's 3 steps on every batch: 3 forwards (with grad) and 3 backwards per query
+        ({}, (3.0, 3.0)),
+        # + the answer of the current model before the update (prequential scoring): 4 + 3
+        ({"run": {"scoring": "before_update"}}, (4.0, 3.0)),
+        # 25 % of 8 batches (0 and 4) adapted on: 2 x (3 + 3), the 6 others one forward: (6 + 6) / 8, 6 / 8
+        ({"update_budget": {"fraction": 0.25}}, (1.5, 0.75)),
+        ({"update_budget": {"fraction": 0.25}, "run": {"scoring": "before_update"}}, (1.75, 0.75)),
+        # gradient decoupling: a source forward per batch (its scores are reused by the steps), two gradients a step
+        ({"gradient_decoupling": True, "update_budget": {"fraction": 0.25}}, (1.75, 1.5)),
+    ],
+)
+def test_passes_per_query_by_hand_and_by_hooks(extra, want):
+    """``TTAWrapper.passes`` against the hand count and against hooks on the query tower (a forward hook per batch
+    forward, a gradient hook per backward through an adapted tensor), 8 batches of 8 queries."""
+    tta, g = _wrapper(extra.get("update_budget"), **{k: v for k, v in extra.items() if k != "update_budget"})
+    count = Counter(tta)
+    stream = [batch("image", 8, seed=60 + i) for i in range(8)]
+    for q in stream:
+        tta.adapt_step(q, g)
+    assert tta.passes.per_query(64) == want
+    assert (tta.passes.forward, tta.passes.backward) == (8 * count.forward, 8 * count.backward)
+    tta.answer(stream[0], g)  # an answer is one forward, no backward
+    assert tta.passes.forward == 8 * count.forward and tta.passes.backward == round(want[1] * 64)
+    tta.reset()
+    assert (tta.passes.forward, tta.passes.backward) == (0, 0)

@@ -67,10 +67,17 @@ RECOMMENDED = "recommended"
 #: Row options, appended in any order (``tcr+gd+safe``): gradient decoupling, the safety layer
 #: (:mod:`hf_tta.safety`, default thresholds), per-domain adapters with the unsupervised router
 #: (:mod:`hf_tta.routing`, default config), every parameter of the query tower instead of its LayerNorms
-#: (``oracle_all`` is ``oracle+all``), Distribution Normalization as a score transform on top of the objective, and
-#: per-domain adapters keyed by each query's true shift (``+key``: a routing ceiling, not label-free; it tells the
-#: router's errors from what per-domain adaptation itself can give). Each maps to its :class:`RowSpec` field.
-ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "dn": "dn", "key": "key"}
+#: (``oracle_all`` is ``oracle+all``), and per-domain adapters keyed by each query's true shift (``+key``: a routing
+#: ceiling, not label-free; it tells the router's errors from what per-domain adaptation itself can give). Each maps to
+#: its :class:`RowSpec` field.
+ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "key": "key"}
+#: Score transforms a row may add on top of its objective, one per row (``tcr+nnn``): :attr:`RowSpec.score_transform`,
+#: ``TTAConfig.score_transform``. Alone they are rows of their own: ``dn``, ``nnn``, ``qbnorm`` are the source model
+#: with the transform and nothing adapted (training-free objectives).
+SCORE_TRANSFORMS = ("dn", "nnn", "qbnorm")
+#: ``+b<percent>`` adapts on that share of the batches, evenly spaced (``tcr+b25``: 25 %, ``TTAConfig.update_budget``
+#: ``{"fraction": 0.25}``, :mod:`hf_tta.update_budget`); the other batches are answered from one forward.
+BUDGET_OPTION = "b"
 
 
 # ------------------------------------------------------------------------------------------------ grid
@@ -234,25 +241,49 @@ def jobs_for(
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What a row name asks for: the registered objective and the :data:`ROW_OPTIONS` switched on; ``row`` is the
-    name it was parsed from (per-row config overrides and held wrappers are keyed by it)."""
+    """What a row name asks for: the registered objective, the :data:`ROW_OPTIONS` switched on, the score transform
+    (one of :data:`SCORE_TRANSFORMS`, or ``None``), the update budget (the share of batches adapted on, in (0, 1], or
+    ``None``: every batch) and the row's own lr; ``row`` is the name it was parsed from (per-row config overrides and
+    held wrappers are keyed by it)."""
 
     objective: str
     gd: bool = False
     safe: bool = False
     route: bool = False
     all_params: bool = False
-    dn: bool = False
     key: bool = False
+    score_transform: str | None = None
+    budget: float | None = None
     lr: float | None = None
     row: str = field(default="", compare=False)
 
 
+def _budget(row: str, option: str) -> float:
+    """The fraction of a ``+b<percent>`` option (``b25`` -> 0.25), refusing a share outside (0, 100] in one line."""
+    try:
+        percent = float(option[len(BUDGET_OPTION):])
+    except ValueError:
+        percent = float("nan")
+    if not 0 < percent <= 100:
+        raise ValueError(f"Row {row!r}: +{option} is an update budget, +b<percent of batches adapted on> with a percent "
+                         "in (0, 100], e.g. tcr+b25.")
+    return percent / 100
+
+
+def _training_free(name: str) -> bool:
+    """Whether ``name`` is a registered training-free objective (an unregistered name is the caller's to refuse)."""
+    from ..objectives import available_objectives, get_objective_class
+
+    return name in available_objectives() and not get_objective_class(name).requires_grad
+
+
 def row_spec(row: str) -> RowSpec:
     """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` ->
-    ``RowSpec("oracle", all_params=True)``; a trailing ``@<lr>`` runs the row at its own learning rate
+    ``RowSpec("oracle", all_params=True)``, ``"tcr+nnn"`` -> ``RowSpec("tcr", score_transform="nnn")``,
+    ``"rest+b25"`` -> ``RowSpec("rest", budget=0.25)``; a trailing ``@<lr>`` runs the row at its own learning rate
     (``"tcr+safe@3e-3"``: protocol v3 reports each method at the paper's lr and at the lr chosen for it). Raises
-    ``ValueError`` for an unknown or repeated option or an lr that is not a positive number."""
+    ``ValueError`` for an unknown or repeated option, two score transforms, a score transform or budget on a
+    training-free objective, a budget outside (0, 100] % or an lr that is not a positive number."""
     body, at, lr_text = row.partition("@")
     lr = None
     if at:
@@ -270,12 +301,25 @@ def row_spec(row: str) -> RowSpec:
         options = [*preset, *options]
     if name == "oracle_all":
         name, options = "oracle", [*options, "all"]
-    unknown = [o for o in options if o not in ROW_OPTIONS]
+    budgets = [o for o in options if o[:1] == BUDGET_OPTION and o[1:2] in set("0123456789.")]
+    transforms = [o for o in options if o in SCORE_TRANSFORMS]
+    unknown = [o for o in options if o not in ROW_OPTIONS and o not in SCORE_TRANSFORMS and o not in budgets]
     if unknown or len(set(options)) != len(options):
-        raise ValueError(f"Row {row!r}: options are +{', +'.join(ROW_OPTIONS)}, each at most once; got {options}.")
+        raise ValueError(f"Row {row!r}: options are +{', +'.join([*ROW_OPTIONS, *SCORE_TRANSFORMS])} and +b<percent>, "
+                         f"each at most once; got {options}.")
     if "key" in options and "route" in options:
         raise ValueError(f"Row {row!r}: +key routes by the true shift, +route by the unsupervised router; pick one.")
-    return RowSpec(name, **{ROW_OPTIONS[o]: True for o in options}, lr=lr, row=row)
+    if len(transforms) > 1:
+        raise ValueError(f"Row {row!r}: one score transform per row; got +{' and +'.join(transforms)}.")
+    if len(budgets) > 1:
+        raise ValueError(f"Row {row!r}: one update budget per row; got +{' and +'.join(budgets)}.")
+    budget = _budget(row, budgets[0]) if budgets else None
+    if (transforms or budgets) and _training_free(name):
+        option = (transforms or budgets)[0]
+        raise ValueError(f"Row {row!r}: {name} is training-free (the source model with its own scoring, nothing adapts), "
+                         f"so +{option} does not apply: write {name} alone, or +{option} on a gradient objective (tcr+{option}).")
+    flags = {ROW_OPTIONS[o]: True for o in options if o in ROW_OPTIONS}
+    return RowSpec(name, **flags, score_transform=transforms[0] if transforms else None, budget=budget, lr=lr, row=row)
 
 
 def row_objective(row: str) -> tuple[str, bool]:

@@ -15,7 +15,10 @@ stream with the untouched source model through the model adapter's ``check_input
 score the same way in every row); it also encodes the galleries. Every adapted row embeds and scores through a
 :class:`~hf_tta.TTAWrapper` built for its row and seed. The oracle rows (``oracle``: the query tower's LayerNorms, ``oracle_all``:
 every parameter of the query tower) adapt like the methods but on the true labels: ceilings, not methods. Each row
-stores its per-query R@1 hits (``hits``, a string of 0/1 in query order) for the paired bootstrap of the report. Grids are planned in
+stores its per-query R@1 hits (``hits``, a string of 0/1 in query order) for the paired bootstrap of the report, and its
+cost: passes per query through the query tower (``forward_per_query``, ``backward_per_query``: :class:`~hf_tta.PassCounts`;
+the source row's is one forward) and the seconds of the scored stream (``stream_seconds``: answers and updates, not the
+gallery's encoding, a degenerate stream's prefix nor the diagnostics; compare it within one run). Grids are planned in
 :mod:`hf_tta.benchmarks.grid`, tasks live in :mod:`hf_tta.benchmarks.tasks`, tables and plots in
 :mod:`hf_tta.benchmarks.report`.
 """
@@ -31,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from ..logging import tqdm
+from ..outputs import PassCounts
 from .grid import (
     DEGENERATE_BATCHES,
     GALLERY_MODALITY,
@@ -77,7 +81,8 @@ class RunSettings:
     config_overrides: dict = field(
         default_factory=dict,
         metadata={"help": "TTAConfig fields every row's config starts from (e.g. weight_decay, reset_policy, autocast_dtype, "
-                  "safety); the row sets its objective, modalities, steps, lr and seed, and +safe / +dn / oracle_all add theirs."},
+                  "safety); the row sets its objective, modalities, steps, lr and seed, and +safe, +dn / +nnn / +qbnorm, +b<percent> and oracle_all "
+                  "add theirs."},
     )
     gradient_decoupling: tuple[str, ...] | None = field(
         default=None,
@@ -126,6 +131,7 @@ class SourceScorer:
         self.adapter = get_adapter(model, modalities=(query_modality, gallery_modality))
         self.query_modality, self.gallery_modality = query_modality, gallery_modality
         self.adapter.model.eval()
+        self.passes = PassCounts()  # queries embedded (one forward each; the gallery is not counted)
 
     @torch.no_grad()
     def encode_gallery(self, batches):
@@ -142,6 +148,7 @@ class SourceScorer:
     def embed_and_score(self, inputs, gallery) -> tuple[torch.Tensor, torch.Tensor]:
         """Single-vector query embeddings ``(B, D)`` and scores ``(B, N)`` against a dense gallery."""
         q = self.adapter.encode(self.query_modality, self.adapter.check_inputs(self.query_modality, inputs))
+        self.passes.forward += int(q.shape[0])
         scores = self.adapter.score(q, gallery.embeddings)
         return self.adapter.single_vector(q, scores, gallery.single), scores
 
@@ -187,10 +194,10 @@ class GridRunner:
         base = dict(s.config_overrides)  # the user's TTAConfig fields, flat (the CLI's options); the row's own choices win
         # the features a row does not run take no options: no tuning of a training-free row, no gd settings without gd
         off = {"gradient_decoupling"} if not gd else set()
-        if not get_objective_class(objective).requires_grad:
-            off |= {"tuning", "consistency", "lr_search"}
+        if not get_objective_class(objective).requires_grad:  # nor an update budget (nothing to update)
+            off |= {"tuning", "consistency", "lr_search", "update_budget"}
         base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, (k,))[0] not in off}
-        transform = "dn" if spec.dn else base.get("score_transform")
+        transform = spec.score_transform or base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
             **base,
@@ -206,6 +213,7 @@ class GridRunner:
             "score_transform": transform,
             "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
             "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
+            "update_budget": {"fraction": spec.budget} if spec.budget is not None else base.get("update_budget"),
             # the supervised ceilings are prequential: each batch is scored before its labels train the model
             "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),
         }))
@@ -323,7 +331,10 @@ class GridRunner:
             modality = cond.query_modality
             row.update({"stream": self.task.stream_key(cond), "num_queries": len(raw), "gallery_size": len(gallery)})
             if job.objective == SOURCE:
-                after, scores = self._score_all(self.source_scorer(cond.direction), modality, raw, gallery)
+                scorer = self.source_scorer(cond.direction)
+                counted, clock = scorer.passes.copy(), time.perf_counter()
+                after, scores = self._score_all(scorer, modality, raw, gallery)
+                cost = scorer.passes.since(counted), time.perf_counter() - clock
                 info = {}
             else:
                 spec = row_spec(job.objective)  # parsed once per job
@@ -342,6 +353,7 @@ class GridRunner:
                 if cond.shift == "degenerate":  # a constant prefix first; recall is scored on the clean part only
                     updates, skipped = self._degenerate_prefix(tta, modality, raw, relevant, gallery, seed, domains is not None)
                 batches = range(0, len(order), s.batch_size)
+                counted, clock = tta.passes.copy(), time.perf_counter()  # the scored stream's cost, not the prefix's
                 bar = tqdm(batches, desc=f"{job.objective} {cond.key}", leave=False, disable=not s.show_progress)
                 for start in bar:
                     idx = order[start : start + s.batch_size]
@@ -351,6 +363,7 @@ class GridRunner:
                     scores[idx] = out.scores.float().cpu()
                     updates += out.num_updates
                     skipped += len(out.skipped)
+                cost = tta.passes.since(counted), time.perf_counter() - clock
                 after, _ = self._score_all(tta, modality, raw, gallery)
                 info = {"updates": updates, "skipped_steps": skipped, "gradient_decoupling": bool(tta.config.gradient_decoupling)}
                 if tta.config.safety is not None:  # how often the safety layer acted over the stream
@@ -366,6 +379,9 @@ class GridRunner:
             if extra is not None:
                 row.update({k: v for k, v in extra(cond, scores).items() if k not in row})
             row.update(info)
+            forward, backward = cost[0].per_query(len(raw))
+            row.update({"forward_per_query": round(forward, 4), "backward_per_query": round(backward, 4),
+                        "stream_seconds": round(cost[1], 3)})
             g = gallery.single.float().cpu()
             row["uniformity_after"] = round(uniformity(after), 6)
             row["gap_after"] = round(modality_gap(after, g), 6)

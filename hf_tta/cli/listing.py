@@ -30,8 +30,10 @@ def cmd_list(args) -> int:
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
     print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
-    print("                   +all (every query-tower parameter), +dn (DN score transform),")
+    print("                   +all (every query-tower parameter), +dn / +nnn / +qbnorm (one score transform),")
+    print("                   +b<percent> (update budget: adapt on that share of batches, e.g. tcr+b25),")
     print("                   +key (one adapter per true shift: a routing ceiling); combine: tcr+gd+safe")
+    print("score transforms:  dn, nnn, qbnorm alone: the source model with the transform, nothing adapted")
     print("preset row:        recommended (TTAConfig.recommended: " + RECOMMENDED_ROW + ")")
     from ..benchmarks.grid import AV_DIRECTIONS
     from ..data.builders.audioset import AV_BENCHMARKS

@@ -256,13 +256,15 @@ def _objectives(value: str) -> list[str]:
     def known(name: str) -> bool:
         try:
             return name == "source" or row_spec(name).objective in available_objectives()
-        except ValueError:
+        except ValueError as err:  # a malformed option (two score transforms, a budget of 0 %): its own one line
+            if name.split("+")[0].split("@")[0] in (*available_objectives(), "oracle_all", "recommended"):
+                raise UsageError(str(err)) from None
             return False
 
     unknown = [n for n in names if not known(n)]
     if unknown:
         raise UsageError(f"unknown objectives {unknown}; available: {', '.join(available_objectives())}, oracle_all, "
-                         "and <objective>+gd, +safe, +route, +all, +dn, +key (see `hf-tta list`).")
+                         "and <objective>+gd, +safe, +route, +all, +dn / +nnn / +qbnorm, +key, +b<percent> (see `hf-tta list`).")
     free = [n for n in names if n != "source" and row_spec(n).gd and not get_objective_class(row_spec(n).objective).requires_grad]
     if free:
         raise UsageError(f"{free}: gradient decoupling (+gd) needs a gradient objective; leave +gd off training-free ones.")
