@@ -28,7 +28,6 @@ lower bound above −0.5 R@1, items and seeds resampled jointly).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -36,120 +35,39 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "recipes"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from protocol_v3_costs import cheaper_lines  # noqa: E402 (next to this file)
+from protocol_v3_rows import (  # noqa: E402 (next to this file)
+    CEILINGS,
+    LR_BEYOND,
+    LR_GRID,
+    PAPER_LR,
+    SOURCE,
+    STREAMS,
+    by_label,
+    column,
+    complete,
+    corruption_columns,
+    export,
+    hits,
+    load,
+    lr_name,
+    mean_r1,
+    report_cells,
+    selection_columns,
+    share,
+    sources,
+    spearman,
+    verdict,
+)
 
 from hf_tta.benchmarks.figures import figure  # noqa: E402
-from hf_tta.benchmarks.intervals import non_inferiority  # noqa: E402
 
 DEGENERATE_WALK = 2
 PRESET_TIE = 0.01
-SOURCE = "source"
-STREAMS = ("clean", "noto", "diverse", "switch", "degenerate")
-PAPER_LR = 3e-4
-LR_GRID = {"i2t": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2), "t2i": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3)}
-LR_BEYOND = {"i2t": (3e-5, 3e-2), "t2i": (3e-6, 1e-2)}
-CEILINGS = ("oracle", "oracle_all")
-
-
-def lr_name(lr: float) -> str:
-    """``3e-4`` for 0.0003: the lr as the recipe's folders name it."""
-    mantissa, exponent = f"{lr:.0e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
-    """Every finished run's row under ``out/<phase>/<direction>/<config>/rows.jsonl``, tagged with its phase, config
-    and run settings (lr, scoring, safety, score transform, degenerate batches, slice); or the rows of an exported
-    ``rows.jsonl`` (already tagged)."""
-    if isinstance(out, (list, tuple)):
-        return [r for o in out for r in load(o, direction)]
-    out = Path(out)
-    if out.is_file():
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    else:
-        rows = []
-        for path in sorted(out.glob("*/*/*/rows.jsonl")):
-            phase, config = path.parts[-4], path.parts[-2]
-            lines = path.read_text().splitlines()
-            head = json.loads(lines[0]).get("hf-tta-run", {}) if lines else {}
-            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit", "steps")}
-            for line in lines[1:]:
-                row = json.loads(line)
-                if "error" not in row:
-                    rows.append({**row, "phase": phase, "config": config, **settings})
-    return [r for r in rows if direction is None or r["direction"] == direction]
-
-
-def hits(row: dict) -> np.ndarray:
-    return np.frombuffer(row["hits"].encode("ascii"), dtype=np.uint8).astype(np.int8) - ord("0")
-
-
-def column(row: dict) -> tuple:
-    return (row["shift"], row.get("severity"))
-
-
-def label(row: dict) -> str:
-    """A row's name in the tables: its objective (row) and lr (``auto``: issue 37's probe), and the preset phase's
-    safety variant; a run without an lr (a training-free row, phase ``cheaper``) by its row alone."""
-    variant = "-lite" if "-lite" in row["config"] else ""
-    if row.get("lr") is None:  # issue 37's probe ("auto"), or a training-free row (no lr)
-        return f"{row['objective']}{variant}" + ("@auto" if row.get("lr_search") else "")
-    return f"{row['objective']}{variant}@{lr_name(row['lr'])}"
-
-
-def sources(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """The source model's rows by column and seed; two runs of one source row must agree in their hits."""
-    out: dict[tuple, dict[int, dict]] = defaultdict(dict)
-    for r in rows:
-        if r["objective"] == SOURCE:
-            held = out[column(r)].get(r["seed"])
-            if held is not None and held["hits"] != r["hits"]:
-                raise ValueError(f"two source rows of {column(r)} seed {r['seed']} differ in their hits.")
-            out[column(r)][r["seed"]] = r
-    return out
-
-
-def by_label(rows: list[dict], phases: tuple[str, ...]) -> dict[str, dict[tuple, dict[int, dict]]]:
-    out: dict[str, dict] = defaultdict(lambda: defaultdict(dict))
-    for r in rows:
-        if r["objective"] != SOURCE and r["phase"] in phases:
-            out[label(r)][column(r)][r["seed"]] = r
-    return out
-
-
-def corruption_columns(cells: dict) -> list[tuple]:
-    return sorted((c for c in cells if c[0] not in STREAMS), key=lambda c: (c[1] or 0, c[0]))
-
-
-def selection_columns(direction: str) -> list[tuple]:
-    """The selection split's corruption columns in a direction (:data:`hf_tta.benchmarks.splits.SELECTION`)."""
-    from hf_tta.benchmarks.splits import SELECTION
-
-    if direction == "i2t":
-        return list(SELECTION.image_conditions)
-    return [(c, s) for c in SELECTION.text_corruptions for s in SELECTION.text_severities]
-
-
-def share(cells: dict, src: dict, columns: list[tuple]) -> float | None:
-    """Ratio of sums over columns and seeds: Σ (row − source) / Σ (clean − source), R@1 from hits."""
-    gain = lost = 0.0
-    for c in columns:
-        for seed, row in cells.get(c, {}).items():
-            s = src[c][seed]
-            clean = src[("clean", None)][seed]
-            gain += hits(row).mean() - hits(s).mean()
-            lost += hits(clean).mean() - hits(s).mean()
-    return gain / lost if lost > 0 else None
-
-
-def verdict(cells: dict, src: dict, columns: list[tuple]):
-    """:func:`non_inferiority` of the row against the source over ``columns`` (seeds and items jointly)."""
-    diffs = []
-    for c in columns:
-        seeds = sorted(cells[c])
-        diffs.append(np.stack([hits(cells[c][s]) - hits(src[c][s]) for s in seeds]))
-    return non_inferiority(diffs)
 
 
 def selection_table(rows: list[dict], direction: str) -> dict[str, dict[float, dict]]:
@@ -270,21 +188,6 @@ def selected_preset(rows: list[dict], direction: str) -> dict | None:
 PROXIES = {"uniformity": ("uniformity_after", 1.0), "gap": ("gap_after", -1.0)}
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation (average ranks for ties); NaN when either side is constant."""
-    def ranks(x):
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=float)
-        for v in np.unique(x):  # ties share their mean rank
-            r[x == v] = r[x == v].mean()
-        return r
-
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(np.corrcoef(ranks(np.asarray(a, float)), ranks(np.asarray(b, float)))[0, 1])
-
-
 def proxy_study(rows: list[dict], direction: str) -> dict[str, dict[str, dict]]:
     """Per objective and proxy, over the lrs of its selection runs: Spearman's rank correlation of the proxy (mean
     over the selection columns, signed so that higher is better) with the true share, and the regret: the share lost
@@ -320,12 +223,6 @@ def proxy_lines(rows: list[dict], direction: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ tables
-def _ci(ni) -> str:
-    from hf_tta.benchmarks.figures import interval
-
-    return interval(ni.lower, ni.delta) if ni else "–"
-
-
 def selection_lines(rows: list[dict], direction: str) -> list[str]:
     """The selection split's table: every objective's share at every lr, the choice in bold, its flags."""
     table = selection_table(rows, direction)
@@ -346,38 +243,22 @@ def selection_lines(rows: list[dict], direction: str) -> list[str]:
     return lines
 
 
-def _report(rows: list[dict], direction: str, seeds: tuple[int, ...], phase: str = "report"):
-    """The report split's rows of a phase (refusing selection rows), its source rows and its labelled cells."""
-    from hf_tta.benchmarks.splits import check_report_rows
-
-    rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == phase and r["seed"] in seeds])
-    return sources(rows), by_label(rows, (phase,))
-
-
-def _complete(cells: dict, cols: list[tuple], seeds: tuple[int, ...]) -> bool:
-    return all(c in cells and all(s in cells[c] for s in seeds) for c in cols)
-
-
-def _r1(cells: dict, c: tuple, seeds: tuple[int, ...]) -> float:
-    return float(np.mean([hits(cells[c][s]).mean() * 100 for s in seeds]))
-
-
 def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
     """The report split's table (default grid for i2t): R@1 per column, share, Δ with its one-sided bound, verdict;
     the rows that ran on every seed of ``seeds``."""
     from hf_tta.benchmarks.report import abbreviation
 
-    src, cells_by = _report(rows, direction, seeds)
+    src, cells_by = report_cells(rows, direction, seeds)
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
     head = f"| row | {' | '.join(f'{abbreviation(c[0])} {c[1]}' for c in cols)} | won back | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |"
     lines = [head, "|---|" + "---|" * (len(cols) + 3),
-             f"| clean (source) | {' | '.join(figure(_r1(src, ('clean', None), seeds)) for _ in cols)} | | | |",
-             f"| source | {' | '.join(figure(_r1(src, c, seeds)) for c in cols)} | | | |"]
+             f"| clean (source) | {' | '.join(figure(mean_r1(src, ('clean', None), seeds)) for _ in cols)} | | | |",
+             f"| source | {' | '.join(figure(mean_r1(src, c, seeds)) for c in cols)} | | | |"]
     for name, cells in sorted(cells_by.items()):
-        if not _complete(cells, cols, seeds):
+        if not complete(cells, cols, seeds):
             continue
         ni = verdict(cells, src, cols)
-        lines.append(f"| {name} | {' | '.join(figure(_r1(cells, c, seeds)) for c in cols)} | "
+        lines.append(f"| {name} | {' | '.join(figure(mean_r1(cells, c, seeds)) for c in cols)} | "
                      f"{figure(share(cells, src, cols), percent=True)} | "
                      f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} |")
     return lines
@@ -387,15 +268,15 @@ def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 
     """The report split's streams per row: Δ R@1 against the source with its one-sided bound and the verdict."""
     from hf_tta.benchmarks.report import abbreviation
 
-    src, cells_by = _report(rows, direction, seeds)
+    src, cells_by = report_cells(rows, direction, seeds)
     lines = ["| row | stream | source R@1 | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |", "|---|---|---|---|---|"]
     for name, cells in sorted(cells_by.items()):
         for stream in STREAMS:
             c = (stream, None)
-            if c not in src or not _complete(cells, [c], seeds):
+            if c not in src or not complete(cells, [c], seeds):
                 continue
             ni = verdict(cells, src, [c])
-            lines.append(f"| {name} | {abbreviation(stream)} | {figure(_r1(src, c, seeds))} | {figure(ni.delta, sign=True)} "
+            lines.append(f"| {name} | {abbreviation(stream)} | {figure(mean_r1(src, c, seeds))} | {figure(ni.delta, sign=True)} "
                          f"[{figure(ni.lower, sign=True)}] | {ni.verdict} |")
     return lines
 
@@ -407,14 +288,14 @@ def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,))
     from hf_tta.benchmarks.figures import interval
     from hf_tta.benchmarks.intervals import paired_bootstrap
 
-    src, before = _report(rows, direction, seeds)
-    _, after = _report(rows, direction, seeds, phase="after")
+    src, before = report_cells(rows, direction, seeds)
+    _, after = report_cells(rows, direction, seeds, phase="after")
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
     lines = ["| row | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
              "Δ R@1 after − before [95 % interval] |", "|---|---|---|---|"]
     for name, post in sorted(after.items()):
         pre = before.get(name, {})
-        if not (_complete(post, cols, seeds) and _complete(pre, cols, seeds)):
+        if not (complete(post, cols, seeds) and complete(pre, cols, seeds)):
             continue
         diffs = [np.stack([hits(post[c][s]) - hits(pre[c][s]) for s in seeds]) for c in cols]
         delta, (lo, hi) = paired_bootstrap(diffs)
@@ -503,82 +384,23 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
     chose per column, and its verdict against the source."""
     from hf_tta.benchmarks.report import abbreviation
 
-    _, auto = _report(rows, direction, seeds, phase="auto")
-    src, report = _report(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
+    _, auto = report_cells(rows, direction, seeds, phase="auto")
+    src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
     lines = ["| objective | probe: lr per column | won back: probe | at the labelled lr | probe / labelled | at the paper's lr | "
              "probe vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
-        if not _complete(cells, cols, seeds) or labelled.get(objective) is None:
+        if not complete(cells, cols, seeds) or labelled.get(objective) is None:
             continue
         at = {lr: report.get(f"{objective}@{lr_name(lr)}", {}) for lr in (labelled[objective], PAPER_LR)}
-        shares = {lr: share(c, src, cols) if _complete(c, cols, seeds) else None for lr, c in at.items()}
+        shares = {lr: share(c, src, cols) if complete(c, cols, seeds) else None for lr, c in at.items()}
         mine, lab = share(cells, src, cols), shares[labelled[objective]]
         chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['chosen'])}" for c in cols)
         lines.append(f"| {objective} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
                      f"{figure(lab, percent=True)} | {figure(mine / lab if lab else None, percent=True)} | "
                      f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} |")
-    return lines
-
-
-def _cheaper_order(name: str) -> tuple:
-    """The cheaper table's order: the transforms alone, then each method on every batch, with each transform, and at
-    falling budgets."""
-    from hf_tta.benchmarks.grid import SCORE_TRANSFORMS, row_spec
-
-    spec = row_spec(name)
-    return (spec.objective not in SCORE_TRANSFORMS, spec.objective, spec.budget is not None, -(spec.budget or 1.0),
-            spec.score_transform or "")
-
-
-def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[str, str]:
-    """``(forward, backward passes per query; seconds per query and their ratio to the source row of the same run)``
-    over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
-    picked = [cells[c][s] for c in cols for s in seeds]
-    if any(r.get("forward_per_query") is None or r.get("stream_seconds") is None for r in picked):
-        return "–", "–"
-    queries = sum(r["num_queries"] for r in picked)
-    forward = sum(r["forward_per_query"] * r["num_queries"] for r in picked) / queries
-    backward = sum(r["backward_per_query"] * r["num_queries"] for r in picked) / queries
-    seconds = sum(r["stream_seconds"] for r in picked)
-    own = [runs.get((r["config"], column(r), r["seed"])) for r in picked]
-    ratio = None
-    if all(o is not None and o.get("stream_seconds") for o in own):
-        ratio = seconds / sum(o["stream_seconds"] for o in own)
-    return (f"{figure(forward, 2)}, {figure(backward, 2)}",
-            f"{figure(seconds / queries * 1000, 2)} ms ({figure(ratio, 2)}×)" if ratio is not None else f"{figure(seconds / queries * 1000, 2)} ms")
-
-
-def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
-    """Phase ``cheaper`` (issue 39): per row, the share won back over the report split's corruption columns, the
-    worst column (or stream) against the source with its one-sided bound and :func:`verdict`, the passes per query
-    through the query tower (forward, backward) and the seconds per query with their ratio to the source row of the
-    same run (``stream_seconds``: each run times its source beside its row). Rows complete on every seed only."""
-    from hf_tta.benchmarks.report import abbreviation
-
-    src, cells_by = _report(rows, direction, seeds, phase="cheaper")
-    phase_rows = [r for r in rows if r["direction"] == direction and r["phase"] == "cheaper" and r["seed"] in seeds]
-    runs = {(r["config"], column(r), r["seed"]): r for r in phase_rows if r["objective"] == SOURCE}
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    lines = ["| row | won back | worst column vs the source: Δ R@1, verdict (one-sided 95 % bound, margin 0.5) | "
-             "passes per query (forward, backward) | seconds per query (× the source's, same run) |", "|---|---|---|---|---|"]
-    if not cols:
-        return lines
-    own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time
-    passes = _cost(src, runs, cols, seeds)[0]
-    seconds = sum(r.get("stream_seconds") or 0.0 for r in own) / sum(r["num_queries"] for r in own) * 1000
-    lines.append(f"| source | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
-    for name, cells in sorted(cells_by.items(), key=lambda kv: _cheaper_order(kv[0].split("@")[0])):
-        if not _complete(cells, cols, seeds):
-            continue
-        streams = [c for c in cells if c not in cols and c in src and _complete(cells, [c], seeds)]
-        checks = {c: verdict(cells, src, [c]) for c in [*cols, *streams]}
-        (col, ni) = min(checks.items(), key=lambda kv: kv[1].lower)
-        passes, seconds = _cost(cells, runs, cols, seeds)
-        lines.append(f"| {name} | {figure(share(cells, src, cols), percent=True)} | {abbreviation(col[0])} {col[1] or ''}: "
-                     f"{figure(ni.delta, sign=True)}, {ni.verdict} | {passes} | {seconds} |")
     return lines
 
 
@@ -617,16 +439,6 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
         if len(lines) > 2 or (name == "selection" and lines):
             blocks.append("\n".join([f"**{title.format(d=direction)}**", "", *lines]))
     return "\n\n".join(blocks)
-
-
-def export(out: Path, dest: Path) -> None:
-    """Every row (per-query hits included) into ``dest/rows.jsonl``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    rows = load(out)
-    with open(dest / "rows.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, sort_keys=True) + "\n")
-    print(f"wrote {len(rows)} rows to {dest / 'rows.jsonl'}")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Protocol v3's "cheaper alternatives" table (issue 39): the training-free re-scorers alone and under TCR and REST,
+and TCR and REST on an update budget, with their passes per query and time against the source row of the same run
+(``recipes/protocol_v3.py cheaper``; printed by ``recipes/protocol_v3_summary.py --part cheaper``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "recipes"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from protocol_v3_rows import SOURCE, column, complete, corruption_columns, report_cells, share, verdict  # noqa: E402
+
+from hf_tta.benchmarks.figures import figure  # noqa: E402
+
+
+def _cheaper_order(name: str) -> tuple:
+    """The cheaper table's order: the transforms alone, then each method on every batch, with each transform, and at
+    falling budgets."""
+    from hf_tta.benchmarks.grid import SCORE_TRANSFORMS, row_spec
+
+    spec = row_spec(name)
+    return (spec.objective not in SCORE_TRANSFORMS, spec.objective, spec.budget is not None, -(spec.budget or 1.0),
+            spec.score_transform or "")
+
+
+def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[str, str]:
+    """``(forward, backward passes per query; seconds per query and their ratio to the source row of the same run)``
+    over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
+    picked = [cells[c][s] for c in cols for s in seeds]
+    if any(r.get("forward_per_query") is None or r.get("stream_seconds") is None for r in picked):
+        return "–", "–"
+    queries = sum(r["num_queries"] for r in picked)
+    forward = sum(r["forward_per_query"] * r["num_queries"] for r in picked) / queries
+    backward = sum(r["backward_per_query"] * r["num_queries"] for r in picked) / queries
+    seconds = sum(r["stream_seconds"] for r in picked)
+    own = [runs.get((r["config"], column(r), r["seed"])) for r in picked]
+    ratio = None
+    if all(o is not None and o.get("stream_seconds") for o in own):
+        ratio = seconds / sum(o["stream_seconds"] for o in own)
+    return (f"{figure(forward, 2)}, {figure(backward, 2)}",
+            f"{figure(seconds / queries * 1000, 2)} ms ({figure(ratio, 2)}×)" if ratio is not None else f"{figure(seconds / queries * 1000, 2)} ms")
+
+
+def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
+    """Phase ``cheaper`` (issue 39): per row, the share won back over the report split's corruption columns, the
+    worst column (or stream) against the source with its one-sided bound and :func:`verdict`, the passes per query
+    through the query tower (forward, backward) and the seconds per query with their ratio to the source row of the
+    same run (``stream_seconds``: each run times its source beside its row). Rows complete on every seed only."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    src, cells_by = report_cells(rows, direction, seeds, phase="cheaper")
+    phase_rows = [r for r in rows if r["direction"] == direction and r["phase"] == "cheaper" and r["seed"] in seeds]
+    runs = {(r["config"], column(r), r["seed"]): r for r in phase_rows if r["objective"] == SOURCE}
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    lines = ["| row | won back | worst column vs the source: Δ R@1, verdict (one-sided 95 % bound, margin 0.5) | "
+             "passes per query (forward, backward) | seconds per query (× the source's, same run) |", "|---|---|---|---|---|"]
+    if not cols:
+        return lines
+    own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time
+    passes = _cost(src, runs, cols, seeds)[0]
+    seconds = sum(r.get("stream_seconds") or 0.0 for r in own) / sum(r["num_queries"] for r in own) * 1000
+    lines.append(f"| source | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
+    for name, cells in sorted(cells_by.items(), key=lambda kv: _cheaper_order(kv[0].split("@")[0])):
+        if not complete(cells, cols, seeds):
+            continue
+        streams = [c for c in cells if c not in cols and c in src and complete(cells, [c], seeds)]
+        checks = {c: verdict(cells, src, [c]) for c in [*cols, *streams]}
+        (col, ni) = min(checks.items(), key=lambda kv: kv[1].lower)
+        passes, seconds = _cost(cells, runs, cols, seeds)
+        lines.append(f"| {name} | {figure(share(cells, src, cols), percent=True)} | {abbreviation(col[0])} {col[1] or ''}: "
+                     f"{figure(ni.delta, sign=True)}, {ni.verdict} | {passes} | {seconds} |")
+    return lines
