@@ -216,3 +216,17 @@ def gloo_worker(rank: int, world: int, init_file: str) -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# --------------------------------------------------------------------------------- counting passes with hooks
+class PassHooks:
+    """The query tower's forward passes (a forward hook on the vision model) and backward passes (a gradient hook on
+    one adapted tensor) of a wrapper, counted independently of the library's own counters."""
+
+    def __init__(self, tta: TTAWrapper):
+        self.forward = self.backward = 0
+        tta.model.vision_model.register_forward_hook(lambda *_: self._add("forward"))
+        next(iter(tta.params.values())).register_hook(lambda g: self._add("backward"))
+
+    def _add(self, name: str) -> None:
+        setattr(self, name, getattr(self, name) + 1)

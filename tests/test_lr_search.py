@@ -15,7 +15,7 @@ from hf_tta import ChunkedGallery, LRSearchConfig, RoutedTTAWrapper, TTAConfig, 
 from hf_tta.lr_search import choose, proxy_value
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, ROLLBACK, AdapterState
-from support import check_resume, dense_gallery, image_stream, source_scores, state_of
+from support import PassHooks, check_resume, dense_gallery, image_stream, source_scores, state_of
 from tiny_models import batch, make_model
 
 STREAM = [batch("image", 8, seed=70 + i) for i in range(6)]
@@ -135,21 +135,10 @@ def test_on_the_fast_path_the_committed_state_is_the_fixed_lr_run():
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-class Passes:
-    """The query tower's forward passes (a forward hook) and backward passes (a gradient hook on an adapted tensor)."""
-
-    def __init__(self, tta: TTAWrapper):
-        self.forward = self.backward = 0
-        tta.model.vision_model.register_forward_hook(lambda *_: self._add("forward"))
-        next(iter(tta.params.values())).register_hook(lambda g: self._add("backward"))
-
-    def _add(self, name: str) -> None:
-        setattr(self, name, getattr(self, name) + 1)
-
 
 def test_the_source_answers_the_probe_and_its_cost_is_counted():
     tta, g = _wrapper(steps=2)
-    passes, spent = Passes(tta), [0, 0]
+    passes, spent = PassHooks(tta), [0, 0]
     for x in STREAM[:3]:
         expected = source_scores(tta, x, g)
         assert torch.equal(tta.answer(x, g).scores, expected)  # the served state during the probe is the source

@@ -13,7 +13,7 @@ from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.gallery import ChunkedGallery
 from hf_tta.state import ALL, AdapterState
 from hf_tta.update_budget import UpdateBudgetConfig, mean_normalised_entropy
-from support import QUIET, check_resume, state_of
+from support import QUIET, PassHooks, check_resume, state_of
 from tiny_models import batch, make_model
 
 STREAM = [batch("image", 8, seed=50 + i) for i in range(5)]
@@ -22,18 +22,6 @@ STREAM = [batch("image", 8, seed=50 + i) for i in range(5)]
 def _wrapper(budget, **extra) -> tuple[TTAWrapper, object]:
     tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", update_budget=budget, **extra))
     return tta, tta.encode_gallery(batch("text", 20, seed=1))
-
-
-class Counter:
-    """Forward passes of the query tower (a forward hook) and backward passes (a gradient hook on an adapted tensor)."""
-
-    def __init__(self, tta: TTAWrapper):
-        self.forward = self.backward = 0
-        tta.model.vision_model.register_forward_hook(lambda *_: self._add("forward"))
-        next(iter(tta.params.values())).register_hook(lambda g: self._add("backward"))
-
-    def _add(self, name: str) -> None:
-        setattr(self, name, getattr(self, name) + 1)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +65,7 @@ def test_the_schedule_is_evenly_spaced_and_exact(fraction):
 
 def test_a_skipped_batch_costs_one_forward_and_changes_nothing():
     tta, g = _wrapper({"fraction": 0.5}, score_transform="dn")
-    count = Counter(tta)
+    count = PassHooks(tta)
     out = tta.adapt_step(STREAM[0], g)  # batch 0: adapted on
     assert out.num_updates == 3 and count.backward == 3 and not out.skipped
     before, rng = state_of(tta), tta.generator.get_state()
@@ -102,7 +90,7 @@ def test_a_skipped_batch_costs_one_forward_and_changes_nothing():
 def test_the_entropy_trigger():
     always, g = _wrapper({"entropy_threshold": 0.0})
     never, _ = _wrapper({"entropy_threshold": 0.999999})
-    count = Counter(never)
+    count = PassHooks(never)
     assert always.adapt_step(STREAM[0], g).num_updates == 3
     out = never.adapt_step(STREAM[0], g)
     assert out.num_updates == 0 and count.backward == 0 and count.forward == 1
@@ -176,7 +164,7 @@ def test_passes_per_query_by_hand_and_by_hooks(extra, want):
     """``TTAWrapper.passes`` against the hand count and against hooks on the query tower (a forward hook per batch
     forward, a gradient hook per backward through an adapted tensor), 8 batches of 8 queries."""
     tta, g = _wrapper(extra.get("update_budget"), **{k: v for k, v in extra.items() if k != "update_budget"})
-    count = Counter(tta)
+    count = PassHooks(tta)
     stream = [batch("image", 8, seed=60 + i) for i in range(8)]
     for q in stream:
         tta.adapt_step(q, g)
