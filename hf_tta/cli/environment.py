@@ -30,9 +30,8 @@ def hide_library_progress_bars() -> None:
 
     transformers_logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
-    if "datasets" in sys.modules:
-        import datasets
-
+    datasets = sys.modules.get("datasets")  # None too where it is missing or blocked: the command names the extra later
+    if datasets is not None:
         datasets.disable_progress_bars()
     else:
         os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
