@@ -90,6 +90,11 @@ def _run(folder: Path, args: list[str], cache: str) -> int:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+def _replace(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with each value found in ``values`` replaced (``{"3,4,5": "3"}``: the report's seeds -> seed 3)."""
+    return [values.get(a, a) for a in args]
+
+
 def _objectives(names) -> list[str]:
     return ["--objectives", ",".join(names)]
 
@@ -125,7 +130,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
     elif phase == "report":
         lrs = summary.selected_lrs(summary.load(out), direction)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
-        seeds3 = [a if a != "3,4,5" else "3" for a in grid]
+        seeds3 = _replace(grid, {"3,4,5": "3"})
         streams = [*run_arguments(REPORT, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
         preset = summary.selected_preset(summary.load(out), direction)
         if preset is None:  # the preset phase has not run: the current TTAConfig.recommended (the `recommended` row)
@@ -149,7 +154,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
     elif phase == "after":
         lrs = summary.selected_lrs(summary.load(out), direction)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
-        after = [a if a not in ("3,4,5", SCORING) else {"3,4,5": "3", SCORING: AFTER}[a] for a in grid]
+        after = _replace(grid, {"3,4,5": "3", SCORING: AFTER})
         for name in REPORT_ALL_SEEDS:
             out_jobs.append((f"after/{direction}/{name}-lr{lrs[name]}", [*after, *_objectives([name]), "--lr", lrs[name]]))
     elif phase == "auto":
@@ -158,7 +163,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
             out_jobs.append((f"auto/{direction}/{name}-auto", [*sel_clean, *_objectives([name]), *search]))
             out_jobs.append((f"auto/{direction}/{name}-auto-degenerate", [*degenerate, *_objectives([name]), *search]))
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
-        seeds3 = [a if a != "3,4,5" else "3" for a in grid]
+        seeds3 = _replace(grid, {"3,4,5": "3"})
         out_jobs += [(f"auto/{direction}/{name}-auto-report", [*seeds3, *_objectives([name]), "--lr_search", "{}"]) for name in ("tcr", "rest")]
     elif phase == "cheaper":
         lrs = summary.selected_lrs(summary.load(out), direction)
