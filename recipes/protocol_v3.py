@@ -29,8 +29,9 @@ Phases (each reads the choices of the earlier ones from the rows):
 8. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
    training-free score transforms alone on the source model (:data:`TRANSFORMS`: DN, NNN, QB-Norm), each under TCR and
    REST at their selected lrs, and TCR and REST at their selected lrs on every batch and at the update budgets of
-   :data:`BUDGETS` (``+b<percent>``). Every row records its passes per query and the seconds of its stream beside
-   the source row of its own run (``protocol_v3_summary.cheaper_lines``).
+   :data:`BUDGETS` (``+b<percent>``). One run per method holds its budgets (100 % included) and one its transforms,
+   so the rows compared for cost are timed side by side; every row records its passes per query and the seconds of
+   its stream beside the source row of its own run (``protocol_v3_summary.cheaper_lines``).
 
     python recipes/protocol_v3.py select --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
@@ -169,10 +170,11 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         lrs = summary.selected_lrs(summary.load(out), direction)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         out_jobs += [(f"cheaper/{direction}/{name}", [*grid, *_objectives([name])]) for name in TRANSFORMS]  # no lr: nothing adapts
-        for method in ("tcr", "rest"):
-            rows = [method, *(f"{method}+{t}" for t in TRANSFORMS), *(f"{method}+b{b}" for b in BUDGETS)]
-            out_jobs += [(f"cheaper/{direction}/{row}-lr{lrs[method]}", [*grid, *_objectives([row]), "--lr", lrs[method]])
-                         for row in rows]
+        for part, rows in (("budgets", lambda m: [m, *(f"{m}+b{b}" for b in BUDGETS)]),
+                           ("transforms", lambda m: [f"{m}+{t}" for t in TRANSFORMS])):
+            for method in ("tcr", "rest"):  # one run per method and part: its rows are timed side by side
+                out_jobs.append((f"cheaper/{direction}/{method}-{part}-lr{lrs[method]}",
+                                 [*grid, *_objectives(rows(method)), "--lr", lrs[method]]))
     return out_jobs
 
 

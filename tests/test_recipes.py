@@ -414,23 +414,25 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
 
 
 def test_v3_cheaper_phase_lists_the_transforms_the_methods_and_their_budgets(v3, monkeypatch, tmp_path):
-    """Issue 39: DN, NNN and QB-Norm alone (no lr: nothing adapts), TCR and REST at their selected lrs on every batch,
-    with each transform and at 50 / 25 / 10 % of batches; the report split's default grid, seeds 3, 4, 5, prequential."""
+    """Issue 39: DN, NNN and QB-Norm alone (no lr: nothing adapts); TCR and REST at their selected lrs on every batch
+    and at 50 / 25 / 10 % of batches (one run per method: timed side by side), then with each transform (one run per
+    method); the report split's default grid, seeds 3, 4, 5, prequential."""
     recipe = _load("protocol_v3")
     monkeypatch.setattr(v3, "load", lambda out: [])
     monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: {"tent": "1e-3", "tcr": "1e-2", "rest": "3e-3"})
     jobs = dict(recipe.jobs("cheaper", "i2t", tmp_path))
-    rows = lambda m: [m, f"{m}+dn", f"{m}+nnn", f"{m}+qbnorm", f"{m}+b50", f"{m}+b25", f"{m}+b10"]  # noqa: E731
-    assert list(jobs) == [f"cheaper/i2t/{n}" for n in ("dn", "nnn", "qbnorm")] + [
-        f"cheaper/i2t/{r}-lr{lr}" for m, lr in (("tcr", "1e-2"), ("rest", "3e-3")) for r in rows(m)]
+    parts = {"budgets": lambda m: [m, f"{m}+b50", f"{m}+b25", f"{m}+b10"], "transforms": lambda m: [f"{m}+dn", f"{m}+nnn", f"{m}+qbnorm"]}
+    expected = {f"cheaper/i2t/{n}": n for n in ("dn", "nnn", "qbnorm")}
+    expected |= {f"cheaper/i2t/{m}-{part}-lr{lr}": ",".join(rows(m)) for part, rows in parts.items() for m, lr in (("tcr", "1e-2"), ("rest", "3e-3"))}
+    assert list(jobs) == list(expected)
     for folder, args in jobs.items():
         value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
         assert (value("--seeds"), value("--corruptions"), value("--scoring")) == ("3,4,5", "default", "before_update")
-        assert value("--objectives") == folder.split("/")[-1].split("-lr")[0]
+        assert value("--objectives") == expected[folder]
         assert ("--lr" in args) == ("-lr" in folder) and (value("--lr") == folder.split("-lr")[1] if "--lr" in args else True)
     from hf_tta.benchmarks.grid import row_spec  # every listed row parses, and the budgets are what they say
 
-    assert [row_spec(r).budget for r in rows("tcr")[-3:]] == [0.5, 0.25, 0.1]
+    assert [row_spec(r).budget for r in parts["budgets"]("tcr")] == [None, 0.5, 0.25, 0.1]
 
 
 def _cost_row(objective, shift, severity, n_hits, config, seconds, passes=(1.0, 0.0), lr=None):
