@@ -20,13 +20,15 @@ Phases (each reads the choices of the earlier ones from the rows):
 5. ``report``: the report split on the default grid (seeds 3, 4, 5: source, Tent, TCR and REST at the paper's lr and
    at their selected lrs, the preset and both ceilings; every other objective at both lrs on seed 3), then the report
    split's streams for the preset and TCR/REST at their selected lrs.
-6. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
+6. ``corruptions``: the report split's 15 ImageNet-C test corruptions at severities 3 and 5, seed 3, for TCR and
+   REST at their selected lrs, the preset and the LayerNorm ceiling (each run holds its own source rows).
+7. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
    it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
-7. ``auto``: issue 37's label-free lr probe (``TTAConfig(lr="auto")``, :class:`hf_tta.lr_search.LRSearchConfig` at its
+8. ``auto``: issue 37's label-free lr probe (``TTAConfig(lr="auto")``, :class:`hf_tta.lr_search.LRSearchConfig` at its
    defaults) for TCR and REST on the selection split (its corruption and clean streams, then its degenerate stream):
    each row records the lr the probe chose and the lr each proxy would have chosen; then on the report split's
    default grid, seed 3.
-8. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
+9. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
    training-free score transforms alone on the source model (:data:`TRANSFORMS`: DN, NNN, QB-Norm), each under TCR and
    REST at their selected lrs, and TCR and REST at their selected lrs on every batch and at the update budgets of
    :data:`BUDGETS` (``+b<percent>``). One run per method holds its budgets (100 % included) and one its transforms,
@@ -80,6 +82,10 @@ SAFETY_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
 TRANSFORMS = ("dn", "nnn", "qbnorm")
 #: The update budgets of the ``cheaper`` phase, in % of batches adapted on (100 %: the method's plain row).
 BUDGETS = ("50", "25", "10")
+#: The preset's row while the preset phase has not chosen: the current ``TTAConfig.recommended`` (the ``recommended``
+#: row at the paper's lr).
+RECOMMENDED = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--lr", PAPER_LR]}
+PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
 
 def _run(folder: Path, args: list[str], cache: str) -> int:
@@ -98,6 +104,19 @@ def _replace(args: list[str], values: dict[str, str]) -> list[str]:
 
 def _objectives(names) -> list[str]:
     return ["--objectives", ",".join(names)]
+
+
+def _selected_lrs(out: Path, direction: str, needed=OBJECTIVES) -> dict[str, str]:
+    """The selected lr of every objective (``protocol_v3_summary.selected_lrs``); exits naming those of ``needed``
+    whose selection runs have not finished, and the command that runs them."""
+    import protocol_v3_summary as summary  # noqa: PLC0415 (next to this file)
+
+    lrs = summary.selected_lrs(summary.load(out), direction)
+    missing = [name for name in needed if name not in lrs]
+    if missing:
+        raise SystemExit(f"no finished selection runs for {', '.join(missing)} ({direction}): run "
+                         f"`python recipes/protocol_v3.py select --direction {direction} --out {out}` first.")
+    return lrs
 
 
 def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
@@ -120,7 +139,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         for name, lr in summary.degenerate_walk(summary.load(out), direction):
             out_jobs.append((f"degenerate/{direction}/{name}-lr{lr}", [*degenerate, *_objectives([name]), "--lr", lr]))
     elif phase == "preset":
-        lrs = summary.selected_lrs(summary.load(out), direction)
+        lrs = _selected_lrs(out, direction, ("tcr", "rest"))
         for name in ("tcr", "rest"):
             for lr in dict.fromkeys([lrs[name], PAPER_LR]):
                 for tag, extra in (("", []), ("-lite", ["--safety", SAFETY_LITE])):
@@ -129,13 +148,11 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
                     out_jobs.append((f"preset/{direction}/{name}+dn+safe{tag}-lr{lr}-degenerate",
                                      [*degenerate, *rows, "--lr", lr, *extra]))
     elif phase == "report":
-        lrs = summary.selected_lrs(summary.load(out), direction)
+        lrs = _selected_lrs(out, direction)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         seeds3 = _replace(grid, {"3,4,5": "3"})
         streams = [*run_arguments(REPORT, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
-        preset = summary.selected_preset(summary.load(out), direction)
-        if preset is None:  # the preset phase has not run: the current TTAConfig.recommended (the `recommended` row)
-            preset = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--lr", PAPER_LR]}
+        preset = summary.selected_preset(summary.load(out), direction) or RECOMMENDED
 
         def at(name, lr, args=grid):
             return (f"report/{direction}/{name}-lr{lr}", [*args, *_objectives([name]), "--lr", lr])
@@ -152,8 +169,15 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         for name in METHODS:  # every other objective at both lrs on seed 3
             if name not in REPORT_ALL_SEEDS:
                 out_jobs += [at(name, lr, seeds3) for lr in dict.fromkeys([PAPER_LR, lrs[name]])]
+    elif phase == "corruptions":
+        lrs = _selected_lrs(out, direction, ("tcr", "rest", "oracle"))
+        every = run_arguments(REPORT, direction, seeds=(3,), streams=False)
+        preset = summary.selected_preset(summary.load(out), direction) or RECOMMENDED
+        out_jobs += [(f"corruptions/{direction}/{name}-lr{lrs[name]}", [*every, *_objectives([name]), "--lr", lrs[name]])
+                     for name in ("tcr", "rest", "oracle")]
+        out_jobs.append((f"corruptions/{direction}/{preset['name']}", [*every, *_objectives([preset["row"]]), *preset["args"]]))
     elif phase == "after":
-        lrs = summary.selected_lrs(summary.load(out), direction)
+        lrs = _selected_lrs(out, direction, REPORT_ALL_SEEDS)
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         after = _replace(grid, {"3,4,5": "3", SCORING: AFTER})
         for name in REPORT_ALL_SEEDS:
@@ -167,7 +191,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         seeds3 = _replace(grid, {"3,4,5": "3"})
         out_jobs += [(f"auto/{direction}/{name}-auto-report", [*seeds3, *_objectives([name]), "--lr_search", "{}"]) for name in ("tcr", "rest")]
     elif phase == "cheaper":
-        lrs = summary.selected_lrs(summary.load(out), direction)
+        lrs = _selected_lrs(out, direction, ("tcr", "rest"))
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         out_jobs += [(f"cheaper/{direction}/{name}", [*grid, *_objectives([name])]) for name in TRANSFORMS]  # no lr: nothing adapts
         for part, rows in (("budgets", lambda m: [m, *(f"{m}+b{b}" for b in BUDGETS)]),
@@ -180,7 +204,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["select", "extend", "degenerate", "preset", "report", "after", "auto", "cheaper"])
+    parser.add_argument("phase", choices=PHASES)
     parser.add_argument("--direction", choices=["i2t", "t2i"], default="i2t")
     parser.add_argument("--out", type=Path, default=Path("runs/v3"))
     parser.add_argument("--jobs", type=int, default=2)

@@ -264,6 +264,28 @@ def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 
     return lines
 
 
+def corruption_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
+    """The 15 test corruptions (phase ``corruptions``, seed 3): the share won back at each severity and over all
+    columns, Δ R@1 with its one-sided bound and the verdict over all columns, and the worst column."""
+    from hf_tta.benchmarks.report import abbreviation
+
+    src, cells_by = report_cells(rows, direction, seeds, phase="corruptions")
+    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    severities = sorted({c[1] for c in cols})
+    lines = [f"| row | {' | '.join(f'won back, severity {v}' for v in severities)} | won back, all {len(cols)} | "
+             "Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) | worst column: Δ R@1 |", "|---|" + "---|" * (len(severities) + 4)]
+    for name, cells in sorted(cells_by.items()):
+        if not complete(cells, cols, seeds):
+            continue
+        ni = verdict(cells, src, cols)
+        worst = min(cols, key=lambda c: mean_r1(cells, c, seeds) - mean_r1(src, c, seeds))
+        by_severity = [figure(share(cells, src, [c for c in cols if c[1] == v]), percent=True) for v in severities]
+        lines.append(f"| {name} | {' | '.join(by_severity)} | {figure(share(cells, src, cols), percent=True)} | "
+                     f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} | "
+                     f"{abbreviation(worst[0])} {worst[1]}: {figure(mean_r1(cells, worst, seeds) - mean_r1(src, worst, seeds), sign=True)} |")
+    return lines
+
+
 def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
     """The report split's streams per row: Δ R@1 against the source with its one-sided bound and the verdict."""
     from hf_tta.benchmarks.report import abbreviation
@@ -417,6 +439,7 @@ PARTS = (
     ("streams", "Report split ({d}): streams, seeds 3, 4, 5", stream_lines),
     ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
      lambda rows, d: report_lines(rows, d, seeds=(3,))),
+    ("corruptions", "Report split ({d}): the 15 ImageNet-C test corruptions at severities 3 and 5, seed 3", corruption_lines),
     ("after", "The papers' after-update scoring next to the prequential rows ({d}, report split, seed 3)", after_lines),
     ("cheaper", "Cheaper alternatives ({d}, report split, seeds 3, 4, 5, prequential): training-free score transforms "
      "and update budgets", cheaper_lines),
@@ -433,7 +456,7 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
     for name, title, lines_of in PARTS:
         if part not in (None, name):
             continue
-        phase = {"after": "after", "autoreport": "auto", "cheaper": "cheaper"}.get(name, "report")
+        phase = {"after": "after", "autoreport": "auto", "cheaper": "cheaper", "corruptions": "corruptions"}.get(name, "report")
         has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == phase for r in rows)
         lines = lines_of(rows, direction) if has_rows else []
         if len(lines) > 2 or (name == "selection" and lines):

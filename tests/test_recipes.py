@@ -468,3 +468,46 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
     printed = v3.summarise(exported, "i2t", part="cheaper").splitlines()
     assert printed[0].startswith("**Cheaper alternatives (i2t, report split, seeds 3, 4, 5") and printed[2:5] == lines[:3]
     assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| 1.00, 0.00 | 7.50 ms (1.50×) |")
+
+
+def test_v3_phases_name_the_missing_selection_runs(v3, monkeypatch, tmp_path, capsys):
+    """A phase that needs an objective whose selection runs have not finished exits naming them and the command that
+    runs them (the text tower's report before its ceilings were selected raised a KeyError)."""
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: {"tent": "1e-5", "tcr": "3e-4", "rest": "3e-4"})
+    with pytest.raises(SystemExit, match=r"no finished selection runs for eata, .*oracle, oracle_all \(t2i\): run "
+                                         r"`python recipes/protocol_v3.py select --direction t2i"):
+        recipe.jobs("report", "t2i", tmp_path)
+    assert [name for name, _ in recipe.jobs("cheaper", "t2i", tmp_path)][-1] == "cheaper/t2i/rest-transforms-lr3e-4"
+    with pytest.raises(SystemExit, match="oracle"):  # the corruptions phase needs the LayerNorm ceiling's lr
+        recipe.jobs("corruptions", "i2t", tmp_path)
+
+
+def test_v3_corruptions_phase_and_table_by_hand(v3, monkeypatch, tmp_path):
+    """Phase ``corruptions``: the 15 test corruptions at severities 3 and 5 on seed 3, every query, for TCR, REST and
+    the LayerNorm ceiling at their selected lrs and the preset (the current one while the preset phase has not chosen).
+    Its table by hand: source 200/400 at severity 3 and 100/400 at 5 on two corruptions (clean 400): TCR gains 100 and
+    20 at severity 3 (120 / 400 = 30 %) and 150 and 0 at 5 (150 / 600 = 25 %), 270 / 1000 = 27 % overall; its worst
+    column (snow 5) is +0.0."""
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: {"tcr": "1e-2", "rest": "1e-3", "oracle": "1e-2"})
+    jobs = dict(recipe.jobs("corruptions", "i2t", tmp_path))
+    assert list(jobs) == ["corruptions/i2t/tcr-lr1e-2", "corruptions/i2t/rest-lr1e-3", "corruptions/i2t/oracle-lr1e-2",
+                          "corruptions/i2t/recommended-lr3e-4"]
+    from hf_tta.data.corruptions import TEST_IMAGE_CORRUPTIONS
+
+    for args in jobs.values():
+        value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+        assert value("--corruptions").split(",") == list(TEST_IMAGE_CORRUPTIONS) and len(TEST_IMAGE_CORRUPTIONS) == 15
+        assert (value("--severities"), value("--seeds"), value("--scoring"), "--limit" in args) == ("3,5", "3", "before_update", False)
+    rows = [_v3_row("source", "clean", None, 400, phase="corruptions", seed=3)]
+    for shift, (s3, s5, t3, t5) in {"fog": (200, 100, 300, 250), "snow": (200, 100, 220, 100)}.items():
+        rows += [_v3_row("source", shift, 3, s3, phase="corruptions", seed=3), _v3_row("source", shift, 5, s5, phase="corruptions", seed=3),
+                 _v3_row("tcr", shift, 3, t3, 1e-2, phase="corruptions", seed=3), _v3_row("tcr", shift, 5, t5, 1e-2, phase="corruptions", seed=3)]
+    lines = v3.corruption_lines(rows, "i2t")
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert len(lines) == 3 and lines[0].startswith("| row | won back, severity 3 | won back, severity 5 | won back, all 4 |")
+    assert cells[:4] == ["tcr@1e-2", "30.0 %", "25.0 %", "27.0 %"] and cells[4].startswith("+16.9 [+")
+    assert cells[5].startswith("not below the source") and cells[6] == "Snow 5: +0.0"
