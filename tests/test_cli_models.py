@@ -298,7 +298,8 @@ def test_a_config_a_pairs_build_lacks_is_named_with_the_build_command_that_adds_
     monkeypatch.chdir(pairs.parent)  # the command as printed, from the pairs file's folder: the build resumes and adds it
     assert cli.main([*command.split()[1:], "--quiet"]) == 0
     assert sorted(p.parent.name for p in built.glob("*/dataset_info.json")) == ["clean", "image-fog-5", "image-frost-5"]
-    capsys.readouterr()  # the same folder with another seed: one line naming the fix, exit status 2, nothing built
+    assert "hf-tta: built 1 config of pairs" in capsys.readouterr().out  # the one it added, in the singular
+    # the same folder with another seed: one line naming the fix, exit status 2, nothing built
     assert cli.main(["build", "--pairs", str(pairs), "--output-dir", str(built), "--configs", "image-snow-2", "--seed", "4",
                      "--quiet"]) == 2
     err = capsys.readouterr().err.strip()

@@ -183,7 +183,7 @@ def cmd_build(args) -> int:
         raise UsageError(f"{str(err).splitlines()[0][:300]} ... Pass --text-model NAME=ID (or --wordnet DIR), or leave those "
                          "configs out with --configs (e.g. without the *_sent / text-<sentence> ones).") from None
     report = builder.report
-    print(f"hf-tta: built {len(built)} configs of {builder.spec.name} in {args.output_dir}: {report.summary()}")
+    print(f"hf-tta: built {len(built)} config{'' if len(built) == 1 else 's'} of {builder.spec.name} in {args.output_dir}: {report.summary()}")
     if args.push_to_hub:
         from ..data.builders.composed_hub import is_composed_build, push_composed
 
