@@ -19,6 +19,9 @@ throw-away view of the objective's state); if that second pass is not finite, th
 :data:`~hf_tta.state.STEP_UNDO` capture. A non-finite step restores the objective's state from the step's
 :data:`~hf_tta.state.STEP_OBJECTIVE` view.
 
+**A step rule** (:class:`StepRule`, the online lr rule of :mod:`hf_tta.lr_online`) runs in the checked loop only:
+``before_step`` after a finite backward (it may set the lr), ``after_step(kept)`` once the step is kept or undone.
+
 **Gradient decoupling** (REST Eq. 15-17, :mod:`hf_tta.gradient_decoupling`): the backward also takes the gradient of
 ``KL(source || adapted)``, projects out the conflicting component and scales the step size by ``W_d``.
 """
@@ -50,6 +53,14 @@ class Penalty(Protocol):
     name: str
 
     def value(self, inputs: ObjectiveInputs) -> torch.Tensor: ...
+
+
+class StepRule(Protocol):
+    """A hook around each optimiser step that is taken (see :mod:`hf_tta.loop`)."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def after_step(self, kept: bool) -> None: ...
 
 
 @dataclass
@@ -107,14 +118,16 @@ class StepLoop:
         self.gradient_decoupling, self.reduce_gradients = gradient_decoupling, reduce_gradients
 
     def run(
-        self, target: Adaptable, params: dict[str, nn.Parameter], make_inputs: MakeInputs, recover: Callable[[], None]
+        self, target: Adaptable, params: dict[str, nn.Parameter], make_inputs: MakeInputs, recover: Callable[[], None],
+        rule: StepRule | None = None,
     ) -> LoopResult:
-        """Run the batch's steps on ``target`` (its optimiser and objective state), with ``make_inputs(step)``."""
-        if self.fast_applies(target.optimizer):
+        """Run the batch's steps on ``target`` (its optimiser and objective state), with ``make_inputs(step)``; a
+        ``rule`` around each step taken (the checked loop)."""
+        if rule is None and self.fast_applies(target.optimizer):
             result = self._run_fast(target, params, make_inputs)
             if result is not None:
                 return result
-        return self._run_checked(target, params, make_inputs, recover)
+        return self._run_checked(target, params, make_inputs, recover, rule)
 
     def fast_applies(self, opt: torch.optim.Optimizer | None) -> bool:
         """The fast path holds for ``opt``: a fused AdamW, no closure (SAM), no gradient decoupling or reduce hook, and
@@ -127,7 +140,8 @@ class StepLoop:
 
     # ------------------------------------------------------------------------------------------ checked loop
     def _run_checked(
-        self, target: Adaptable, params: dict[str, nn.Parameter], make_inputs: MakeInputs, recover: Callable[[], None]
+        self, target: Adaptable, params: dict[str, nn.Parameter], make_inputs: MakeInputs, recover: Callable[[], None],
+        rule: StepRule | None = None,
     ) -> LoopResult:
         skipped: list[str] = []
         updates, last_loss, first_loss, res, scores, inputs = 0, None, None, None, None, None
@@ -152,12 +166,16 @@ class StepLoop:
                 skipped.append(f"step {step}: {reason}")
                 continue
             closure = undo = fault = None
+            if rule is not None:
+                rule.before_step(opt)
             if getattr(opt, "requires_closure", False):  # SAM: a second pass inside the step
                 undo, fault = AdapterState.capture(target, STEP_UNDO), []
                 closure = self._closure(target, params, make_inputs, step, fault)
             with scaled_step_size(opt, self._step_factor(res)):  # GD's W_d on the step size
                 opt.step(closure)
             opt.zero_grad(set_to_none=True)
+            if rule is not None:
+                rule.after_step(not fault)
             if fault:  # the second pass diverged: undo the step
                 undo.apply(target)
                 skipped.append(f"step {step}: {fault[0]} in the second (SAM) pass")

@@ -55,6 +55,9 @@ after every rollback (a collapse of the source agreement, the layer's rule 3) an
 selector's state, on the lr in use before it, so successive rollbacks compound (``f``, ``f^2``, ...); each is logged
 as a warning. ``probe_batches=0`` runs it alone, without a probe: the stream starts at the highest candidate.
 
+**Online rule (selector (c))**: ``online="hypergradient"``: the served stream's lr moves at every step by Baydin et al.'s
+hypergradient rule, no extra pass, from the probe's choice (or the base lr, ``probe_batches=0``): :mod:`hf_tta.lr_online`.
+
 **Cost** (``wrapper.lr_search.cost``): the probe counts the query tower's forward and backward passes it runs, per
 query, by a hook on the wrapper's query embedding (so SAM's second pass, re-encoded views and gradient decoupling's
 second backward count too). With ``K`` candidates, ``S`` steps and a dense gallery a probe batch costs ``1 + K S``
@@ -85,6 +88,7 @@ import torch
 
 from . import tuning, window
 from .configuration_utils import ConfigMixin, check_choice, check_field_types
+from .lr_online import DEFAULT_HYPERGRADIENT_RATE, OnlineMixin, check_online
 from .outputs import TTAOutput
 from .state import SHADOW, AdapterState
 
@@ -119,8 +123,9 @@ class LRSearchConfig(ConfigMixin):
     )
     probe_batches: int = field(
         default=4,
-        metadata={"help": "Stream batches the probe lasts (>= 2: the first only starts the shadows); 0 (with backoff) = "
-                          "no probe: start at the highest candidate and back off (selector (d) alone)."},
+        metadata={"help": "Stream batches the probe lasts (>= 2: the first only starts the shadows); 0 (with backoff or "
+                          "online) = no probe: start at the highest candidate and back off (selector (d) alone), or at "
+                          "the candidate nearest the base lr with online (selector (c) alone)."},
     )
     proxy: str = field(
         default="next_loss",
@@ -137,6 +142,15 @@ class LRSearchConfig(ConfigMixin):
                           "source agreement) or reset, never below the lowest candidate (needs TTAConfig.safety); "
                           "None = off."},
     )
+    online: str | None = field(
+        default=None,
+        metadata={"help": "'hypergradient' = move the lr at every served step by the multiplicative hypergradient rule "
+                          "(Baydin et al. 2018, hf_tta.lr_online) within the candidates' range, at no extra pass."},
+    )
+    hypergradient_rate: float | None = field(
+        default=None,
+        metadata={"help": f"online='hypergradient''s beta in (0, 1) (default {DEFAULT_HYPERGRADIENT_RATE})."},
+    )
 
     def __post_init__(self):
         if isinstance(self.candidates, tuple):
@@ -147,9 +161,11 @@ class LRSearchConfig(ConfigMixin):
             ok = len(c) >= 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in c)
             if not ok or any(b <= a for a, b in zip(c, c[1:])):
                 raise ValueError(f"LRSearchConfig `candidates` must be at least 2 finite lrs > 0 in increasing order, got {c!r}.")
-        if isinstance(self.probe_batches, bool) or self.probe_batches < 2 and not (self.probe_batches == 0 and self.backoff):
+        check_online(self.online, self.hypergradient_rate)
+        unprobed = self.probe_batches == 0 and (self.backoff or self.online)
+        if isinstance(self.probe_batches, bool) or self.probe_batches < 2 and not unprobed:
             raise ValueError(f"LRSearchConfig `probe_batches` must be an integer >= 2 (the first probe batch only "
-                             f"starts the shadows), or 0 with `backoff` (no probe), got {self.probe_batches!r}.")
+                             f"starts the shadows), or 0 with `backoff` or `online` (no probe), got {self.probe_batches!r}.")
         check_choice("proxy", self.proxy, PROXIES, owner="LRSearchConfig")
         if self.agreement_floor is not None:
             if self.proxy != "agreement":
@@ -159,6 +175,8 @@ class LRSearchConfig(ConfigMixin):
                 raise ValueError(f"LRSearchConfig `agreement_floor` must be in (0, 1], got {self.agreement_floor!r}.")
         if self.backoff is not None and not 0 < self.backoff < 1:
             raise ValueError(f"LRSearchConfig `backoff` must be in (0, 1) or None, got {self.backoff!r}.")
+
+    rate = property(lambda self: DEFAULT_HYPERGRADIENT_RATE if self.hypergradient_rate is None else self.hypergradient_rate)
 
     @property
     def floor(self) -> float:
@@ -215,7 +233,7 @@ def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -
 
 
 # ------------------------------------------------------------------------------------------------- the selector
-class LRSearch:
+class LRSearch(OnlineMixin):
     """The learning-rate search of one wrapper; its state is the wrapper's ``selector_state`` (see
     :mod:`hf_tta.lr_search`), so this object holds only settings and reads the state through the wrapper."""
 
@@ -241,12 +259,12 @@ class LRSearch:
 
     @property
     def chosen(self) -> float | None:
-        """The lr the probe chose (the highest candidate without a probe); ``None`` before."""
+        """The lr the probe chose (without a probe: the start, :meth:`start_index`); ``None`` before."""
         return self.candidates[int(self._state["chosen"])] if self._committed else None
 
     @property
     def lr(self) -> float | None:
-        """The lr in use after the commit (the chosen lr, times the back-off's factors); ``None`` before."""
+        """The lr in use after the commit (the chosen lr, moved by the online rule and the back-off); ``None`` before."""
         return float(self._state["lr"]) if self._committed else None
 
     @property
@@ -308,16 +326,19 @@ class LRSearch:
 
     def before_steps(self) -> None:
         """Before a committed batch's steps: the lr in use into the optimiser (a reset or a rebuilt optimiser starts
-        from the base lr). Without a probe (``probe_batches=0``) the first batch starts at the highest candidate."""
+        from the base lr). Without a probe (``probe_batches=0``) the first batch starts at :meth:`start_index`."""
         if not self._committed:
-            self.wrapper.selector_state = self._unprobed(self.candidates[-1])
-            logger.info("lr_search: no probe: starting at the highest candidate lr=%.3g, backed off by %s on collapse",
-                        self.candidates[-1], self.config.backoff)
+            lr = self.candidates[self.start_index()]
+            self.wrapper.selector_state = self._unprobed(lr)
+            logger.info("lr_search: no probe: starting at lr=%.3g (online rule: %s; back-off on collapse: %s)", lr,
+                        self.config.online, self.config.backoff)
         self.set_lr(self.lr)
 
     def back_off(self, lr_before: float | None, action: str | None) -> None:
         """The back-off (selector (d)): after a safety rollback or reset (``action``), the lr in use before it times
         ``backoff``, never below the lowest candidate."""
+        if action == "reset":  # the online rule's last step led elsewhere than the source
+            self.forget_update()
         if self.config.backoff is None or lr_before is None or action not in ("rollback", "reset"):
             return
         if not self._committed and self.config.probe_batches:  # (a snapshot of a probe is never taken before its commit)
@@ -329,8 +350,8 @@ class LRSearch:
         logger.warning("lr_search: safety %s: lr backed off %.3g -> %.3g", action, lr_before, lr)
 
     def _unprobed(self, lr: float) -> dict[str, torch.Tensor]:
-        """The state of a search without a probe (``probe_batches=0``): the highest candidate chosen, ``lr`` in use."""
-        return {**self._fresh(), "chosen": torch.tensor(len(self.candidates) - 1), "lr": torch.tensor(lr, dtype=torch.float64)}
+        """The state of a search without a probe (``probe_batches=0``): :meth:`start_index` chosen, ``lr`` in use."""
+        return {**self._fresh(), "chosen": torch.tensor(self.start_index()), "lr": torch.tensor(lr, dtype=torch.float64)}
 
     # ---------------------------------------------------------------------------------------- the probe
     def probe(self, batch: Any) -> TTAOutput:

@@ -165,7 +165,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     @property
     def fast_path_active(self) -> bool:
         """Whether the next batch takes the one-sync fast path (:mod:`hf_tta.loop`; ``TTAConfig.fast_step``)."""
-        return self.loop.fast_applies(self.optimizer)
+        return self.loop.fast_applies(self.optimizer) and (self.lr_search is None or self.lr_search.step_rule is None)
 
     def source_parameters(self) -> dict[str, torch.Tensor]:  # copies of the source values :meth:`reset` restores
         return {n: t for n, t in self._source_state.only({PARAMS}).copy().params.items() if n in self.params}
@@ -258,16 +258,21 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         else:
             answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
+            rule = None
             if self.lr_search is not None:
                 self.lr_search.before_steps()
+                rule = self.lr_search.step_rule  # LRSearchConfig.online (hf_tta.lr_online)
             with torch.enable_grad():
-                result = self.loop.run(self, self.params, partial(self.forward.inputs, batch, source_cache=cache), self._recover)
+                make = partial(self.forward.inputs, batch, source_cache=cache)
+                result = self.loop.run(self, self.params, make, self._recover, rule)
             if result.skipped:
                 logger.info("adapt_step skipped %s", "; ".join(result.skipped))
             inputs, scores = self._reported_view(batch, result)
             window.record(self.state, self.config.window, inputs, scores, source)
             decision = self.safety.after(inputs, scores)
             self._apply(decision)
+            if self.lr_search is not None:  # the lr in use after the batch (and the online rule's trace)
+                result.logs.update(self.lr_search.batch_logs())
             if decision.action is not None:  # a flagged batch returns the source model's scores
                 inputs, scores = source, source.scores
             if answer is not None:
@@ -301,6 +306,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
 
     def _recover(self) -> None:  # an objective's model recovery (SAR): source parameters, fresh optimiser
         self._source_state.only({PARAMS, OPTIMIZER}).apply(self)
+        if self.lr_search is not None:  # the online rule's last step led elsewhere
+            self.lr_search.forget_update()
 
     def _apply(self, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model

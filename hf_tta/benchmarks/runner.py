@@ -373,6 +373,9 @@ class GridRunner:
                 if getattr(tta, "lr_search", None) is not None:  # issue 37: the lr the probe chose, and its passes
                     search = tta.lr_search
                     info["lr_search"] = {"chosen": search.chosen, "lr": search.lr, "choices": search.choices, **search.cost}
+                    if search.config.online is not None:  # the online rule's trace: the lr at the end, its range
+                        info["lr_search"].update(lr_min=search.trace["lr_min"], lr_max=search.trace["lr_max"],
+                                                 lr_updates=search.trace["updates"])
             metrics = retrieval_metrics(scores, relevant, ks=(1, 5, 10))
             row.update({k: round(float(metrics[k]), 4) for k in ("R@1", "R@5", "R@10")})
             extra = getattr(self.task, "extra_metrics", None)  # a task's own columns (composed retrieval: REST's)
