@@ -321,7 +321,7 @@ def test_an_error_inside_the_probe_leaves_the_wrapper_as_it_was(push):
         ({"candidates": [True, 1e-3]}, "`candidates` must be at least 2 finite lrs > 0"),
         ({"candidates": [1e-3, float("inf")]}, "LRSearchConfig `candidates` must be"),
         ({"probe_batches": 1}, "`probe_batches` must be an integer >= 2"),
-        ({"probe_batches": 0}, "or 0 with `backoff` (no probe)"),
+        ({"probe_batches": 0}, "or 0 with `backoff` or `online` (no probe)"),
         ({"probe_batches": 2.0}, "LRSearchConfig `probe_batches` must be int"),
         ({"proxy": "loss"}, "LRSearchConfig `proxy` must be one of ['next_loss', 'agreement', 'uniformity', 'gap']"),
         ({"agreement_floor": 0.8}, "`agreement_floor` applies to proxy='agreement' only (here proxy='next_loss')"),
