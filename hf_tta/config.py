@@ -173,9 +173,10 @@ class TTAConfig(ConfigMixin):
         metadata={
             "config_class": LRSearchConfig,
             "help": "Choose the lr online without labels (hf_tta.lr_search, issue 37): an LRSearchConfig (candidates, "
-            "probe_batches, proxy, agreement_floor, backoff) or a dict of its fields turns it on (TTAConfig(lr='auto') "
-            "= its defaults); the first probe_batches batches adapt one shadow per candidate lr while the source "
-            "answers, then the proxy's best becomes the adapted state. None = off: the lr is fixed.",
+            "probe_batches, proxy, agreement_floor, backoff, online, hypergradient_rate) or a dict of its fields turns "
+            "it on (TTAConfig(lr='auto') = its defaults); the first probe_batches batches adapt one shadow per "
+            "candidate lr while the source answers, then the proxy's best becomes the adapted state; online="
+            "'hypergradient' then moves the lr at every step. None = off: the lr is fixed.",
         },
     )
     run: RunConfig = field(

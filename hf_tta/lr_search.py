@@ -52,7 +52,7 @@ but keeps the choice (the lr in use and the cost counters): the stream goes on a
 **Back-off (selector (d) of issue 37)**: ``backoff=f`` (needs the safety layer) multiplies the lr in use by ``f``
 after every rollback (a collapse of the source agreement, the layer's rule 3) and every reset (collapse, or
 ``max_rollbacks`` rollbacks in a row), never below the lowest candidate. It acts after the rollback has restored the
-selector's state, on the lr in use before it, so successive rollbacks compound (``f``, ``f^2``, ...); each is logged
+selector's state, on the lr the batch started at, so successive rollbacks compound (``f``, ``f^2``, ...); each is logged
 as a warning. ``probe_batches=0`` runs it alone, without a probe: the stream starts at the highest candidate.
 
 **Online rule (selector (c))**: ``online="hypergradient"``: the served stream's lr moves at every step by Baydin et al.'s
@@ -339,9 +339,8 @@ class LRSearch(OnlineMixin):
         ``backoff``, never below the lowest candidate."""
         if action == "reset":  # the online rule's last step led elsewhere than the source
             self.forget_update()
-        if self.config.backoff is None or lr_before is None or action not in ("rollback", "reset"):
-            return
-        if not self._committed and self.config.probe_batches:  # (a snapshot of a probe is never taken before its commit)
+        if self.config.backoff is None or lr_before is None or action not in ("rollback", "reset") or (
+                not self._committed and self.config.probe_batches):  # (a probe's snapshot is never taken before its commit)
             return
         lr = max(lr_before * self.config.backoff, self.candidates[0])
         # a rollback to a snapshot from before an unprobed start restores no choice: start again, backed off

@@ -15,7 +15,8 @@ rng        the wrapper's random generator
 counter    the batch counter
 selector   the learning-rate search's state (:mod:`hf_tta.lr_search`, issue 37): one shadow copy of the
            :data:`SHADOW` parts per candidate lr during the probe, the proxy's running scores, the chosen lr and
-           the probe's cost counters; empty when ``TTAConfig.lr_search`` is off or after a reset
+           the probe's cost counters, the lr in use and the online rule's last step (:mod:`hf_tta.lr_online`);
+           empty when ``TTAConfig.lr_search`` is off or after a reset
 ========== ==============================================================================================
 
 State is copied only here, and every copy takes one of the named subsets (the only rules there are):

@@ -258,10 +258,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         else:
             answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
             cache = [source.scores] if source is not None and source.candidate_ids is None else []
-            rule = None
+            rule = lr_start = None
             if self.lr_search is not None:
                 self.lr_search.before_steps()
-                rule = self.lr_search.step_rule  # LRSearchConfig.online (hf_tta.lr_online)
+                rule, lr_start = self.lr_search.step_rule, self.lr_search.lr  # LRSearchConfig.online (hf_tta.lr_online)
             with torch.enable_grad():
                 make = partial(self.forward.inputs, batch, source_cache=cache)
                 result = self.loop.run(self, self.params, make, self._recover, rule)
@@ -270,7 +270,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             inputs, scores = self._reported_view(batch, result)
             window.record(self.state, self.config.window, inputs, scores, source)
             decision = self.safety.after(inputs, scores)
-            self._apply(decision)
+            self._apply(decision, lr_start)
             if self.lr_search is not None:  # the lr in use after the batch (and the online rule's trace)
                 result.logs.update(self.lr_search.batch_logs())
             if decision.action is not None:  # a flagged batch returns the source model's scores
@@ -309,10 +309,10 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         if self.lr_search is not None:  # the online rule's last step led elsewhere
             self.lr_search.forget_update()
 
-    def _apply(self, decision: SafetyDecision) -> None:
+    def _apply(self, decision: SafetyDecision, lr_before: float | None = None) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
-        (batch counter, RNG and score transform go on), or refresh the last-good state after a kept batch."""
-        lr_before = self.lr_search.lr if self.lr_search is not None else None
+        (batch counter, RNG and score transform go on), or refresh the last-good state after a kept batch.
+        ``lr_before``: the lr search's lr when the batch started (what the back-off scales)."""
         if decision.action == "rollback":
             self.safety.last_good.apply(self)
         elif decision.action == "reset":  # the lr search's choice is kept (hf_tta.lr_search)

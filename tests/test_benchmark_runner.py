@@ -162,6 +162,19 @@ def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes():
     assert "error" not in dn and "lr_search" not in dn  # a training-free row runs without it, as without tuning
 
 
+def test_a_row_records_the_online_rules_final_lr_and_its_range_at_the_fixed_lr_runs_passes():
+    """LRSearchConfig(online="hypergradient") alone (issue 37, selector (c)): the row's lr is the last in use, within
+    the range the rule's trace recorded; its passes per query are the fixed-lr row's."""
+    search = {"candidates": [1e-4, 1e-2], "probe_batches": 0, "online": "hypergradient", "hypergradient_rate": 0.5}
+    rows = [GridRunner(TinyTask(make_model("clip")), RunSettings(steps=2, batch_size=4, show_progress=False, **extra))
+            .run(Job(Condition("i2t", "clean"), "tcr", 0)) for extra in ({"config_overrides": {"lr_search": search}}, {})]
+    assert not any("error" in r for r in rows), [r.get("error") for r in rows]
+    info = rows[0]["lr_search"]
+    assert info["chosen"] == 1e-4 and info["lr_updates"] == 2 * 3 - 1  # 3 batches of 2 steps, the first has no last step
+    assert 1e-4 <= info["lr_min"] <= info["lr"] <= info["lr_max"] <= 1e-2 and info["lr_min"] < info["lr_max"]
+    assert (rows[0]["forward_per_query"], rows[0]["backward_per_query"]) == (rows[1]["forward_per_query"], rows[1]["backward_per_query"])
+
+
 @pytest.mark.parametrize(
     ("row", "transform", "budget", "passes"),
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import math
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import hf_tta.lr_online
 from hf_tta import LRSearchConfig, TTAConfig, TTAWrapper, cli
 from hf_tta.lr_online import hypergradient_lr
 from hf_tta.state import ALL, ROLLBACK, AdapterState
-from support import check_resume, dense_gallery, image_stream, state_of
+from support import check_resume, dense_gallery, image_stream
 from tiny_models import batch, make_model
 
 STREAM = [batch("image", 8, seed=70 + i) for i in range(6)]
@@ -164,6 +165,20 @@ def test_a_rollback_restores_the_rules_state_bit_exactly(push, caplog):
     assert out.safety_action == "rollback" and AdapterState.capture(tta, ROLLBACK).equals(snapshot)
     tta.adapt_step(HARM_STREAM[3], g)
     assert tta.optimizer.param_groups[0]["lr"] == tta.lr_search.lr
+
+
+def test_the_backoff_scales_the_lr_the_rolled_back_batch_started_at(push, caplog):
+    """Selectors (c) and (d) together: the rule's moves on the harmful batch are rolled back with it, then the back-off
+    scales the lr that batch started at."""
+    tta, g = _harmful(push, harm=[2], backoff=0.8)
+    for x in HARM_STREAM[:2]:
+        tta.adapt_step(x, g)
+    start = tta.lr_search.lr
+    with caplog.at_level("DEBUG", logger="hf_tta.lr_online"):
+        assert tta.adapt_step(HARM_STREAM[2], g).safety_action == "rollback"
+    moved = [float(m) for m in re.findall(r"lr [0-9.e-]+ -> ([0-9.e-]+)", caplog.text)]
+    assert moved and moved[-1] != start  # the rule had moved the lr on the harmful batch
+    assert tta.lr_search.lr == pytest.approx(start * 0.8, rel=1e-12) and tta.lr_search.lr > 0.25
 
 
 def test_a_safety_reset_keeps_the_lr_and_drops_the_last_step(push):
