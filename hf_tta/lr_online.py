@@ -14,13 +14,14 @@ before any measurement: a step moves the lr by at most 2 %, so a decade takes ab
 
 **The sign.** The paper writes the update as ``theta_t = u(Theta_{t-1}, alpha_t)`` and descends on the lr with the
 hypergradient ``h_t = d f(theta_{t-1}) / d alpha = grad f(theta_{t-1}) . grad_alpha u(Theta_{t-2}, alpha_{t-1})``:
-``alpha_t = alpha_{t-1} - beta h_t`` (additive, Eq. 2 for SGD, Adam-HD's Algorithm), and the multiplicative rule
+``alpha_t = alpha_{t-1} - beta h_t`` (the additive rule of SGD-HD and Adam-HD); the paper's multiplicative rule
 normalises ``h_t`` by the two vectors' norms: ``alpha_t = alpha_{t-1} (1 - beta h_t / (|grad f| |grad_alpha u|))``.
 Every optimiser here makes a step proportional to its lr: AdamW's ``-alpha (m_hat / (sqrt(v_hat) + eps) + lambda
 theta)`` (decoupled weight decay scales with the lr too), a parameter group's ``lr_multipliers`` factor, gradient
 decoupling's ``W_d`` and SAM's base step alike, so ``grad_alpha u_{t-1} = u_{t-1} / alpha_{t-1}`` and, alpha being
 positive, ``h_t / (|g_t| |grad_alpha u|) = cos(g_t, u_{t-1})``. With ``u`` the *actual* change no optimiser internals
-are needed. Overshoot: the new gradient points back along the last step (``g_t`` aligned with ``u_{t-1}``, cos > 0),
+are needed (Adam-HD's direction has no weight decay; here AdamW's decoupled decay is part of the step, as it is part
+of what the lr scales). Overshoot: the new gradient points back along the last step (``g_t`` aligned with ``u_{t-1}``, cos > 0),
 the lr shrinks; still descending the same way (``u_{t-1}`` along ``-g_t``, cos < 0), it grows.
 
 **Where it runs.** On the committed (served) stream only: the probe's shadows keep their candidate lrs (so each is a
@@ -36,7 +37,7 @@ sets the lr on the host at each step, so a batch of the served stream does not t
 
 **State** (:data:`~hf_tta.state.SELECTOR`, ``selector.*`` in a checkpoint): the lr in use (``lr``, which the
 back-off also scales), ``online.u`` (``u_{t-1}``, float32), and the trace's summary ``online.updates`` (steps the rule
-moved the lr on), ``online.lr_min``, ``online.lr_max``: saved and resumed bit-exactly, restored by a rollback, cleared
+ran on: those with a last step), ``online.lr_min``, ``online.lr_max``: saved and resumed bit-exactly, restored by a rollback, cleared
 by ``reset()``; a safety reset keeps the lr and drops ``u`` (the parameters jumped back to the source). Each change is
 logged at debug level; ``TTAOutput.logs`` carry ``lr_search.lr`` (the lr in use after the batch), ``lr_search.lr_min``,
 ``lr_search.lr_max`` and ``lr_search.cos`` (the mean cosine of the batch's steps that had a ``u``; absent if none).

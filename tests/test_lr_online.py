@@ -128,6 +128,24 @@ def test_save_resume_equals_uninterrupted(probe_batches, cut, tmp_path):
     check_resume(lambda: _online(probe_batches=probe_batches), STREAM[:5], cut=cut, folder=tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("objective, extra", [("sar", {}), ("cliptta", {}), ("rest", {"gradient_decoupling": True})],
+                         ids=["sar", "cliptta", "rest+gd"])
+def test_other_objectives_move_the_lr_and_resume(objective, extra, tmp_path):
+    """SAR (SAM's second pass inside the step: the step's change is SAM's), ClipTTA (an extra optimised tensor, alpha,
+    in the flattened vectors), REST with gradient decoupling (the projected gradient, W_d on the step size)."""
+    def make():
+        cfg = TTAConfig(objective=objective, query_modality="image", steps=2, lr=1e-2, **extra,
+                        lr_search=LRSearchConfig(candidates=LRS, probe_batches=0, **ONLINE))
+        tta = TTAWrapper(make_model("clip"), cfg)
+        return tta, tta.encode_gallery(batch("text", 20, seed=1))
+
+    check_resume(make, STREAM[:3], cut=1, folder=tmp_path / "ckpt")
+    tta, g = make()
+    for x in STREAM[:3]:
+        tta.adapt_step(x, g)
+    assert tta.lr_search.trace["updates"] >= 1 and tta.lr_search.lr != 1e-2
+
+
 def test_reset_returns_to_the_source_and_clears_the_rule():
     tta, g = _online()
     source = AdapterState.capture(_online()[0], ALL)  # a wrapper that never adapted
