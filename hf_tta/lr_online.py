@@ -36,9 +36,9 @@ sets the lr on the host at each step, so a batch of the served stream does not t
 (the LayerNorms: small) and one host sync.
 
 **State** (:data:`~hf_tta.state.SELECTOR`, ``selector.*`` in a checkpoint): the lr in use (``lr``, which the
-back-off also scales), ``online.u`` (``u_{t-1}``, float32), and the trace's summary ``online.updates`` (steps the rule
-ran on: those with a last step), ``online.lr_min``, ``online.lr_max``: saved and resumed bit-exactly, restored by a rollback, cleared
-by ``reset()``; a safety reset keeps the lr and drops ``u`` (the parameters jumped back to the source). Each change is
+back-off also scales), ``online.u`` (``u_{t-1}``, float32), and the trace's summary ``online.updates`` (the steps
+the rule ran on: those with a last step), ``online.lr_min``, ``online.lr_max``: saved and resumed bit-exactly,
+restored by a rollback, cleared by ``reset()``; a safety reset keeps the lr and drops ``u`` (the parameters jumped back to the source). Each change is
 logged at debug level; ``TTAOutput.logs`` carry ``lr_search.lr`` (the lr in use after the batch), ``lr_search.lr_min``,
 ``lr_search.lr_max`` and ``lr_search.cos`` (the mean cosine of the batch's steps that had a ``u``; absent if none).
 """
@@ -161,6 +161,13 @@ class OnlineMixin:
             self._rule = HypergradientRule(self)
         return self._rule
 
+    def batch_rule(self) -> HypergradientRule | None:
+        """:attr:`step_rule` for the batch about to run (its logged cosines start afresh)."""
+        rule = self.step_rule
+        if rule is not None:
+            rule.cosines = []
+        return rule
+
     def start_index(self) -> int:
         """The candidate a stream without a probe starts at: nearest the base lr with the online rule (ties: the
         lower), the highest with the back-off alone."""
@@ -171,7 +178,7 @@ class OnlineMixin:
     @property
     def trace(self) -> dict[str, float | int | None]:
         """The lr trace's summary since the start or commit: ``lr`` in use, ``lr_min``, ``lr_max`` and ``updates`` (steps
-        the online rule moved the lr on); ``None`` values before the start."""
+        the online rule ran on: those with a last step); ``None`` values before the start."""
         st, lr = self._state, self.lr
         return {"lr": lr, "lr_min": float(st.get("online.lr_min", lr)) if lr is not None else None,
                 "lr_max": float(st.get("online.lr_max", lr)) if lr is not None else None,
@@ -183,8 +190,7 @@ class OnlineMixin:
             self.wrapper.selector_state = {k: v for k, v in self._state.items() if k != "online.u"}
 
     def batch_logs(self) -> dict[str, float]:
-        """The lr's entries of a served batch's ``TTAOutput.logs`` (see :mod:`hf_tta.lr_online`); the batch's cosines
-        are cleared for the next."""
+        """The lr's entries of a served batch's ``TTAOutput.logs`` (see :mod:`hf_tta.lr_online`)."""
         if self.lr is None:
             return {}
         logs = {"lr_search.lr": float(self.lr)}
@@ -194,6 +200,4 @@ class OnlineMixin:
             logs.update({"lr_search.lr_min": trace["lr_min"], "lr_search.lr_max": trace["lr_max"]})
             if cosines:  # (absent when no step had a last step to compare with)
                 logs["lr_search.cos"] = sum(cosines) / len(cosines)
-            if rule is not None:
-                rule.cosines = []
         return logs

@@ -261,7 +261,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             rule = lr_start = None
             if self.lr_search is not None:
                 self.lr_search.before_steps()
-                rule, lr_start = self.lr_search.step_rule, self.lr_search.lr  # LRSearchConfig.online (hf_tta.lr_online)
+                rule, lr_start = self.lr_search.batch_rule(), self.lr_search.lr  # LRSearchConfig.online (hf_tta.lr_online)
             with torch.enable_grad():
                 make = partial(self.forward.inputs, batch, source_cache=cache)
                 result = self.loop.run(self, self.params, make, self._recover, rule)
