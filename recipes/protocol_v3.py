@@ -24,10 +24,10 @@ Phases (each reads the choices of the earlier ones from the rows):
    REST at their selected lrs, the preset and the LayerNorm ceiling (each run holds its own source rows).
 7. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
    it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
-8. ``auto``: issue 37's label-free lr probe (``TTAConfig(lr="auto")``, :class:`hf_tta.lr_search.LRSearchConfig` at its
-   defaults) for TCR and REST on the selection split (its corruption and clean streams, then its degenerate stream):
-   each row records the lr the probe chose and the lr each proxy would have chosen; then on the report split's
-   default grid, seed 3.
+8. ``auto``: issue 37's label-free lr selectors (:data:`SELECTORS`: the probe, ``TTAConfig(lr="auto")``, and the
+   online hypergradient rule, :class:`hf_tta.lr_search.LRSearchConfig`) for TCR and REST on the selection split (its
+   corruption and clean streams, then its degenerate stream): each row records the lr in use at the end (and the
+   probe's choice, and the lr each proxy would have chosen); then on the report split's default grid, seed 3.
 9. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
    training-free score transforms alone on the source model (:data:`TRANSFORMS`: DN, NNN, QB-Norm), each under TCR and
    REST at their selected lrs, and TCR and REST at their selected lrs on every batch and at the update budgets of
@@ -85,6 +85,15 @@ BUDGETS = ("50", "25", "10")
 #: The preset's row while the preset phase has not chosen: the current ``TTAConfig.recommended`` (the ``recommended``
 #: row at the paper's lr).
 RECOMMENDED = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--lr", PAPER_LR]}
+#: Issue 37's lr selectors (``--lr_search`` JSON, :class:`hf_tta.lr_search.LRSearchConfig`) by folder name: the probe at
+#: its defaults (selector (a)); the hypergradient rule alone from the default lr (selector (c)) at its a-priori rate
+#: 0.02 and at 0.1; the probe followed by the rule at 0.1.
+SELECTORS = {
+    "auto": "{}",
+    "hg": '{"online": "hypergradient", "probe_batches": 0}',
+    "hg0.1": '{"online": "hypergradient", "probe_batches": 0, "hypergradient_rate": 0.1}',
+    "auto+hg0.1": '{"online": "hypergradient", "hypergradient_rate": 0.1}',
+}
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
 
@@ -183,13 +192,12 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         for name in REPORT_ALL_SEEDS:
             out_jobs.append((f"after/{direction}/{name}-lr{lrs[name]}", [*after, *_objectives([name]), "--lr", lrs[name]]))
     elif phase == "auto":
-        for name in ("tcr", "rest"):
-            search = ["--lr_search", "{}"]
-            out_jobs.append((f"auto/{direction}/{name}-auto", [*sel_clean, *_objectives([name]), *search]))
-            out_jobs.append((f"auto/{direction}/{name}-auto-degenerate", [*degenerate, *_objectives([name]), *search]))
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")
         seeds3 = _replace(grid, {"3,4,5": "3"})
-        out_jobs += [(f"auto/{direction}/{name}-auto-report", [*seeds3, *_objectives([name]), "--lr_search", "{}"]) for name in ("tcr", "rest")]
+        for tag, stream in (("", sel_clean), ("-degenerate", degenerate), ("-report", seeds3)):  # every selection run first
+            for selector, search in SELECTORS.items():
+                out_jobs += [(f"auto/{direction}/{name}-{selector}{tag}", [*stream, *_objectives([name]), "--lr_search", search])
+                             for name in ("tcr", "rest")]
     elif phase == "cheaper":
         lrs = _selected_lrs(out, direction, ("tcr", "rest"))
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")

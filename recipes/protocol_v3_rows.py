@@ -73,12 +73,21 @@ def column(row: dict) -> tuple:
     return (row["shift"], row.get("severity"))
 
 
+def selector(row: dict) -> str:
+    """The lr selector of a phase-``auto`` run (issue 37), from its folder ``<objective>-<selector>[-degenerate|-report]``
+    (``recipes/protocol_v3.py``'s :data:`SELECTORS`: ``auto`` the probe, ``hg…`` the hypergradient rule)."""
+    name = row["config"].removeprefix(f"{row['objective']}-")
+    for suffix in ("-degenerate", "-report"):
+        name = name.removesuffix(suffix)
+    return name
+
+
 def label(row: dict) -> str:
-    """A row's name in the tables: its objective (row) and lr (``auto``: issue 37's probe), and the preset phase's
-    safety variant; a run without an lr (a training-free row, phase ``cheaper``) by its row alone."""
+    """A row's name in the tables: its objective (row) and lr (or, for issue 37's selectors, the selector), and the
+    preset phase's safety variant; a run without an lr (a training-free row, phase ``cheaper``) by its row alone."""
     variant = "-lite" if "-lite" in row["config"] else ""
-    if row.get("lr") is None:  # issue 37's probe ("auto"), or a training-free row (no lr)
-        return f"{row['objective']}{variant}" + ("@auto" if row.get("lr_search") else "")
+    if row.get("lr") is None:  # issue 37's selectors, or a training-free row (no lr)
+        return f"{row['objective']}{variant}" + (f"@{selector(row)}" if row.get("lr_search") else "")
     return f"{row['objective']}{variant}@{lr_name(row['lr'])}"
 
 

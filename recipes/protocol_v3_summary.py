@@ -53,6 +53,7 @@ from protocol_v3_rows import (  # noqa: E402 (next to this file)
     corruption_columns,
     export,
     hits,
+    label,
     load,
     lr_name,
     mean_r1,
@@ -354,8 +355,9 @@ def _share_at(fixed: dict, objective: str, lr_of: dict, src: dict, cols: list[tu
 def auto_lines(rows: list[dict], direction: str) -> list[str]:
     """Issue 37's label-free lr probe (phase ``auto``, seed 0, the selection split) against the labelled choice.
 
-    Per objective: the labelled lr and its share; the probe's run (its default proxy): the lr it chose per stream,
-    its share and that share over the labelled one, its clean and degenerate verdicts; for every proxy the share the
+    Per objective and selector: the labelled lr and its share; the selector's run: the lr in use at the end of each
+    stream (the probe's choice; the online rule's last), its share and that share over the labelled one, its clean
+    and degenerate verdicts; for every proxy the share the
     fixed-lr selection rows give at the lrs that proxy would have chosen per stream, over the labelled share (an
     estimate: those rows adapt at that lr from the first batch, without the probe); and the run's passes of the query
     tower against a fixed-lr run of the same stream, ``(n − probed) · (2S + 1) + probe passes`` over ``n · (2S + 1)``
@@ -366,7 +368,7 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
     auto: dict[str, dict[tuple, dict]] = defaultdict(dict)
     for r in sel:
         if r["phase"] == "auto" and r["objective"] != SOURCE and r.get("lr_search"):
-            auto[r["objective"]][column(r)] = r
+            auto[label(r)][column(r)] = r
     if not auto:
         return []
     src = {c: {0: by_seed[0]} for c, by_seed in sources(sel).items() if 0 in by_seed}
@@ -375,18 +377,19 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
              for name, cells in by_label(sel, ("select", "extend", "degenerate")).items()}
     cols = selection_columns(direction)
     proxies = sorted({p for runs in auto.values() for r in runs.values() for p in r["lr_search"]["choices"]})
-    lines = [f"| objective | labelled lr (share) | probe: lr per stream | probe share (of labelled) | clean, degenerate | "
+    lines = [f"| selector | labelled lr (share) | lr per stream, at the end | share (of labelled) | clean, degenerate | "
              f"{' | '.join(f'{p}: share (of labelled)' for p in proxies)} | passes vs fixed lr |",
              "|---|" + "---|" * (len(proxies) + 5)]
     for name, runs in sorted(auto.items()):
-        lab_lr = labelled.get(name, {}).get("lr")
-        lab = table.get(name, {}).get(lab_lr, {}).get("share") if lab_lr else None
+        objective = name.split("@")[0]
+        lab_lr = labelled.get(objective, {}).get("lr")
+        lab = table.get(objective, {}).get(lab_lr, {}).get("share") if lab_lr else None
         of = lambda x: f"{figure(x, percent=True)} ({figure(x / lab, percent=True) if x is not None and lab else '–'})"  # noqa: E731
         done = all(c in runs for c in cols)
         run_share = share({c: {0: runs[c]} for c in cols}, src, cols) if done else None
-        chosen = ", ".join(f"{abbreviation(c[0])}: {lr_name(runs[c]['lr_search']['chosen'])}" for c in [*cols, ("clean", None), ("degenerate", None)] if c in runs)
+        chosen = ", ".join(f"{abbreviation(c[0])}: {lr_name(runs[c]['lr_search']['lr'])}" for c in [*cols, ("clean", None), ("degenerate", None)] if c in runs)
         verdicts = ", ".join(verdict({c: {0: runs[c]}}, src, [c]).verdict if c in runs else "not run" for c in (("clean", None), ("degenerate", None)))
-        per_proxy = [of(_share_at(fixed, name, {c: runs[c]["lr_search"]["choices"].get(p) for c in cols}, src, cols)) if done else "–"
+        per_proxy = [of(_share_at(fixed, objective, {c: runs[c]["lr_search"]["choices"].get(p) for c in cols}, src, cols)) if done else "–"
                      for p in proxies]
         n = probed = probe_passes = 0
         for r in runs.values():
@@ -410,8 +413,8 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
     src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    lines = ["| objective | probe: lr per column | won back: probe | at the labelled lr | probe / labelled | at the paper's lr | "
-             "probe vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| selector | lr per column, at the end | won back | at the labelled lr | of the labelled | at the paper's lr | "
+             "vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
         if not complete(cells, cols, seeds) or labelled.get(objective) is None:
@@ -419,8 +422,8 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
         at = {lr: report.get(f"{objective}@{lr_name(lr)}", {}) for lr in (labelled[objective], PAPER_LR)}
         shares = {lr: share(c, src, cols) if complete(c, cols, seeds) else None for lr, c in at.items()}
         mine, lab = share(cells, src, cols), shares[labelled[objective]]
-        chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['chosen'])}" for c in cols)
-        lines.append(f"| {objective} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
+        chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['lr'])}" for c in cols)
+        lines.append(f"| {name} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
                      f"{figure(lab, percent=True)} | {figure(mine / lab if lab else None, percent=True)} | "
                      f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} |")
     return lines

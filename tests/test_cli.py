@@ -281,8 +281,18 @@ def test_an_interrupted_run_continues_from_its_rows(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main([*argv, "--cache-dir", str(tmp_path / "other-cache")]) == 0
     assert "2 runs already done, 1 to go" in capsys.readouterr().out
-    assert cli.main([*argv, "--steps", "2"]) == 0  # other arguments: starts afresh
-    assert "starting afresh" in capsys.readouterr().out
+    # an option the header predates (an hf-tta upgrade added it) continues while this run leaves it at its default
+    header = json.loads(progress.read_text().splitlines()[0])
+    del header[cli.RUN_HEADER]["update_budget"], header[cli.RUN_HEADER]["lr_search"]
+    progress.write_text("\n".join([json.dumps(header), *progress.read_text().splitlines()[1:3]]) + "\n")
+    capsys.readouterr()
+    assert cli.main(argv) == 0 and "2 runs already done, 1 to go" in capsys.readouterr().out
+    before = progress.read_bytes()  # other arguments: refused in one line naming them and the fix; nothing overwritten
+    assert cli.main([*argv, "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds 3 rows of a run with other arguments (--steps 1 there, 2 here)" in err, err
+    assert "pass --fresh to start over" in err and progress.read_bytes() == before
+    assert cli.main([*argv, "--steps", "2", "--fresh"]) == 0 and progress.read_bytes() != before
 
 
 def test_go_offline_switches_the_hub_after_import(monkeypatch):

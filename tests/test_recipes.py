@@ -387,14 +387,15 @@ def test_v3_auto_probe_against_the_labelled_choice_by_hand(v3, v3_selection):
     def auto(shift, severity, n_hits, chosen, next_loss, agreement):
         search = {"chosen": chosen, "lr": chosen, "choices": {"next_loss": next_loss, "agreement": agreement},
                   "queries": 128, "forward": 128 * 16, "backward": 128 * 15}
-        return _v3_row("tcr", shift, severity, n_hits, None, phase="auto", lr_search=search, num_queries=400, steps=3)
+        return _v3_row("tcr", shift, severity, n_hits, None, phase="auto", lr_search=search, num_queries=400, steps=3,
+                       config="tcr-auto")
 
     rows += [auto("gaussian_blur", 5, 280, 1e-3, 1e-3, 1e-4), auto("spatter", 5, 320, 3e-4, 3e-4, 1e-4),
              auto("clean", None, 400, 3e-4, 3e-4, 1e-4)]
     lines = v3.auto_lines(rows, "i2t")
     assert lines[0].split(" | ")[5:7] == ["agreement: share (of labelled)", "next_loss: share (of labelled)"]
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[:2] == ["tcr", "3e-4 (23.3 %)"] and cells[2] == "G.blur: 1e-3, Spatter: 3e-4, Clean: 3e-4"
+    assert cells[:2] == ["tcr@auto", "3e-4 (23.3 %)"] and cells[2] == "G.blur: 1e-3, Spatter: 3e-4, Clean: 3e-4"
     assert cells[3] == "33.3 % (142.9 %)" and cells[4].startswith("not below the source (bound +0.0") and cells[4].endswith("not run")
     assert cells[5:] == ["6.7 % (28.6 %)", "36.7 % (157.1 %)", "2.10×"]
 
@@ -407,10 +408,36 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
     rows += [_v3_row("source", "clean", None, 400, phase="report", seed=3), _v3_row("source", "contrast", 1, 200, phase="report", seed=3),
              _v3_row("tcr", "contrast", 1, 300, 3e-4, phase="report", seed=3),
              _v3_row("source", "contrast", 1, 200, phase="auto", seed=3),
-             _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search)]
-    cells = [c.strip() for c in v3.auto_report_lines(rows, "i2t")[2].strip("|").split("|")]
-    assert cells[:6] == ["tcr", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
+             _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search, config="tcr-auto-report"),
+             _v3_row("tcr", "contrast", 1, 250, None, phase="auto", seed=3, config="tcr-auto+hg0.1-report",
+                     lr_search={**search, "lr": 1.7e-3, "lr_min": 1e-4, "lr_max": 3e-3})]
+    lines = v3.auto_report_lines(rows, "i2t")
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:6] == ["tcr@auto", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
     assert cells[6].startswith("not below the source")
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]  # the probe then the online rule: its lr at the end
+    assert cells[:5] == ["tcr@auto+hg0.1", "Contr. 1: 2e-3", "25.0 %", "3e-4: 50.0 %", "50.0 %"]
+
+
+def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_path):
+    """Issue 37's selectors (the probe; the hypergradient rule alone at rates 0.02 and 0.1; the probe then the rule),
+    for TCR and REST: every selection-split run (corruptions and clean, then degenerate) before any report run; each
+    run's --lr_search parses into its LRSearchConfig, and its folder names the selector its rows are labelled by."""
+    import json
+
+    from hf_tta.lr_search import LRSearchConfig
+
+    recipe, rows = _load("protocol_v3"), _load("protocol_v3_rows")
+    jobs = recipe.jobs("auto", "i2t", tmp_path)
+    names = [name for name, _ in jobs]
+    assert len(names) == 3 * 4 * 2 and all("-report" not in n for n in names[:16]) and all(n.endswith("-report") for n in names[16:])
+    for name, args in jobs:
+        config = LRSearchConfig(**json.loads(args[args.index("--lr_search") + 1]))
+        objective = name.split("/")[-1].split("-")[0]
+        selector = rows.selector({"objective": objective, "config": name.split("/")[-1]})
+        assert selector in recipe.SELECTORS and (config.online is None) == (selector == "auto")
+        assert config.probe_batches == (0 if selector.startswith("hg") else 4) and "--lr" not in args
+        assert config.hypergradient_rate == (0.1 if selector.endswith("hg0.1") else None)
 
 
 def test_v3_cheaper_phase_lists_the_transforms_the_methods_and_their_budgets(v3, monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from .common import UsageError
 from .environment import setup_environment
 from .plan import prepare_run, run_seeds
 
@@ -31,6 +32,22 @@ def run_signature(args) -> dict:
 def _defining(arguments: dict) -> dict:
     """``arguments`` without the options that change no result (also for headers written before one joined them)."""
     return {k: v for k, v in sorted(arguments.items()) if k not in _PRESENTATION}
+
+
+def _differences(header: dict, signature: dict) -> list[str]:
+    """The defining arguments on which a progress file's ``header`` and this run's ``signature`` differ; an option the
+    header predates (absent there) differs only when this run sets it off its default (new options default to the
+    behaviour before them), so ``hf-tta`` upgrades keep a run resumable."""
+    from .arguments import build_parser
+
+    defaults = json.loads(json.dumps(_defining(vars(build_parser().parse_known_args(["run"])[0])), default=str))
+    header = _defining(header)
+    out = []
+    for key in sorted(header.keys() | signature.keys()):
+        there = header[key] if key in header else defaults.get(key)
+        if key not in signature or there != signature[key]:
+            out.append(f"--{key.replace('_', '-')} {there!r} there, {signature.get(key)!r} here")
+    return out
 
 
 def read_progress(path: Path) -> tuple[dict | None, list[dict]]:
@@ -70,7 +87,8 @@ def cmd_run(args) -> int:
     done: list[dict] = []
     if progress.exists() and not args.fresh:
         header, earlier = read_progress(progress)
-        if header is not None and _defining(header) == signature:
+        differences = _differences(header, signature) if header is not None else ["no header"]
+        if not differences:
             wanted = {row_key({"direction": j.condition.direction, "shift": j.condition.shift, "severity": j.condition.severity,
                                "objective": j.objective, "seed": j.seed}): j for j in jobs}
             done = [r for r in earlier if "error" not in r and row_key(r) in wanted]
@@ -79,8 +97,10 @@ def cmd_run(args) -> int:
             if done:
                 print(f"hf-tta: resuming the interrupted run in {progress}: {len(done)} runs already done, {len(jobs)} to go "
                       "(--fresh starts over).", flush=True)
-        elif earlier:
-            print(f"hf-tta: {progress} holds the rows of a run with other arguments; starting afresh.", flush=True)
+        elif [r for r in earlier if "error" not in r]:  # never overwrite finished rows unasked
+            raise UsageError(f"{progress} holds {len(earlier)} rows of a run with other arguments ({'; '.join(differences[:3])}"
+                             f"{'; ...' if len(differences) > 3 else ''}): rerun with its arguments to continue, pass --fresh "
+                             "to start over, or choose another --output-dir.")
     with open(progress, "w") as f:
         f.write(json.dumps({RUN_HEADER: signature}) + "\n")
         for r in done:
