@@ -25,7 +25,7 @@ Phases (each reads the choices of the earlier ones from the rows):
 7. ``after``: the papers' after-update scoring (``--scoring after_update``: a batch is answered after the updates on
    it), the secondary column, for Tent, TCR and REST at their selected lrs on the default grid, seed 3.
 8. ``auto``: issue 37's label-free lr selectors (:data:`SELECTORS`: the probe, ``TTAConfig(lr="auto")``, and the
-   online hypergradient rule, :class:`hf_tta.lr_search.LRSearchConfig`) for TCR and REST on the selection split (its
+   online hypergradient rule, the back-off under the safety layer; :class:`hf_tta.lr_search.LRSearchConfig`) for TCR and REST on the selection split (its
    corruption and clean streams, then its degenerate stream): each row records the lr in use at the end (and the
    probe's choice, and the lr each proxy would have chosen); then on the report split's default grid, seed 3.
 9. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
@@ -85,14 +85,17 @@ BUDGETS = ("50", "25", "10")
 #: The preset's row while the preset phase has not chosen: the current ``TTAConfig.recommended`` (the ``recommended``
 #: row at the paper's lr).
 RECOMMENDED = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--lr", PAPER_LR]}
-#: Issue 37's lr selectors (``--lr_search`` JSON, :class:`hf_tta.lr_search.LRSearchConfig`) by folder name: the probe at
-#: its defaults (selector (a)); the hypergradient rule alone from the default lr (selector (c)) at its a-priori rate
-#: 0.02 and at 0.1; the probe followed by the rule at 0.1.
+#: Issue 37's lr selectors by folder name, as ``hf-tta run`` arguments (``--lr_search`` JSON,
+#: :class:`hf_tta.lr_search.LRSearchConfig`): the probe at its defaults (selector (a)); the hypergradient rule alone
+#: from the default lr (selector (c)) at its a-priori rate 0.02 and at 0.1; the probe followed by the rule at 0.1; the
+#: back-off alone (selector (d): from the highest candidate, halving the lr at each rollback of the default safety
+#: layer, which it needs).
 SELECTORS = {
-    "auto": "{}",
-    "hg": '{"online": "hypergradient", "probe_batches": 0}',
-    "hg0.1": '{"online": "hypergradient", "probe_batches": 0, "hypergradient_rate": 0.1}',
-    "auto+hg0.1": '{"online": "hypergradient", "hypergradient_rate": 0.1}',
+    "auto": ["--lr_search", "{}"],
+    "hg": ["--lr_search", '{"online": "hypergradient", "probe_batches": 0}'],
+    "hg0.1": ["--lr_search", '{"online": "hypergradient", "probe_batches": 0, "hypergradient_rate": 0.1}'],
+    "auto+hg0.1": ["--lr_search", '{"online": "hypergradient", "hypergradient_rate": 0.1}'],
+    "backoff0.5+safe": ["--lr_search", '{"backoff": 0.5, "probe_batches": 0}', "--safety", "{}"],
 }
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
@@ -196,7 +199,7 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
         seeds3 = _replace(grid, {"3,4,5": "3"})
         for tag, stream in (("", sel_clean), ("-degenerate", degenerate), ("-report", seeds3)):  # every selection run first
             for selector, search in SELECTORS.items():
-                out_jobs += [(f"auto/{direction}/{name}-{selector}{tag}", [*stream, *_objectives([name]), "--lr_search", search])
+                out_jobs += [(f"auto/{direction}/{name}-{selector}{tag}", [*stream, *_objectives([name]), *search])
                              for name in ("tcr", "rest")]
     elif phase == "cheaper":
         lrs = _selected_lrs(out, direction, ("tcr", "rest"))
