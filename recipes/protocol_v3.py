@@ -39,6 +39,7 @@ Phases (each reads the choices of the earlier ones from the rows):
     python recipes/protocol_v3.py degenerate --direction i2t --out runs/v3 --jobs 2
     python recipes/protocol_v3.py report --direction i2t --out runs/v3 --jobs 2 --shard 1/2
     python recipes/protocol_v3.py cheaper --direction i2t --out runs/v3 --jobs 1
+    python recipes/protocol_v3.py select --direction t2i --out runs/v3 --jobs 8 --device cuda   # where a GPU is lent
     python recipes/protocol_v3_summary.py runs/v3 --export model_cards/results/protocol-v3
 """
 
@@ -100,10 +101,10 @@ SELECTORS = {
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
 
-def _run(folder: Path, args: list[str], cache: str) -> int:
+def _run(folder: Path, args: list[str], cache: str, device: str = "cpu") -> int:
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(folder), "--cache-dir", cache,
-           "--no-plots", "--quiet", "--threads", "1"]
+           "--no-plots", "--quiet", "--threads", "1", *(["--device", device] if device != "cpu" else [])]
     (folder / "command.txt").write_text(" ".join(cmd) + "\n")
     with open(folder / "log.txt", "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -224,6 +225,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", nargs="+", default=[], help="leave out the runs whose folder ends with one of these")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
+    parser.add_argument("--device", default="cpu", help="every run's --device (e.g. cuda, with --jobs 8 on one GPU); a run "
+                        "continues only on the device it started on (its rows.jsonl names it)")
     args = parser.parse_args(argv)
     try:
         k, n = (int(x) for x in args.shard.split("/"))
@@ -237,7 +240,7 @@ def main(argv=None) -> None:
             print(name, " ".join(a))
         return
     with ThreadPoolExecutor(args.jobs) as pool:
-        codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir), todo))
+        codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir, args.device), todo))
     failed = [name for (name, _), c in zip(todo, codes) if c != 0]
     print(f"{len(todo) - len(failed)} of {len(todo)} runs finished" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

@@ -540,3 +540,13 @@ def test_v3_corruptions_phase_and_table_by_hand(v3, monkeypatch, tmp_path):
     assert len(lines) == 3 and lines[0].startswith("| row | won back, severity 3 | won back, severity 5 | won back, all 4 |")
     assert cells[:4] == ["tcr@1e-2", "30.0 %", "25.0 %", "27.0 %"] and cells[4].startswith("+16.9 [+")
     assert cells[5].startswith("not below the source") and cells[6] == "Snow 5: +0.0"
+
+
+def test_v3_runs_pass_the_device_on(tmp_path):
+    """``--device`` reaches every ``hf-tta run`` of the recipe (for a lent GPU); here, without CUDA, the run refuses
+    it in one line and the recipe sees the failure."""
+    recipe = _load("protocol_v3")
+    folder = tmp_path / "select" / "i2t" / "tcr-lr1e-3"
+    code = recipe._run(folder, ["--objectives", "tcr", "--lr", "1e-3"], str(tmp_path / "cache"), device="cuda")
+    assert "--device cuda" in (folder / "command.txt").read_text()
+    assert code == 2 and "--device cuda: CUDA is not available here; use --device cpu." in (folder / "log.txt").read_text()
