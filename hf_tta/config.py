@@ -36,7 +36,7 @@ from .configuration_utils import (
     check_known_keys,
     check_positive,
 )
-from .lr_search import LRSearchConfig
+from .lr_search_config import LRSearchConfig
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import RECOMMENDED

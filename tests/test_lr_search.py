@@ -376,7 +376,7 @@ def test_wrappers_that_cannot_probe_refuse_before_touching_the_model():
 def test_the_modules_examples_run():
     import doctest
 
-    import hf_tta.lr_search
+    import hf_tta.lr_search_config
 
-    result = doctest.testmod(hf_tta.lr_search)
+    result = doctest.testmod(hf_tta.lr_search_config)  # LRSearchConfig's (hf_tta.lr_search re-exports it)
     assert result.attempted and not result.failed
