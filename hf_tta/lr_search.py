@@ -188,6 +188,13 @@ class LRSearch(OnlineMixin):
                 for i, p in enumerate(PROXIES)}
 
     @property
+    def leader(self) -> float | None:
+        """With ``serve="leader"``, the lr whose shadow answers the next probe batch: the configured proxy's choice on
+        the scores so far (:attr:`choices`); ``None`` when the source answers it (no score yet, ``serve="source"``, or
+        no probe batch next)."""
+        return self.choices[self.config.proxy] if self.config.serve == "leader" and self.probing else None
+
+    @property
     def cost(self) -> dict[str, float]:
         """The probe's passes of the query tower: ``queries`` probed, ``forward`` and ``backward`` passes (in queries)
         and their ratios per query."""
@@ -257,11 +264,12 @@ class LRSearch(OnlineMixin):
             source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement
             decision = w.safety.before(source)
             if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
-                return self._answer(batch, source, decision.action, {})
+                return self._answer(batch, (source, 0.0), decision.action, {})
             state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
             cache = [source.scores] if source.candidate_ids is None else []
             dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
             values, losses, logs = [], [], {}
+            lead, served = self.leader, (source, 0.0)  # serve="leader": the leader by the scores before this batch
             for k, lr in enumerate(self.candidates):
                 self._load(before, k)
                 self.set_lr(lr)
@@ -277,6 +285,9 @@ class LRSearch(OnlineMixin):
                     result = w.loop.run(w, w.params, make, w._recover)
                 window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
                 values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
+                if lr == lead:  # its view before adapting on the batch (prequential), already computed
+                    served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
+                                                  scores=first[0].scores.detach()), lr)
                 losses.append(result.first_loss)
                 tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
                 if meta.get("optim_plain"):
@@ -289,7 +300,7 @@ class LRSearch(OnlineMixin):
             w.selector_state = before
             w.generator.set_state(rng)
             logger.warning("lr_search: every candidate's loss is not finite on this batch: not probed")
-            return self._answer(batch, source, None, logs)
+            return self._answer(batch, served, None, logs)
         vals = torch.stack(values, dim=1)  # (proxies, candidates)
         finite = torch.isfinite(vals)
         # no loss (the objective selected no query) leaves next_loss unscored; a non-finite value puts the candidate out
@@ -308,7 +319,7 @@ class LRSearch(OnlineMixin):
         logs["lr_search.probe"] = float(state["probed"])
         if int(state["probed"]) >= cfg.probe_batches:
             self._commit()
-        return self._answer(batch, source, decision.action, logs)
+        return self._answer(batch, served, decision.action, logs)
 
     def _fresh(self) -> dict[str, torch.Tensor]:
         k = len(self.candidates)
@@ -351,10 +362,13 @@ class LRSearch(OnlineMixin):
                     lr, self.config.proxy, int(st["probed"]), table, others)
         w.safety.remember(w)
 
-    def _answer(self, batch: Any, source: Any, action: str | None, logs: dict[str, float]) -> TTAOutput:
-        """The source model's answer to a probe batch (through the score transform, unless degenerate)."""
-        w = self.wrapper
-        out = w.forward.scored(batch, source, source.scores, update_state=action != "skip_degenerate")
+    def _answer(self, batch: Any, served: tuple[Any, float], action: str | None, logs: dict[str, float]) -> TTAOutput:
+        """The answer to a probe batch: ``served`` is the view that answers and its lr (0: the source model's), through
+        the score transform (unless degenerate); with ``serve="leader"`` that lr is logged (``lr_search.served``)."""
+        w, (view, lr) = self.wrapper, served
+        out = w.forward.scored(batch, view, view.scores, update_state=action != "skip_degenerate")
+        if self.config.serve == "leader":
+            logs = {**logs, "lr_search.served": lr}
         skipped = [] if action is None else ["safety: degenerate batch: not probed"]
         out = dataclasses.replace(out, skipped=skipped, logs=logs, safety_action=w.safety.action,
                                   safety_logs=dict(w.safety.logs))

@@ -16,6 +16,8 @@ PROXIES = ("next_loss", "agreement", "uniformity", "gap")
 DEFAULT_FACTORS = (1 / 3, 1.0, 10 / 3, 10.0, 100 / 3)
 DEFAULT_AGREEMENT_FLOOR = 0.5
 _LOWER_IS_BETTER = {"next_loss": True, "uniformity": False, "gap": True}
+#: who answers a probe batch: the source model (selector (a)), or the leading shadow (selector (b))
+SERVES = ("source", "leader")
 
 
 @dataclass
@@ -66,6 +68,12 @@ class LRSearchConfig(ConfigMixin):
         default=None,
         metadata={"help": f"online='hypergradient''s beta in (0, 1) (default {DEFAULT_HYPERGRADIENT_RATE})."},
     )
+    serve: str = field(
+        default="source",
+        metadata={"help": "Who answers a probe batch: 'source' (the source model) or 'leader' (selector (b): the "
+                          "shadow whose mean proxy over the earlier probe batches is best, by the commit's rule, with "
+                          "its forward before adapting on the batch, at no extra pass; the source until a score exists)."},
+    )
 
     def __post_init__(self):
         if isinstance(self.candidates, tuple):
@@ -82,6 +90,10 @@ class LRSearchConfig(ConfigMixin):
             raise ValueError(f"LRSearchConfig `probe_batches` must be an integer >= 2 (the first probe batch only "
                              f"starts the shadows), or 0 with `backoff` or `online` (no probe), got {self.probe_batches!r}.")
         check_choice("proxy", self.proxy, PROXIES, owner="LRSearchConfig")
+        check_choice("serve", self.serve, SERVES, owner="LRSearchConfig")
+        if self.serve != "source" and self.probe_batches == 0:
+            raise ValueError(f"LRSearchConfig `serve` applies to the probe only (here probe_batches=0): drop it or set "
+                             f"probe_batches >= 2, got serve={self.serve!r}.")
         if self.agreement_floor is not None:
             if self.proxy != "agreement":
                 raise ValueError(f"LRSearchConfig `agreement_floor` applies to proxy='agreement' only (here proxy="

@@ -13,6 +13,7 @@ import torch
 
 from hf_tta import ChunkedGallery, LRSearchConfig, RoutedTTAWrapper, TTAConfig, TTAWrapper
 from hf_tta.lr_search import choose, proxy_value
+from hf_tta.lr_search_config import SERVES
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, ROLLBACK, AdapterState
 from support import PassHooks, check_resume, dense_gallery, image_stream, source_scores, state_of
@@ -169,9 +170,10 @@ def test_a_topk_backend_is_answered_by_the_source_during_the_probe():
     assert tta.adapt_step(STREAM[3], backend).num_updates >= 1  # committed: the served state adapts
 
 
-@pytest.mark.parametrize("cut", [1, 4], ids=["mid_probe", "after_commit"])
-def test_save_resume_equals_uninterrupted(cut, tmp_path):
-    check_resume(lambda: _wrapper(proxy="agreement", steps=2), STREAM, cut=cut, folder=tmp_path / "ckpt")
+@pytest.mark.parametrize("cut, serve", [(1, "source"), (4, "source"), (1, "leader")],
+                         ids=["mid_probe", "after_commit", "mid_probe_leader"])
+def test_save_resume_equals_uninterrupted(cut, serve, tmp_path):
+    check_resume(lambda: _wrapper(proxy="agreement", steps=2, serve=serve), STREAM, cut=cut, folder=tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("objective", ["sar", "cliptta", "eata"])
@@ -192,8 +194,9 @@ def test_other_objectives_probe_and_resume_mid_probe(objective, tmp_path, caplog
         assert "no candidate could be scored by next_loss" in caplog.text
 
 
-def test_reset_returns_to_the_source_and_probes_again():
-    tta, g = _wrapper()
+@pytest.mark.parametrize("serve", SERVES)
+def test_reset_returns_to_the_source_and_probes_again(serve):
+    tta, g = _wrapper(serve=serve)
     source = AdapterState.capture(_wrapper()[0], ALL)  # a wrapper that never adapted
     first = [tta.adapt_step(x, g) for x in STREAM[:4]]
     assert tta.lr_search.chosen is not None
@@ -205,6 +208,58 @@ def test_reset_returns_to_the_source_and_probes_again():
     tta.adapt_step(STREAM[0], g)
     tta.reset()  # mid-probe too
     assert AdapterState.capture(tta, ALL).equals(source)
+
+
+# ------------------------------------------------------------------------------------- serve="leader" (selector (b))
+def _answer_of(out) -> tuple[torch.Tensor, ...]:
+    return (out.scores,) if out.topk is None else (out.topk.indices, out.topk.values)
+
+
+@pytest.mark.parametrize("backend", ["dense", "topk"])
+def test_the_leader_answers_the_probe_with_its_view_before_adapting(backend):
+    """serve="leader": batches 0 and 1 answer as the source (no score yet); batch i >= 2 answers with the shadow that
+    leads by the mean next_loss over batches 1 .. i-1, worked out here from fixed-lr runs (the shadows are those runs,
+    bit for bit), with that shadow's forward before adapting on batch i: a one-step fixed-lr run's reported answer."""
+    def gallery_of(g):
+        return ChunkedGallery(g.embeddings, "text", k=4) if backend == "topk" else g
+
+    losses, answers = {}, {}
+    for lr in LRS:
+        fixed, g2 = _fixed(lr)
+        outs = [fixed.adapt_step(x, gallery_of(g2)) for x in STREAM[:4]]
+        losses[lr], answers[lr] = [o.loss for o in outs], [_answer_of(o) for o in outs]
+    tta, g = _wrapper(probe_batches=4, serve="leader")
+    g = gallery_of(g)
+    for i, x in enumerate(STREAM[:4]):
+        means = [sum(losses[lr][1:i]) / max(i - 1, 1) for lr in LRS]
+        lead = LRS[min(range(3), key=lambda k: means[k])] if i >= 2 else None
+        assert i < 2 or len({round(m, 6) for m in means}) == 3  # no tie: the lowest mean leads
+        assert tta.lr_search.leader == lead and (lead is None or tta.lr_search.choices["next_loss"] == lead)
+        source = _answer_of(tta.answer(x, g))  # the served state during the probe: the source
+        out = tta.adapt_step(x, g)
+        want = source if lead is None else answers[lead][i]
+        assert all(torch.equal(a, b) for a, b in zip(_answer_of(out), want)), i
+        assert lead is None or not torch.equal(_answer_of(out)[-1], source[-1])  # the leader has moved off the source
+        assert out.logs["lr_search.served"] == (lead or 0.0) and out.num_updates == 0 and out.loss is None
+    assert tta.lr_search.leader is None and tta.lr_search.chosen is not None  # committed: the served state answers
+
+
+def test_serving_the_leader_changes_only_the_probes_answers():
+    """Who serves does not change what adapts: after every batch both wrappers' whole states are equal bit for bit
+    (the same lr is chosen, the selector's state included), as are the passes; only the answers to the probe batches
+    from the third on differ, and from the commit on the streams are one."""
+    runs = {serve: _wrapper(steps=2, serve=serve) for serve in SERVES}
+    outs = {serve: [] for serve in SERVES}
+    for x in STREAM:
+        for serve, (tta, g) in runs.items():
+            outs[serve].append(tta.adapt_step(x, g))
+        (a, _), (b, _) = runs["source"], runs["leader"]
+        assert AdapterState.capture(a, ALL).equals(AdapterState.capture(b, ALL)) and a.passes == b.passes
+    assert a.lr_search.chosen == b.lr_search.chosen and a.lr_search.cost == b.lr_search.cost
+    for i, (x, y) in enumerate(zip(outs["source"], outs["leader"])):
+        assert torch.equal(x.scores, y.scores) == (i != 2), i  # batch 2: the last probe batch, the first scored
+        assert x.logs == {k: v for k, v in y.logs.items() if k != "lr_search.served"}
+        assert ("lr_search.served" in y.logs) == (i < 3)
 
 
 # ------------------------------------------------------------------------------------- the safety layer
@@ -327,6 +382,8 @@ def test_an_error_inside_the_probe_leaves_the_wrapper_as_it_was(push):
         ({"agreement_floor": 0.8}, "`agreement_floor` applies to proxy='agreement' only (here proxy='next_loss')"),
         ({"proxy": "agreement", "agreement_floor": 0.0}, "`agreement_floor` must be in (0, 1]"),
         ({"backoff": 1.0}, "`backoff` must be in (0, 1)"),
+        ({"serve": "best"}, "LRSearchConfig `serve` must be one of ['source', 'leader'], got 'best'"),
+        ({"serve": "leader", "probe_batches": 0, "online": "hypergradient"}, "`serve` applies to the probe only"),
         ({"probes": 3}, "LRSearchConfig has no field 'probes'"),
     ],
 )
