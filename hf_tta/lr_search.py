@@ -5,9 +5,8 @@
 one *shadow* of the adapted state per candidate lr: the adapted parameters, the optimiser's moments and the
 objective's state (:data:`~hf_tta.state.SHADOW`; the LayerNorms are small). Per batch:
 
-1. the served state answers first (prequential: it answers before anything adapts on the batch). During the probe the
-   served state is the source model, which never moves before the proxy has chosen, so this answer is the frozen
-   source model's one no-grad forward, the same forward the safety layer and the ``agreement`` proxy read;
+1. the source model's one no-grad forward (the served state, which never moves before the proxy has chosen): what the
+   safety layer and the ``agreement`` proxy read and, by default (``serve="source"``), the answer;
 2. each shadow in turn is loaded into the model and runs the batch's ``steps`` at its own lr (:mod:`hf_tta.loop`);
    the proxy scores it on its **first** step's forward, i.e. on the incoming batch *before* the shadow adapts on it
    (prequential, label-free), so scoring costs no extra pass;
@@ -18,6 +17,18 @@ rests on ``probe_batches - 1`` prequential scores per candidate. After the last 
 the chosen shadow becomes the adapted state, the others are dropped, the chosen lr is logged and exposed
 (``wrapper.lr_search.chosen``) and the stream goes on as a fixed-lr stream at that lr (``run.scoring`` applies
 again). The safety layer's last-good snapshot is taken at the commit.
+
+**Serving the leader (selector (b) of issue 37)**: ``serve="leader"`` answers a probe batch with the *leading* shadow
+instead of the source: a follow-the-leader bandit over the candidate population during the probe. The leader
+(``wrapper.lr_search.leader``) is the candidate the commit's rule (:func:`~hf_tta.lr_search_config.choose`, the same
+tie rule) chooses on the means of the batches scored so far, i.e. before this batch; it answers with its first step's
+forward, its view before adapting on the batch (prequential, causal, label-free; point 2 computes that forward anyway,
+so it costs no pass: the cost below is unchanged; with ClipTTA's ``score_after_update`` too). On the first two probe batches no
+score exists yet (or ever, for a proxy that never scores, e.g. EATA's ``next_loss``): the source answers. The answer's
+scores (a top-k backend's candidates), the query embeddings the score transform reads and ``TTAOutput.logs``'
+``lr_search.served`` (the lr that answered; 0: the source) are the leader's. Only the answers change: the shadows, the
+choice, the state and the stream after the commit are ``serve="source"``'s bit for bit, and nothing new is stored (the
+leader is a function of the recorded means), so save/resume, reset and rollback are as below.
 
 **Proxies** (``proxy``; each is a label-free signal of one shadow on the incoming batch, averaged over the scored
 probe batches). The probe records all four at no extra pass (``wrapper.lr_search.all_scores``, and the lr each
@@ -43,8 +54,9 @@ first step selects no query (EATA, SAR, DeYO) leaves ``next_loss`` unscored for 
 batches it was scored on; a candidate never scored is not chosen; none scored: the lowest lr, with a warning); a batch
 on which every candidate's loss is not finite (garbage in) changes nothing, not even the counters.
 
-**The safety layer.** It judges nothing during the probe (the served state, the source, does not adapt) but its
-rule 1: a degenerate batch is not probed and leaves no trace. After the commit it judges as on any stream. A rollback
+**The safety layer.** It judges nothing during the probe (the served state, the source, does not adapt; with
+``serve="leader"`` it does not judge the leader's answer either) but its rule 1: a degenerate batch is not probed,
+leaves no trace and the source answers it. After the commit it judges as on any stream. A rollback
 restores the selector's state with the rest, bit-exactly. A safety *reset* returns the adapted state to the source
 but keeps the choice (the lr in use and the cost counters): the stream goes on at that lr rather than probing again
 (which would likely choose it again). :meth:`~hf_tta.TTAWrapper.reset` clears everything, the choice included.

@@ -246,7 +246,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         if self.safety.last_good is None:
             self.safety.remember(self)
         if self.lr_search is not None and self.lr_search.probing:
-            return self.lr_search.probe(batch)  # TTAConfig.lr_search: the source answers, the shadows adapt
+            return self.lr_search.probe(batch)  # TTAConfig.lr_search: the source (or the leader) answers, the shadows adapt
         source = self.forward.view(batch, self.config.steps - 1, source=True) if self.safety.active else None
         decision = self.safety.before(source)
         result = None

@@ -147,13 +147,16 @@ def test_rows_do_not_depend_on_the_seeds_run_before(row):
     assert ("domains" in rows[0]) == row.endswith("+route")
 
 
-def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes():
-    """TTAConfig.lr_search through RunSettings.config_overrides (issue 37): 3 batches of 4, 2 of them probe."""
-    search = {"candidates": [1e-4, 1e-3], "probe_batches": 2}
+@pytest.mark.parametrize("serve", ["source", "leader"])
+def test_a_row_records_the_lr_its_search_chose_and_the_probes_passes(serve):
+    """TTAConfig.lr_search through RunSettings.config_overrides (issue 37): 3 batches of 4, 2 of them probe; with
+    serve="leader" the row records who answered each probe batch (the source: no score before the third)."""
+    search = {"candidates": [1e-4, 1e-3], "probe_batches": 2, "serve": serve}
     settings = RunSettings(steps=2, batch_size=4, show_progress=False, config_overrides={"lr_search": search})
     row = GridRunner(TinyTask(make_model("clip")), settings).run(Job(Condition("i2t", "clean"), "tcr", 0))
     assert "error" not in row, row.get("error")
     info = row["lr_search"]
+    assert info.get("served") == ([0.0, 0.0] if serve == "leader" else None)
     assert info["chosen"] in search["candidates"] and info["lr"] == info["chosen"] and info["queries"] == 8
     assert info["choices"]["next_loss"] == info["chosen"] and set(info["choices"].values()) <= set(search["candidates"])
     assert info["forward_per_query"] == 1 + 2 * 2  # the source's answer, then 2 candidates x 2 steps

@@ -100,6 +100,7 @@ def test_options_reach_every_rows_config(tmp_path):
     ("gallery_batch_size", "0"), ("score_transform", "tent"), ("safety", '{"min_queries": 0}'),
     ("lr_search", '{"probe_batches": 1}'),
     ("lr_search", '{"online": "hypergradient", "hypergradient_rate": 2}'),
+    ("lr_search", '{"serve": "best"}'),
 ])
 def test_a_bad_value_gets_ttaconfigs_own_message(field, value, capsys):
     default = dict((name, d) for name, _, _, d in flat_fields())[field]

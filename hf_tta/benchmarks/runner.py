@@ -349,7 +349,7 @@ class GridRunner:
                         raise ValueError(f"Row {job.objective!r}: this task does not record each query's shift; use +route.")
                 order = self.order(len(raw), seed)
                 scores = torch.empty(len(raw), len(gallery))
-                updates, skipped = 0, 0
+                updates, skipped, served = 0, 0, []
                 if cond.shift == "degenerate":  # a constant prefix first; recall is scored on the clean part only
                     updates, skipped = self._degenerate_prefix(tta, modality, raw, relevant, gallery, seed, domains is not None)
                 batches = range(0, len(order), s.batch_size)
@@ -363,6 +363,8 @@ class GridRunner:
                     scores[idx] = out.scores.float().cpu()
                     updates += out.num_updates
                     skipped += len(out.skipped)
+                    if "lr_search.served" in out.logs:  # LRSearchConfig(serve="leader"): the lr that answered
+                        served.append(out.logs["lr_search.served"])
                 cost = tta.passes.since(counted), time.perf_counter() - clock
                 after, _ = self._score_all(tta, modality, raw, gallery)
                 info = {"updates": updates, "skipped_steps": skipped, "gradient_decoupling": bool(tta.config.gradient_decoupling)}
@@ -373,6 +375,8 @@ class GridRunner:
                 if getattr(tta, "lr_search", None) is not None:  # issue 37: the lr the probe chose, and its passes
                     search = tta.lr_search
                     info["lr_search"] = {"chosen": search.chosen, "lr": search.lr, "choices": search.choices, **search.cost}
+                    if search.config.serve == "leader":  # the lr that answered each probe batch (0: the source)
+                        info["lr_search"]["served"] = served
                     if search.config.online is not None:  # the online rule's trace: the lr at the end, its range
                         info["lr_search"].update(lr_min=search.trace["lr_min"], lr_max=search.trace["lr_max"],
                                                  lr_updates=search.trace["updates"])
