@@ -89,13 +89,14 @@ RECOMMENDED = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--l
 #: Issue 37's lr selectors by folder name, as ``hf-tta run`` arguments (``--lr_search`` JSON,
 #: :class:`hf_tta.lr_search.LRSearchConfig`): the probe at its defaults (selector (a)); the hypergradient rule alone
 #: from the default lr (selector (c)) at its a-priori rate 0.02 and at 0.1; the probe followed by the rule at 0.1; the
-#: back-off alone (selector (d): from the highest candidate, halving the lr at each rollback of the default safety
+#: probe answering with its leading shadow (selector (b), ``serve="leader"``); the back-off alone (selector (d): from the highest candidate, halving the lr at each rollback of the default safety
 #: layer, which it needs).
 SELECTORS = {
     "auto": ["--lr_search", "{}"],
     "hg": ["--lr_search", '{"online": "hypergradient", "probe_batches": 0}'],
     "hg0.1": ["--lr_search", '{"online": "hypergradient", "probe_batches": 0, "hypergradient_rate": 0.1}'],
     "auto+hg0.1": ["--lr_search", '{"online": "hypergradient", "hypergradient_rate": 0.1}'],
+    "auto+leader": ["--lr_search", '{"serve": "leader"}'],
     "backoff0.5+safe": ["--lr_search", '{"backoff": 0.5, "probe_batches": 0}', "--safety", "{}"],
 }
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
