@@ -13,7 +13,8 @@ for _p in (REPO, REPO / "recipes"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from protocol_v3_rows import SOURCE, column, complete, corruption_columns, report_cells, share, verdict  # noqa: E402
+import numpy as np  # noqa: E402
+from protocol_v3_rows import SOURCE, column, complete, corruption_columns, hits, report_cells, share, verdict  # noqa: E402
 
 from hf_tta.benchmarks.figures import figure  # noqa: E402
 
@@ -46,6 +47,23 @@ def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) ->
             f"{figure(seconds / queries * 1000, 2)} ms ({figure(ratio, 2)}×)" if ratio is not None else f"{figure(seconds / queries * 1000, 2)} ms")
 
 
+def _against_every_batch(name: str, cells: dict, cells_by: dict, cols: list[tuple], seeds: tuple[int, ...]) -> str:
+    """A method's row with a transform or on a budget against the same method and lr on every batch (same phase):
+    Δ R@1 with its two-sided 95 % interval, items and seeds resampled jointly (``–`` for the method itself, a
+    transform alone, or where the method's row is missing)."""
+    from hf_tta.benchmarks.figures import interval
+    from hf_tta.benchmarks.grid import SCORE_TRANSFORMS, row_spec
+    from hf_tta.benchmarks.intervals import paired_bootstrap
+
+    row, _, lr = name.partition("@")
+    spec = row_spec(row)
+    base = cells_by.get(f"{spec.objective}@{lr}")
+    if spec.objective in SCORE_TRANSFORMS or row == spec.objective or base is None or not complete(base, cols, seeds):
+        return "–"
+    delta, (lo, hi) = paired_bootstrap([np.stack([hits(cells[c][s]) - hits(base[c][s]) for s in seeds]) for c in cols])
+    return f"{figure(delta, sign=True)} {interval(lo, hi)}"
+
+
 def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
     """Phase ``cheaper`` (issue 39): per row, the share won back over the report split's corruption columns, the
     worst column (or stream) against the source with its one-sided bound and :func:`verdict`, the passes per query
@@ -58,13 +76,14 @@ def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,
     runs = {(r["config"], column(r), r["seed"]): r for r in phase_rows if r["objective"] == SOURCE}
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
     lines = ["| row | won back | worst column vs the source: Δ R@1, verdict (one-sided 95 % bound, margin 0.5) | "
-             "passes per query (forward, backward) | seconds per query (× the source's, same run) |", "|---|---|---|---|---|"]
+             "Δ R@1 vs the method on every batch [95 % interval] | passes per query (forward, backward) | "
+             "seconds per query (× the source's, same run) |", "|---|---|---|---|---|---|"]
     if not cols:
         return lines
     own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time
     passes = _cost(src, runs, cols, seeds)[0]
     seconds = sum(r.get("stream_seconds") or 0.0 for r in own) / sum(r["num_queries"] for r in own) * 1000
-    lines.append(f"| source | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
+    lines.append(f"| source | – | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
     for name, cells in sorted(cells_by.items(), key=lambda kv: _cheaper_order(kv[0].split("@")[0])):
         if not complete(cells, cols, seeds):
             continue
@@ -73,5 +92,6 @@ def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,
         (col, ni) = min(checks.items(), key=lambda kv: kv[1].lower)
         passes, seconds = _cost(cells, runs, cols, seeds)
         lines.append(f"| {name} | {figure(share(cells, src, cols), percent=True)} | {abbreviation(col[0])} {col[1] or ''}: "
-                     f"{figure(ni.delta, sign=True)}, {ni.verdict} | {passes} | {seconds} |")
+                     f"{figure(ni.delta, sign=True)}, {ni.verdict} | {_against_every_batch(name, cells, cells_by, cols, seeds)} | "
+                     f"{passes} | {seconds} |")
     return lines

@@ -474,7 +474,8 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
     """Two runs, each with its source (clean 400/400, contrast 1 200/400, snow 2 300/400): DN alone gains 60 on
     contrast and loses 10 on snow (share 50 / 300 = 16.7 %, worst snow −2.5: below the source), its stream 3 s a
     column against its run's source 2 s (7.50 ms a query, 1.50×); TCR at 25 % of batches gains 100 and 10 (36.7 %,
-    worst snow +2.5), 1.75 forwards and 0.75 backwards a query, 20 s a column against its run's 4 s (50 ms, 5×)."""
+    worst snow +2.5), 1.75 forwards and 0.75 backwards a query, 20 s a column against its run's 4 s (50 ms, 5×); TCR on
+    every batch of the same run gains 120 and 10 (43.3 %), so the budget row is 20 hits below it: −2.5 R@1 over 800."""
     tcr = dict(config="tcr+b25-lr1e-3", lr=1e-3)
     rows = []
     for config, src_seconds in (("dn", 2.0), (tcr["config"], 4.0)):
@@ -483,21 +484,27 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
     rows += [_cost_row("dn", "contrast", 1, 260, "dn", 3.0), _cost_row("dn", "snow", 2, 290, "dn", 3.0),
              _cost_row("tcr+b25", "contrast", 1, 300, seconds=20.0, passes=(1.75, 0.75), **tcr),
              _cost_row("tcr+b25", "snow", 2, 310, seconds=20.0, passes=(1.75, 0.75), **tcr),
+             _cost_row("tcr", "contrast", 1, 320, seconds=40.0, passes=(4.0, 3.0), **tcr),
+             _cost_row("tcr", "snow", 2, 310, seconds=40.0, passes=(4.0, 3.0), **tcr),
              _cost_row("rest+nnn", "contrast", 1, 300, "rest+nnn-lr3e-3", 9.0, lr=3e-3)]  # incomplete: no snow yet
     lines = v3.cheaper_lines(rows, "i2t", seeds=(3,))
-    assert len(lines) == 5 and lines[2] == "| source | – | – | 1.00, 0.00 | 7.50 ms (1×, mean of 2 runs) |"
-    dn, budget = lines[3].split(" | "), lines[4].split(" | ")
+    assert len(lines) == 6 and lines[2] == "| source | – | – | – | 1.00, 0.00 | 7.50 ms (1×, mean of 2 runs) |"
+    dn, every, budget = lines[3].split(" | "), lines[4].split(" | "), lines[5].split(" | ")
     assert dn[0] == "| dn" and dn[1] == "16.7 %" and dn[2].startswith("Snow 2: −2.5, below the source (bound −")
-    assert "not below" not in dn[2] and dn[3:] == ["1.00, 0.00", "7.50 ms (1.50×) |"]
+    assert "not below" not in dn[2] and dn[3:] == ["–", "1.00, 0.00", "7.50 ms (1.50×) |"]
+    assert every[0] == "| tcr@1e-3" and every[1] == "43.3 %" and every[3:] == ["–", "4.00, 3.00", "100.00 ms (10.00×) |"]
     assert budget[0] == "| tcr+b25@1e-3" and budget[1] == "36.7 %" and budget[2].startswith("Snow 2: +2.5, not below the source (bound ")
-    assert budget[3:] == ["1.75, 0.75", "50.00 ms (5.00×) |"]
+    # against TCR on every batch: −20 hits on contrast over 800 queries, −2.5 R@1, its interval below zero
+    assert budget[3].startswith("−2.5 [−") and budget[3].endswith("]") and budget[4:] == ["1.75, 0.75", "50.00 ms (5.00×) |"]
+    hi = float(budget[3].split(", ")[1].rstrip("]").replace("−", "-"))
+    assert hi < 0
     old = [{k: v for k, v in r.items() if k != "stream_seconds"} if r["objective"] == "dn" else r for r in rows]
     assert v3.cheaper_lines(old, "i2t", seeds=(3,))[3].endswith("| – | – |")  # rows from before the cost columns
     exported = tmp_path / "rows.jsonl"  # the summary's `cheaper` part: the same rows on seeds 3, 4, 5, exported
     exported.write_text("".join(json.dumps({**r, "seed": seed}) + "\n" for seed in (3, 4, 5) for r in rows))
     printed = v3.summarise(exported, "i2t", part="cheaper").splitlines()
     assert printed[0].startswith("**Cheaper alternatives (i2t, report split, seeds 3, 4, 5") and printed[2:5] == lines[:3]
-    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| 1.00, 0.00 | 7.50 ms (1.50×) |")
+    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| – | 1.00, 0.00 | 7.50 ms (1.50×) |")
 
 
 def test_v3_phases_name_the_missing_selection_runs(v3, monkeypatch, tmp_path, capsys):
