@@ -71,8 +71,8 @@ as a warning. ``probe_batches=0`` runs it alone, without a probe: the stream sta
 hypergradient rule, no extra pass, from the probe's choice (or the base lr, ``probe_batches=0``): :mod:`hf_tta.lr_online`.
 
 **Cost** (``wrapper.lr_search.cost``): the probe counts the query tower's forward and backward passes it runs, per
-query, by a hook on the wrapper's query embedding (so SAM's second pass, re-encoded views and gradient decoupling's
-second backward count too). With ``K`` candidates, ``S`` steps and a dense gallery a probe batch costs ``1 + K S``
+query, from the wrapper's meter, :attr:`~hf_tta.TTAWrapper.passes` (so SAM's second pass, re-encoded views and
+gradient decoupling's second backward count too). With ``K`` candidates, ``S`` steps and a dense gallery a probe batch costs ``1 + K S``
 forwards and ``K S`` backwards per query, against ``S`` and ``S`` for a fixed-lr batch (``S + 1`` forwards with the
 safety layer). Amortised over ``T`` batches of which ``P`` probe, the ratio of passes to a fixed-lr run is
 ``1 + P (1 + 2 S (K - 1)) / (2 S T)`` (safety off; with it, whose source forward the probe shares,
@@ -89,11 +89,10 @@ cleared by ``reset()``, restored by a rollback, kept (its choice) by a safety re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -271,43 +270,42 @@ class LRSearch(OnlineMixin):
 
     def _probe(self, batch: Any, before: dict[str, torch.Tensor], rng: torch.Tensor) -> TTAOutput:
         w, cfg = self.wrapper, self.config
-        tally = {"forward": 0, "backward": 0}
-        with counting(w.forward, tally):
-            source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement
-            decision = w.safety.before(source)
-            if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
-                return self._answer(batch, (source, 0.0), decision.action, {})
-            state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
-            cache = [source.scores] if source.candidate_ids is None else []
-            dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
-            values, losses, logs = [], [], {}
-            lead, served = self.leader, (source, 0.0)  # serve="leader": the leader by the scores before this batch
-            for k, lr in enumerate(self.candidates):
-                self._load(before, k)
-                self.set_lr(lr)
-                first: list[Any] = []
+        start = w.passes.copy()  # the query tower's passes the probe runs (TTAWrapper.passes, hf_tta.outputs.PassCounts)
+        source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement
+        decision = w.safety.before(source)
+        if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
+            return self._answer(batch, (source, 0.0), decision.action, {})
+        state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
+        cache = [source.scores] if source.candidate_ids is None else []
+        dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
+        values, losses, logs = [], [], {}
+        lead, served = self.leader, (source, 0.0)  # serve="leader": the leader by the scores before this batch
+        for k, lr in enumerate(self.candidates):
+            self._load(before, k)
+            self.set_lr(lr)
+            first: list[Any] = []
 
-                def make(step: int, _first: list = first) -> Any:
-                    inputs = w.forward.inputs(batch, step, source_cache=cache)
-                    if step == 0:
-                        _first[:] = [inputs]
-                    return inputs
+            def make(step: int, _first: list = first) -> Any:
+                inputs = w.forward.inputs(batch, step, source_cache=cache)
+                if step == 0:
+                    _first[:] = [inputs]
+                return inputs
 
-                with torch.enable_grad():
-                    result = w.loop.run(w, w.params, make, w._recover)
-                window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
-                values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
-                if lr == lead:  # its view before adapting on the batch (prequential), already computed
-                    served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
-                                                  scores=first[0].scores.detach()), lr)
-                losses.append(result.first_loss)
-                tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
-                if meta.get("optim_plain"):
-                    raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
-                                     "has other state: drop lr_search.")
-                state.update(tensors)
-                logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
-            w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
+            with torch.enable_grad():
+                result = w.loop.run(w, w.params, make, w._recover)
+            window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
+            values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
+            if lr == lead:  # its view before adapting on the batch (prequential), already computed
+                served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
+                                              scores=first[0].scores.detach()), lr)
+            losses.append(result.first_loss)
+            tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
+            if meta.get("optim_plain"):
+                raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
+                                 "has other state: drop lr_search.")
+            state.update(tensors)
+            logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
+        w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
         if all(v is not None and not math.isfinite(v) for v in losses):  # garbage in: nothing changes
             w.selector_state = before
             w.generator.set_state(rng)
@@ -324,8 +322,9 @@ class LRSearch(OnlineMixin):
             state["count"] = state["count"] + finite.long()
             state["valid"] = state["valid"] & ~out
         state["probed"] = state["probed"] + 1
-        for key, n in tally.items():
-            state[f"cost.{key}"] = state[f"cost.{key}"] + n
+        spent = w.passes.since(start)
+        state["cost.forward"] = state["cost.forward"] + spent.forward
+        state["cost.backward"] = state["cost.backward"] + spent.backward
         state["cost.queries"] = state["cost.queries"] + batch.size
         w.selector_state = state
         logs["lr_search.probe"] = float(state["probed"])
@@ -388,22 +387,3 @@ class LRSearch(OnlineMixin):
         return out
 
 
-@contextlib.contextmanager
-def counting(forward: Any, tally: dict[str, int]) -> Iterator[None]:
-    """Count the query tower's passes (in queries) through ``forward.embed`` while the context is open: each call is a
-    forward; each gradient that flows back into its output, a backward."""
-    embed = forward.embed
-
-    def counted(queries: dict) -> torch.Tensor:
-        q = embed(queries)
-        n = int(q.shape[0])
-        tally["forward"] += n
-        if q.requires_grad:
-            q.register_hook(lambda grad: tally.__setitem__("backward", tally["backward"] + n))
-        return q
-
-    forward.embed = counted
-    try:
-        yield
-    finally:
-        forward.embed = embed
