@@ -39,7 +39,7 @@ from .configuration_utils import (
 from .lr_search_config import LRSearchConfig
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
-from .preset import RECOMMENDED
+from .preset import recommended_fields
 from .update_budget import UpdateBudgetConfig, build_update_budget_config
 
 logger = logging.getLogger(__name__)
@@ -321,18 +321,21 @@ class TTAConfig(ConfigMixin):
 
     @classmethod
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
-        """The recommended preset (:mod:`hf_tta.preset`): TCR on the query tower's LayerNorms, DN on the scores and the
-        safety layer, chosen on seed 0 of the benchmark's selection grid and reported on seeds 1 and 2. ``overrides``
-        replace fields.
+        """The recommended preset (:mod:`hf_tta.preset`), chosen by the benchmark's preset rule on its selection split:
+        for image queries REST on the query tower's LayerNorms at lr 1e-3, DN on the scores and the safety layer
+        (protocol v3); for text, audio and video queries TCR, DN and the safety layer at the modality's default lr
+        (protocol v2). ``overrides`` replace fields.
 
         Example:
             >>> cfg = TTAConfig.recommended("image")
-            >>> (cfg.objective, cfg.score_transform, cfg.safety) == ("tcr", "dn", {})
+            >>> (cfg.objective, cfg.lr, cfg.score_transform, cfg.safety) == ("rest", 1e-3, "dn", {})
             True
+            >>> TTAConfig.recommended("text").objective, TTAConfig.recommended("text").lr
+            ('tcr', None)
             >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
             True
         """
-        return cls(**{**RECOMMENDED, "query_modality": query_modality, **overrides})
+        return cls(**{**recommended_fields(query_modality), "query_modality": query_modality, **overrides})
 
     def mismatch(self, saved: Mapping[str, Any], owner: str = "TTAWrapper") -> str | None:
         """A one-line error when a checkpoint's ``saved`` config differs from this one (both resolved, so a default

@@ -111,11 +111,22 @@ def test_row_names_parse_their_options():
         ("rest+b10@1e-3", RowSpec("rest", budget=0.1, lr=1e-3)),
         ("tcr+b12.5+nnn+safe", RowSpec("tcr", safe=True, score_transform="nnn", budget=0.125)),
         ("tcr+b100", RowSpec("tcr", budget=1.0)),
-        ("recommended", RowSpec("tcr", safe=True, score_transform="dn")),
+        ("recommended", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3)),  # image queries' preset (v3)
+        ("recommended@3e-4", RowSpec("rest", safe=True, score_transform="dn", lr=3e-4)),  # the row's own lr wins
     ],
 )
 def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
     assert row_spec(row) == spec and row_spec(row).row == row
+
+
+@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3)),
+                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn"))])
+def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
+    from hf_tta import TTAConfig
+
+    assert row_spec("recommended", modality) == spec
+    cfg = TTAConfig.recommended(modality)
+    assert (cfg.objective, cfg.lr, cfg.score_transform, cfg.safety) == (spec.objective, spec.lr, spec.score_transform, {})
 
 
 @pytest.mark.parametrize(
@@ -178,13 +189,16 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     """The benchmark's ``recommended`` row is TTAConfig.recommended with the runner's stream settings, so the
     reported preset is exactly the one a user gets."""
     from hf_tta import TTAConfig
-    from hf_tta.preset import RECOMMENDED_ROW
+    from hf_tta.preset import RECOMMENDED_IMAGE_ROW, RECOMMENDED_ROW
 
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
     noise = Condition("i2t", "gaussian_noise", 5)
     got = runner.row_config("recommended", noise, 3)
     assert got == TTAConfig.recommended("image", gallery_modality="text", seed=3)
-    assert got == runner.row_config(RECOMMENDED_ROW, noise, 3)
+    assert got == runner.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and got.lr == 1e-3
+    typo = Condition("t2i", "char_swap", 7)  # text queries: their own preset, at the text tower's default lr
+    assert runner.row_config("recommended", typo, 3) == runner.row_config(RECOMMENDED_ROW, typo, 3)
+    assert runner.row_config("recommended", typo, 3).objective == "tcr"
     assert TTAConfig.from_dict(got.to_dict()) == got
     row = runner.run(Job(noise, "recommended", 0))
     assert "error" not in row, row.get("error")

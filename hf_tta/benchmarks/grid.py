@@ -277,14 +277,23 @@ def _training_free(name: str) -> bool:
     return name in available_objectives() and not get_objective_class(name).requires_grad
 
 
-def row_spec(row: str) -> RowSpec:
+def row_spec(row: str, query_modality: str = "image") -> RowSpec:
     """Parse a row name: ``"tcr+safe"`` -> ``RowSpec("tcr", safe=True)``, ``"oracle_all"`` ->
     ``RowSpec("oracle", all_params=True)``, ``"tcr+nnn"`` -> ``RowSpec("tcr", score_transform="nnn")``,
     ``"rest+b25"`` -> ``RowSpec("rest", budget=0.25)``; a trailing ``@<lr>`` runs the row at its own learning rate
     (``"tcr+safe@3e-3"``: protocol v3 reports each method at the paper's lr and at the lr chosen for it). Raises
     ``ValueError`` for an unknown or repeated option, two score transforms, a score transform or budget on a
-    training-free objective, a budget outside (0, 100] % or an lr that is not a positive number."""
+    training-free objective, a budget outside (0, 100] % or an lr that is not a positive number. The row
+    ``recommended`` is the preset of ``query_modality`` (:func:`hf_tta.preset.recommended_row`), at the preset's lr
+    unless the row names its own (``recommended@3e-4``)."""
     body, at, lr_text = row.partition("@")
+    if body.split("+")[0] == RECOMMENDED:  # the preset of TTAConfig.recommended, as a row (tests check the two agree)
+        from ..preset import recommended_row
+
+        preset, _, preset_lr = recommended_row(query_modality).partition("@")
+        body = preset + body[len(RECOMMENDED):]
+        if not at and preset_lr:
+            at, lr_text = "@", preset_lr
     lr = None
     if at:
         try:
@@ -294,11 +303,6 @@ def row_spec(row: str) -> RowSpec:
         if not lr > 0 or lr == float("inf"):
             raise ValueError(f"Row {row!r}: after @ comes the row's learning rate, a positive number such as 3e-3.")
     name, *options = body.split("+")
-    if name == RECOMMENDED:  # the preset of TTAConfig.recommended, as a row (tests check the two agree)
-        from ..preset import RECOMMENDED_ROW
-
-        name, *preset = RECOMMENDED_ROW.split("+")
-        options = [*preset, *options]
     if name == "oracle_all":
         name, options = "oracle", [*options, "all"]
     budgets = [o for o in options if o[:1] == BUDGET_OPTION and o[1:2] in set("0123456789.")]

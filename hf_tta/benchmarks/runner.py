@@ -181,7 +181,7 @@ class GridRunner:
         from ..objectives.base import get_objective_class
 
         s = self.settings
-        spec = row if isinstance(row, RowSpec) else row_spec(row)
+        spec = row if isinstance(row, RowSpec) else row_spec(row, QUERY_MODALITY[cond.direction])
         objective, gd = spec.objective, spec.gd
         if s.gradient_decoupling is None:
             gd = gd or (objective == "rest" and cond.shift == "diverse")  # REST's protocol on diverse shift
@@ -223,7 +223,7 @@ class GridRunner:
         is built with the row's config (the seed included) and rebuilt when the config changes (another seed)."""
         from ..wrapper import TTAWrapper
 
-        spec = row if isinstance(row, RowSpec) else row_spec(row)
+        spec = row if isinstance(row, RowSpec) else row_spec(row, QUERY_MODALITY[cond.direction])
         cfg = self.row_config(spec, cond, seed)
         key = (spec.row, cond.direction, cfg.gradient_decoupling is not None)
         held = self._wrappers.pop(key, None)
@@ -337,7 +337,7 @@ class GridRunner:
                 cost = scorer.passes.since(counted), time.perf_counter() - clock
                 info = {}
             else:
-                spec = row_spec(job.objective)  # parsed once per job
+                spec = row_spec(job.objective, QUERY_MODALITY[cond.direction])  # parsed once per job
                 if (cond.key, seed) not in self._source_rows:  # the "before" diagnostics (cheap: no adaptation)
                     self.run(Job(cond, SOURCE, seed))
                 tta = self._wrapper(spec, cond, seed)
