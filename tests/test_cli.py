@@ -206,6 +206,9 @@ def test_user_mistakes_give_one_line_and_exit_status_2(tmp_path, capsys):
         ("run", "--objective-config", '{"tent": {"temperature": 1}}'): "--objective-config 'tent':",
         ("run", "--objective-config", '{"tcr": {"queue_size": 64.5}}'): "`queue_size` must be int",
         ("run", "--direction", "t2i", "--text-corruptions", "ocr,char_swp"): "unknown text corruptions ['char_swp']",
+        # a named corruption that cannot run here (no seq2seq checkpoint offline) is refused, not left out of the grid
+        ("run", "--direction", "t2i", "--text-corruptions", "ocr,back_translation"):
+            "--text-corruptions: back_translation cannot run here (back_translation: MissingResourceError",
         ("run", "--gradient-decoupling", "dn"): "--gradient-decoupling: ['dn'] are training-free",
         ("run", "--objectives", "tent,dn+gd"): "['dn+gd']: gradient decoupling (+gd) needs a gradient objective",
         ("run", "--objectives", "tcr+dn+nnn"): "Row 'tcr+dn+nnn': one score transform per row",

@@ -160,6 +160,10 @@ def resolve_grid(args) -> tuple[list, dict]:
                 if unknown:
                     raise UsageError(f"unknown text corruptions {unknown}; choose from {', '.join(TEXT_CORRUPTIONS)} or 'offline'.")
                 text_corruptions, missing = offline_text_corruptions(named)
+                if missing:  # named ones are the user's grid: leaving them out would change it silently
+                    name, why = next(iter(missing.items()))
+                    raise UsageError(f"--text-corruptions: {', '.join(missing)} cannot run here ({name}: {why}); "
+                                     "install what it names, or leave them out of --text-corruptions.")
             if missing:
                 notes["text_corruptions_left_out"] = missing
             text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
