@@ -323,15 +323,15 @@ class TTAConfig(ConfigMixin):
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
         """The recommended preset (:mod:`hf_tta.preset`), chosen by the benchmark's preset rule on its selection split:
         for image queries REST on the query tower's LayerNorms at lr 1e-3, DN on the scores and the safety layer
-        (protocol v3); for text, audio and video queries TCR, DN and the safety layer at the modality's default lr
-        (protocol v2). ``overrides`` replace fields.
+        (protocol v3); for text queries TCR, DN and the safety layer at lr 3e-4 (protocol v3); for audio and video
+        queries the same at the modality's default lr (protocol v2, unmeasured). ``overrides`` replace fields.
 
         Example:
             >>> cfg = TTAConfig.recommended("image")
             >>> (cfg.objective, cfg.lr, cfg.score_transform, cfg.safety) == ("rest", 1e-3, "dn", {})
             True
             >>> TTAConfig.recommended("text").objective, TTAConfig.recommended("text").lr
-            ('tcr', None)
+            ('tcr', 0.0003)
             >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
             True
         """

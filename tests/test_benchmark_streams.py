@@ -120,7 +120,8 @@ def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
 
 
 @pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3)),
-                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn"))])
+                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn", lr=3e-4)),
+                                                 ("audio", RowSpec("tcr", safe=True, score_transform="dn"))])
 def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
     from hf_tta import TTAConfig
 
@@ -189,16 +190,17 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     """The benchmark's ``recommended`` row is TTAConfig.recommended with the runner's stream settings, so the
     reported preset is exactly the one a user gets."""
     from hf_tta import TTAConfig
-    from hf_tta.preset import RECOMMENDED_IMAGE_ROW, RECOMMENDED_ROW
+    from hf_tta.preset import RECOMMENDED_IMAGE_ROW, RECOMMENDED_TEXT_ROW
 
     runner = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
     noise = Condition("i2t", "gaussian_noise", 5)
     got = runner.row_config("recommended", noise, 3)
     assert got == TTAConfig.recommended("image", gallery_modality="text", seed=3)
     assert got == runner.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and got.lr == 1e-3
-    typo = Condition("t2i", "char_swap", 7)  # text queries: their own preset, at the text tower's default lr
-    assert runner.row_config("recommended", typo, 3) == runner.row_config(RECOMMENDED_ROW, typo, 3)
-    assert runner.row_config("recommended", typo, 3).objective == "tcr"
+    typo = Condition("t2i", "char_swap", 7)  # text queries: their own preset, at its own lr
+    text = runner.row_config("recommended", typo, 3)
+    assert text == runner.row_config(RECOMMENDED_TEXT_ROW, typo, 3) and (text.objective, text.lr) == ("tcr", 3e-4)
+    assert text == TTAConfig.recommended("text", gallery_modality="image", seed=3)
     assert TTAConfig.from_dict(got.to_dict()) == got
     row = runner.run(Job(noise, "recommended", 0))
     assert "error" not in row, row.get("error")

@@ -11,7 +11,7 @@ def cmd_list(args) -> int:
     from ..benchmarks.emoji import STYLES
     from ..benchmarks.grid import DEFAULT_IMAGE_CONDITIONS, image_corruption_names, offline_text_corruptions
     from ..data.corruptions import TEXT_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS
-    from ..preset import RECOMMENDED_IMAGE_ROW, RECOMMENDED_ROW
+    from ..preset import RECOMMENDED_IMAGE_ROW, RECOMMENDED_ROW, RECOMMENDED_TEXT_ROW
 
     print("objectives:       " + ", ".join(available_objectives()))
     print("image corruptions: " + ", ".join(image_corruption_names()) + " (severities 1..5; `--corruptions all`)")
@@ -35,7 +35,7 @@ def cmd_list(args) -> int:
     print("                   +key (one adapter per true shift: a routing ceiling); combine: tcr+gd+safe")
     print("score transforms:  dn, nnn, qbnorm alone: the source model with the transform, nothing adapted")
     print(f"preset row:        recommended (TTAConfig.recommended: {RECOMMENDED_IMAGE_ROW} for image queries, "
-          f"{RECOMMENDED_ROW} for the others)")
+          f"{RECOMMENDED_TEXT_ROW} for text, {RECOMMENDED_ROW} for the others)")
     from ..benchmarks.grid import AV_DIRECTIONS
     from ..data.builders.audioset import AV_BENCHMARKS
 
