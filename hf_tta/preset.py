@@ -42,19 +42,20 @@ your own, choose it on held-out corruptions or let ``lr="auto"`` choose. Its rep
 clean and degenerate streams, seed 0, 500 concepts; TCR's and REST's chosen lrs are both the paper's 3e-4): every
 candidate is eligible and TCR + DN + safety at 3e-4 leads (2.3 % against REST's 1.7 %), so
 ``TTAConfig.recommended("text")`` keeps the protocol-v2 combination and names its lr, 3e-4 (before, the model's
-text default: 3e-5 on the emoji model and on BLIP, which the phase did not run). On the text report split it wins back 22.4 % and
-is below the source by v3's margin on the switching stream (one-sided bound −0.6). Audio and video queries keep it
-unmeasured.
+text default: 3e-5 on the emoji model and on BLIP, which the phase did not run). On the text report split it wins
+back 22.4 % and is below the source by v3's margin on the switching stream (one-sided bound −0.6). Audio and video
+queries keep it unmeasured.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: The recommended combination for text, audio and video queries (protocol v2's rule; v3's preset phase chose it again
-#: for text queries): TCR on the query tower's LayerNorms, Distribution Normalization (its code's defaults, lambda = 0.25, means of
-#: 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps a degenerate stream
-#: from dragging the model down: TCR 85.0 -> 96.3 on the clean part, source 96.4), at the modality's default lr.
+#: The recommended combination for audio and video queries (protocol v2's rule; v3's preset phase chose it again for
+#: text queries, at a named lr): TCR on the query tower's LayerNorms, Distribution Normalization (its code's defaults,
+#: lambda = 0.25, means of 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps
+#: a degenerate stream from dragging the model down: TCR 85.0 -> 96.3 on the clean part, source 96.4), at the
+#: modality's default lr.
 RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
 #: Image queries: protocol v3's preset rule (``recipes/protocol_v3_summary.py``, selection split) chose REST with DN and
 #: the default safety layer at lr 1e-3 (the lr chosen for REST on the same split).
