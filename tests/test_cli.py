@@ -70,6 +70,30 @@ def test_t2i_diverse_and_clean_streams(tmp_path, capsys):
     assert "CS" in capsys.readouterr().out
 
 
+def test_a_named_text_corruption_that_cannot_be_generated_here_runs_from_the_stream_cache(tmp_path, capsys):
+    """back_translation needs seq2seq checkpoints (none offline): refused while its stream is not in --cache-dir, read
+    from there once it is (a machine without a generator's packages runs the streams another machine cached)."""
+    cache, argv = tmp_path / "cache", ["run", *SMALL, "--direction", "t2i", "--no-style", "--no-plots", "--objectives", "tent"]
+    assert cli.main([*argv, "--text-corruptions", "char_swap", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "a")]) == 0
+    swap = json.loads((tmp_path / "a" / "results.json").read_text())["rows"]
+    capsys.readouterr()
+    missing = [*argv, "--text-corruptions", "back_translation", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "b")]
+    assert cli.main(missing) == 2 and not (tmp_path / "b" / "rows.jsonl").exists()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--text-corruptions: back_translation cannot run here" in err
+    from hf_tta.data.corruptions.text import TEXT_SEVERITIES
+
+    task = EmojiTask(limit=16, seed=0, cache_dir=cache)
+    wanted = task.cache_file(Condition("t2i", "back_translation", max(TEXT_SEVERITIES["back_translation"])), 0)
+    wanted.write_bytes(task.cache_file(Condition("t2i", "char_swap", 7), 0).read_bytes())
+    assert cli.main(missing) == 0
+    assert "their streams are read from --cache-dir" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "b" / "results.json").read_text())["rows"]
+    hits = {(r["shift"], r["objective"]): r["hits"] for r in rows}
+    assert {s for s, _ in hits} == {"back_translation", "clean"}  # the cached queries, scored as char_swap's were
+    assert all(hits["back_translation", r["objective"]] == r["hits"] for r in swap if r["shift"] == "char_swap")
+
+
 def test_runs_start_from_the_source_model_and_are_deterministic():
     task = EmojiTask(limit=16, seed=0)
     runner = GridRunner(task, RunSettings(steps=1, batch_size=8, show_progress=False))

@@ -130,7 +130,8 @@ class EmojiTask(Task):
         style = "noto" if cond.shift == "noto" else "clean"
         return query_images(self.bench, style, input_side=input_side(self.model), factor=self.render_factor)
 
-    def _cache_file(self, cond: Condition, seed: int):
+    def cache_file(self, cond: Condition, seed: int):
+        """Where the query stream of ``cond`` and ``seed`` is cached (``None`` without a cache folder)."""
         if self.cache_dir is None:
             return None
         suffix = "safetensors" if cond.direction == "i2t" else "json"
@@ -150,7 +151,7 @@ class EmojiTask(Task):
         key = (self.stream_key(cond), seed)
         if key in self._cache:
             return self._cache[key]
-        path = self._cache_file(cond, seed)
+        path = self.cache_file(cond, seed)
         if path is not None and path.exists():
             if cond.direction == "i2t":
                 from safetensors.numpy import load_file
