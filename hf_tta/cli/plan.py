@@ -9,6 +9,7 @@ from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
 from .common import say
+from .text_corruptions import check_cached, refuse_missing
 
 
 def _ints(value: str, allowed: Sequence[int], flag: str) -> list[int]:
@@ -107,7 +108,7 @@ def resolve_grid(args) -> tuple[list, dict]:
         known_image_corruptions,
         offline_text_corruptions,
     )
-    from ..data.corruptions import IMAGE_SEVERITIES
+    from ..data.corruptions import IMAGE_SEVERITIES, TEXT_CORRUPTIONS
 
     if _composed(args):
         return resolve_composed_grid(args)
@@ -153,8 +154,6 @@ def resolve_grid(args) -> tuple[list, dict]:
             if args.text_corruptions == "offline":
                 text_corruptions, missing = offline_text_corruptions()
             else:
-                from ..data.corruptions import TEXT_CORRUPTIONS
-
                 named = comma_list(args.text_corruptions)
                 unknown = [n for n in named if n not in TEXT_CORRUPTIONS]
                 if unknown:
@@ -162,9 +161,9 @@ def resolve_grid(args) -> tuple[list, dict]:
                 text_corruptions, missing = offline_text_corruptions(named)
                 if missing:  # named ones are the user's grid: run them from the stream cache or refuse, never drop them
                     if not (emoji and args.cache_dir):
-                        _refuse_missing(missing)
+                        refuse_missing(missing)
                     notes["text_corruptions_from_cache"] = missing  # prepare_run checks every stream is cached
-                    text_corruptions, missing = [n for n in named], {}
+                    text_corruptions, missing = list(named), {}
             if missing:
                 notes["text_corruptions_left_out"] = missing
             text_severities = _ints(args.text_severities, range(1, 8), "--text-severities")
@@ -180,21 +179,6 @@ def resolve_grid(args) -> tuple[list, dict]:
         image_conditions=pairs,
     )
     return jobs, notes
-
-
-def _refuse_missing(missing: dict[str, str]) -> None:
-    name, why = next(iter(missing.items()))
-    raise UsageError(f"--text-corruptions: {', '.join(missing)} cannot run here ({name}: {why}); install what it "
-                     "names, or leave them out of --text-corruptions.")
-
-
-def _check_cached(task, jobs: list, missing: dict[str, str]) -> None:
-    """Named text corruptions that cannot be generated here run from ``--cache-dir`` only if every stream of theirs
-    is there (a machine without nltk reads the synonym streams another machine wrote); else the one-line refusal."""
-    needs = [j for j in jobs if j.condition.direction == "t2i" and (j.condition.shift in missing or j.condition.shift == "diverse")]
-    if any(not task.cache_file(j.condition, j.seed).exists() for j in needs):
-        _refuse_missing(missing)
-    say(f"--text-corruptions: {', '.join(missing)} cannot be generated here; their streams are read from --cache-dir")
 
 
 def built_streams(args) -> dict | None:
@@ -460,7 +444,7 @@ def prepare_run(args, show_progress: bool):
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
     if notes.get("text_corruptions_from_cache"):
-        _check_cached(task, jobs, notes["text_corruptions_from_cache"])
+        check_cached(task, jobs, notes["text_corruptions_from_cache"])
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
         gallery_batch_size=args.gallery_batch_size, config_overrides=overrides,
