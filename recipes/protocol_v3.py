@@ -217,6 +217,24 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
     return out_jobs
 
 
+def columns_only(todo: list[tuple[str, list[str]]], corruptions: list[str], error) -> list[tuple[str, list[str]]]:
+    """The runs of ``todo`` that name text corruptions, restricted to ``corruptions`` (each one named by every such
+    run, else ``error``), into ``<folder>~<abbreviations>``; runs without text corruptions (streams) are left out."""
+    from hf_tta.benchmarks.report import abbreviation  # noqa: PLC0415 (imports torch)
+
+    out = []
+    for name, args in todo:
+        if "--text-corruptions" not in args or not args[args.index("--text-corruptions") + 1]:
+            continue
+        i = args.index("--text-corruptions") + 1
+        unknown = sorted(set(corruptions) - set(args[i].split(",")))
+        if unknown:
+            error(f"--text-corruptions: {', '.join(unknown)} not in run {name}'s corruptions ({args[i]}).")
+        tag = "-".join(abbreviation(c).lower() for c in corruptions)
+        out.append((f"{name}~{tag}", [*args[:i], ",".join(corruptions), *args[i + 1:]]))
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("phase", choices=PHASES)
@@ -227,6 +245,9 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", help="run only the runs whose folder contains one of these")
     parser.add_argument("--skip", nargs="+", default=[], help="leave out the runs whose folder ends with one of these")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hf_tta/emoji-streams"))
+    parser.add_argument("--text-corruptions", help="run only these text corruptions of each run, into "
+                        "`<folder>~<abbreviations>` (columns added to finished runs that lack them, e.g. runs from another "
+                        "device; the tables merge a label's rows across its folders)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     parser.add_argument("--device", default="cpu", help="every run's --device (e.g. cuda, with --jobs 8 on one GPU); a run "
                         "continues only on the device it started on (its rows.jsonl names it)")
@@ -238,6 +259,8 @@ def main(argv=None) -> None:
         parser.error(f"--shard takes k/n with 1 <= k <= n, e.g. 1/2; got {args.shard!r}")
     todo = [j for j in jobs(args.phase, args.direction, args.out) if not args.only or any(o in j[0] for o in args.only)]
     todo = [j for j in todo[k - 1 :: n] if not any(j[0].endswith(x) for x in args.skip)]
+    if args.text_corruptions:
+        todo = columns_only(todo, args.text_corruptions.split(","), parser.error)
     if args.dry_run:
         for name, a in todo:
             print(name, " ".join(a))
