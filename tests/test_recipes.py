@@ -550,6 +550,39 @@ def test_v3_corruptions_phase_and_table_by_hand(v3, monkeypatch, tmp_path):
     assert cells[5].startswith("not below the source") and cells[6] == "Snow 5: +0.0"
 
 
+def test_v3_text_corruptions_add_columns_into_sibling_folders_and_the_table_merges_them(v3, monkeypatch, tmp_path, capsys):
+    """``--text-corruptions`` restricts every run of a phase that names text corruptions to those (its folder gets
+    ``~<abbreviations>``; the streams runs are left out; a corruption a run does not name exits 2 naming it), and the
+    report table merges a label's rows across its folders. By hand: source 200/400 on RS 3 and 100/400 on SR 3 (clean
+    400); TCR 300/400 in its folder and 160/400 in the sibling: (100 + 60) / (200 + 300) = 32 %."""
+    recipe, rows_of = _load("protocol_v3"), _load("protocol_v3_rows")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: dict.fromkeys(recipe.OBJECTIVES, "3e-4"))
+    recipe.main(["report", "--direction", "t2i", "--out", str(tmp_path), "--dry-run", "--text-corruptions", "synonym_replacement"])
+    printed = capsys.readouterr().out.splitlines()
+    full = dict(recipe.jobs("report", "t2i", tmp_path))
+    assert printed and all(line.split()[0].endswith("~sr") for line in printed)
+    assert len(printed) == sum("-streams" not in n and "-diverse" not in n for n in full)
+    for line in printed:
+        name, *args = line.split()
+        base = full[name.removesuffix("~sr")]
+        i = base.index("--text-corruptions") + 1
+        assert args == [*base[:i], "synonym_replacement", *base[i + 1:]]
+    with pytest.raises(SystemExit) as exit_:
+        recipe.main(["report", "--direction", "t2i", "--out", str(tmp_path), "--dry-run", "--text-corruptions", "char_swap"])
+    assert exit_.value.code == 2 and "char_swap not in run report/t2i/" in capsys.readouterr().err
+
+    row = lambda *a, **k: {**_v3_row(*a, phase="report", seed=3, **k), "direction": "t2i"}  # noqa: E731
+    rows = [row("source", "clean", None, 400), row("source", "random_swap", 3, 200, config="tcr-lr3e-4"),
+            row("tcr", "random_swap", 3, 300, config="tcr-lr3e-4"),
+            row("source", "synonym_replacement", 3, 100, config="tcr-lr3e-4~sr"),
+            row("tcr", "synonym_replacement", 3, 160, config="tcr-lr3e-4~sr")]
+    lines = v3.report_lines(rows, "t2i", seeds=(3,))
+    cells = [c.strip() for c in lines[4].strip("|").split("|")]
+    assert len(lines) == 5 and cells[:4] == ["tcr@3e-4", "75.0", "40.0", "32.0 %"]
+    assert rows_of.selector({"objective": "tcr", "config": "tcr-auto+hg0.1-report~sr"}) == "auto+hg0.1"
+
+
 def test_v3_runs_pass_the_device_on(tmp_path):
     """``--device`` reaches every ``hf-tta run`` of the recipe (for a lent GPU); here, without CUDA, the run refuses
     it in one line and the recipe sees the failure."""
