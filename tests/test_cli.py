@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -92,6 +95,38 @@ def test_a_named_text_corruption_that_cannot_be_generated_here_runs_from_the_str
     hits = {(r["shift"], r["objective"]): r["hits"] for r in rows}
     assert {s for s, _ in hits} == {"back_translation", "clean"}  # the cached queries, scored as char_swap's were
     assert all(hits["back_translation", r["objective"]] == r["hits"] for r in swap if r["shift"] == "char_swap")
+
+
+def test_the_text_diverse_stream_draws_from_the_same_pool_on_a_machine_without_wordnet(tmp_path):
+    """The diverse stream's pool is fixed (every character- and word-level corruption): on a machine without WordNet
+    (``HF_TTA_WORDNET`` an empty folder, in a fresh process as a user runs it) the stream is refused in one line while
+    it is not in --cache-dir, and read from there once it is, with the hits of the machine that cached it (its pool
+    once followed the machine's packages: 8 corruptions there, 10 here, two streams of one name)."""
+    from hf_tta.benchmarks.grid import DIVERSE_TEXT_CORRUPTIONS
+    from hf_tta.data.corruptions import CHAR_CORRUPTIONS, WORD_CORRUPTIONS
+
+    assert DIVERSE_TEXT_CORRUPTIONS == CHAR_CORRUPTIONS + WORD_CORRUPTIONS
+    cache = tmp_path / "cache"
+    argv = ["run", *SMALL, "--direction", "t2i", "--no-style", "--no-plots", "--objectives", "tent", "--text-corruptions", "",
+            "--diverse"]
+    assert cli.main([*argv, "--cache-dir", str(cache), "--output-dir", str(tmp_path / "here")]) == 0
+    env = {**os.environ, "HF_TTA_WORDNET": str(tmp_path / "no-wordnet"), "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "no-wordnet").mkdir()
+
+    def elsewhere(folder, cache_dir):
+        return subprocess.run([sys.executable, "-m", "hf_tta.cli", *argv, "--cache-dir", str(cache_dir), "--output-dir",
+                               str(tmp_path / folder)], env=env, capture_output=True, text=True)
+
+    refused = elsewhere("refused", tmp_path / "empty-cache")
+    err = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(err) == 1 and not (tmp_path / "refused" / "rows.jsonl").exists()
+    assert "--diverse: the text diverse stream draws from synonym_replacement, random_insertion, which cannot run here" in err[0]
+    cached = elsewhere("cached", cache)
+    assert cached.returncode == 0, cached.stderr
+    assert "--diverse: synonym_replacement, random_insertion cannot be generated here" in cached.stdout
+    rows = {name: {(r["shift"], r["objective"]): r["hits"] for r in json.loads((tmp_path / name / "results.json").read_text())["rows"]}
+            for name in ("here", "cached")}
+    assert ("diverse", "tent") in rows["here"] and rows["here"] == rows["cached"]
 
 
 def test_runs_start_from_the_source_model_and_are_deterministic():

@@ -57,6 +57,11 @@ DEFAULT_OBJECTIVES = ("tent", "tcr", "rest")
 #: that run offline.
 SWITCH_IMAGE_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "snow", "contrast")
 SWITCH_TEXT_CORRUPTIONS = ("ocr", "char_swap", "synonym_replacement", "random_deletion")
+#: The text diverse stream's pool when no text corruption is named: every character- and word-level corruption (none
+#: needs a checkpoint), whatever this machine can generate; one it cannot is read from the stream cache or refused
+#: (``hf-tta run``), never left out (a pool that followed the machine's packages made two streams of one name).
+DIVERSE_TEXT_CORRUPTIONS = ("ocr", "char_insert", "char_replace", "char_swap", "char_delete",
+                            "synonym_replacement", "random_insertion", "random_swap", "random_deletion", "insert_punctuation")
 #: The supervised ceilings (not methods): the oracle objective on the TTA methods' parameters (the query tower's
 #: LayerNorms) and on every parameter of the query tower.
 ORACLE_ROWS = ("oracle", "oracle_all")

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .grid import AV_DIRECTIONS, SWITCH_EVERY, Condition, offline_text_corruptions
+from .grid import AV_DIRECTIONS, DIVERSE_TEXT_CORRUPTIONS, SWITCH_EVERY, Condition
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class EmojiTask(Task):
         self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
         #: queries per segment of the switching stream (the shift changes after this many queries of the stream)
         self.switch_every = SWITCH_EVERY
-        #: the text corruptions the diverse t2i stream draws from (None: every one that runs offline here)
+        #: the text corruptions the diverse t2i stream draws from (None: :data:`~.grid.DIVERSE_TEXT_CORRUPTIONS`)
         self.text_corruptions: list[str] | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -247,8 +247,12 @@ class EmojiTask(Task):
 
         if cond.direction == "i2t":
             return make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
-        names = self.text_corruptions if self.text_corruptions is not None else offline_text_corruptions()[0]
-        return make_pool("text", names=names, severities="max")
+        return make_pool("text", names=self.diverse_text_corruptions(), severities="max")
+
+    def diverse_text_corruptions(self) -> list[str]:
+        """The text corruptions the t2i diverse stream draws from (each at its maximum severity): those set in
+        :attr:`text_corruptions`, else :data:`~.grid.DIVERSE_TEXT_CORRUPTIONS` (the same on every machine)."""
+        return list(self.text_corruptions or DIVERSE_TEXT_CORRUPTIONS)
 
     @staticmethod
     def _switch_shifts(cond: Condition) -> list[Condition]:

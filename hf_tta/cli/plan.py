@@ -9,7 +9,7 @@ from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
 from .common import say
-from .text_corruptions import check_cached, refuse_missing
+from .text_corruptions import check_text_streams, refuse_missing
 
 
 def _ints(value: str, allowed: Sequence[int], flag: str) -> list[int]:
@@ -443,8 +443,7 @@ def prepare_run(args, show_progress: bool):
         gradient_decoupling = _dataset_gd(args, notes)
     if notes.get("text_corruptions"):
         task.text_corruptions = notes["text_corruptions"]
-    if notes.get("text_corruptions_from_cache"):
-        check_cached(task, jobs, notes["text_corruptions_from_cache"])
+    check_text_streams(task, jobs, notes.get("text_corruptions_from_cache", {}), args.model is None, args.cache_dir)
     settings = RunSettings(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
         gallery_batch_size=args.gallery_batch_size, config_overrides=overrides,
