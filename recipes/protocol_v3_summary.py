@@ -406,13 +406,14 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
 def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
     """The probe on the report split (phase ``auto``, seed 3) beside the same objective at its labelled lr and at the
     paper's lr (phase ``report``, same seed and columns): shares, the probe's share of the labelled one, the lrs it
-    chose per column, and its verdict against the source."""
+    chose per column, and its verdict against the source. The columns are the report's that the selectors' runs hold
+    (their own source rows name them; the report may have gained columns since)."""
     from hf_tta.benchmarks.report import abbreviation
 
-    _, auto = report_cells(rows, direction, seeds, phase="auto")
+    auto_src, auto = report_cells(rows, direction, seeds, phase="auto")
     src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
+    cols = [c for c in corruption_columns(src) if all(s in src[c] and s in auto_src.get(c, {}) for s in seeds)]
     lines = ["| selector | lr per column, at the end | won back | at the labelled lr | of the labelled | at the paper's lr | "
              "vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):

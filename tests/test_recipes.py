@@ -411,6 +411,8 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
              _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search, config="tcr-auto-report"),
              _v3_row("tcr", "contrast", 1, 250, None, phase="auto", seed=3, config="tcr-auto+hg0.1-report",
                      lr_search={**search, "lr": 1.7e-3, "lr_min": 1e-4, "lr_max": 3e-3})]
+    # a column the report gained after the selectors ran (the text report's WordNet columns): left out of this table
+    rows += [_v3_row("source", "fog", 5, 100, phase="report", seed=3), _v3_row("tcr", "fog", 5, 400, 3e-4, phase="report", seed=3)]
     lines = v3.auto_report_lines(rows, "i2t")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:6] == ["tcr@auto", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
