@@ -27,7 +27,9 @@ Phases (each reads the choices of the earlier ones from the rows):
 8. ``auto``: issue 37's label-free lr selectors (:data:`SELECTORS`: the probe, ``TTAConfig(lr="auto")``, and the
    online hypergradient rule, the back-off under the safety layer; :class:`hf_tta.lr_search.LRSearchConfig`) for TCR and REST on the selection split (its
    corruption and clean streams, then its degenerate stream): each row records the lr in use at the end (and the
-   probe's choice, and the lr each proxy would have chosen); then on the report split's default grid, seed 3.
+   probe's choice, and the lr each proxy would have chosen); then on the report split's default grid, seed 3; then the
+   selector each objective's rule chooses on the selection split (``protocol_v3_summary.chosen_selectors``) on the
+   report's seeds 4 and 5 and on its streams (seeds 3, 4, 5).
 9. ``cheaper``: what a user would pick instead (issue 39), on the report split's default grid, seeds 3, 4, 5: the
    training-free score transforms alone on the source model (:data:`TRANSFORMS`: DN, NNN, QB-Norm), each under TCR and
    REST at their selected lrs, and TCR and REST at their selected lrs on every batch and at the update budgets of
@@ -205,6 +207,10 @@ def jobs(phase: str, direction: str, out: Path) -> list[tuple[str, list[str]]]:
             for selector, search in SELECTORS.items():
                 out_jobs += [(f"auto/{direction}/{name}-{selector}{tag}", [*stream, *_objectives([name]), *search])
                              for name in ("tcr", "rest")]
+        streams = [*run_arguments(REPORT, direction, corruptions=False), "--degenerate-batches", str(DEGENERATE_BATCHES)]
+        for name, selector in summary.chosen_selectors(summary.load(out), direction).items():  # then the chosen ones
+            out_jobs += [(f"auto/{direction}/{name}-{selector}{tag}", [*args, *_objectives([name]), *SELECTORS[selector]])
+                         for tag, args in (("-report45", _replace(grid, {"3,4,5": "4,5"})), ("-streams", streams))]
     elif phase == "cheaper":
         lrs = _selected_lrs(out, direction, ("tcr", "rest"))
         grid = run_arguments(REPORT, direction, streams=False, default_grid=direction == "i2t")

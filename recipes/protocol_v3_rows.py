@@ -74,10 +74,11 @@ def column(row: dict) -> tuple:
 
 
 def selector(row: dict) -> str:
-    """The lr selector of a phase-``auto`` run (issue 37), from its folder ``<objective>-<selector>[-degenerate|-report]``
+    """The lr selector of a phase-``auto`` run (issue 37), from its folder
+    ``<objective>-<selector>[-degenerate|-report|-report45|-streams][~<columns added>]``
     (``recipes/protocol_v3.py``'s :data:`SELECTORS`: ``auto`` the probe, ``hg…`` the hypergradient rule)."""
     name = row["config"].split("~")[0].removeprefix(f"{row['objective']}-")  # ``~``: columns added by another run
-    for suffix in ("-degenerate", "-report"):
+    for suffix in ("-degenerate", "-report45", "-report", "-streams"):
         name = name.removesuffix(suffix)
     return name
 

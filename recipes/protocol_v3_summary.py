@@ -40,23 +40,21 @@ for _p in (REPO, REPO / "recipes"):
         sys.path.insert(0, str(_p))
 
 from protocol_v3_costs import cheaper_lines  # noqa: E402 (next to this file)
+from protocol_v3_report import after_lines, corruption_lines, report_lines, stream_lines  # noqa: E402, F401 (next to this file)
 from protocol_v3_rows import (  # noqa: E402 (next to this file)
     CEILINGS,
     LR_BEYOND,
     LR_GRID,
     PAPER_LR,
     SOURCE,
-    STREAMS,
     by_label,
     column,
     complete,
     corruption_columns,
     export,
-    hits,
     label,
     load,
     lr_name,
-    mean_r1,
     report_cells,
     selection_columns,
     share,
@@ -244,89 +242,6 @@ def selection_lines(rows: list[dict], direction: str) -> list[str]:
     return lines
 
 
-def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
-    """The report split's table (default grid for i2t): R@1 per column, share, Δ with its one-sided bound, verdict;
-    the rows that ran on every seed of ``seeds``."""
-    from hf_tta.benchmarks.report import abbreviation
-
-    src, cells_by = report_cells(rows, direction, seeds)
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    head = f"| row | {' | '.join(f'{abbreviation(c[0])} {c[1]}' for c in cols)} | won back | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |"
-    lines = [head, "|---|" + "---|" * (len(cols) + 3),
-             f"| clean (source) | {' | '.join(figure(mean_r1(src, ('clean', None), seeds)) for _ in cols)} | | | |",
-             f"| source | {' | '.join(figure(mean_r1(src, c, seeds)) for c in cols)} | | | |"]
-    for name, cells in sorted(cells_by.items()):
-        if not complete(cells, cols, seeds):
-            continue
-        ni = verdict(cells, src, cols)
-        lines.append(f"| {name} | {' | '.join(figure(mean_r1(cells, c, seeds)) for c in cols)} | "
-                     f"{figure(share(cells, src, cols), percent=True)} | "
-                     f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} |")
-    return lines
-
-
-def corruption_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
-    """The 15 test corruptions (phase ``corruptions``, seed 3): the share won back at each severity and over all
-    columns, Δ R@1 with its one-sided bound and the verdict over all columns, and the worst column."""
-    from hf_tta.benchmarks.report import abbreviation
-
-    src, cells_by = report_cells(rows, direction, seeds, phase="corruptions")
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    severities = sorted({c[1] for c in cols})
-    lines = [f"| row | {' | '.join(f'won back, severity {v}' for v in severities)} | won back, all {len(cols)} | "
-             "Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) | worst column: Δ R@1 |", "|---|" + "---|" * (len(severities) + 4)]
-    for name, cells in sorted(cells_by.items()):
-        if not complete(cells, cols, seeds):
-            continue
-        ni = verdict(cells, src, cols)
-        worst = min(cols, key=lambda c: mean_r1(cells, c, seeds) - mean_r1(src, c, seeds))
-        by_severity = [figure(share(cells, src, [c for c in cols if c[1] == v]), percent=True) for v in severities]
-        lines.append(f"| {name} | {' | '.join(by_severity)} | {figure(share(cells, src, cols), percent=True)} | "
-                     f"{figure(ni.delta, sign=True)} [{figure(ni.lower, sign=True)}] | {ni.verdict} | "
-                     f"{abbreviation(worst[0])} {worst[1]}: {figure(mean_r1(cells, worst, seeds) - mean_r1(src, worst, seeds), sign=True)} |")
-    return lines
-
-
-def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:
-    """The report split's streams per row: Δ R@1 against the source with its one-sided bound and the verdict."""
-    from hf_tta.benchmarks.report import abbreviation
-
-    src, cells_by = report_cells(rows, direction, seeds)
-    lines = ["| row | stream | source R@1 | Δ R@1 [one-sided 95 % bound] | vs the source (margin 0.5) |", "|---|---|---|---|---|"]
-    for name, cells in sorted(cells_by.items()):
-        for stream in STREAMS:
-            c = (stream, None)
-            if c not in src or not complete(cells, [c], seeds):
-                continue
-            ni = verdict(cells, src, [c])
-            lines.append(f"| {name} | {abbreviation(stream)} | {figure(mean_r1(src, c, seeds))} | {figure(ni.delta, sign=True)} "
-                         f"[{figure(ni.lower, sign=True)}] | {ni.verdict} |")
-    return lines
-
-
-def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
-    """The papers' after-update scoring (phase ``after``) beside the prequential row of the same objective and lr on
-    the same columns and seeds: each row's share both ways, and the gain the after-update scoring adds, Δ R@1 (after −
-    before) with its two-sided 95 % interval (items and seeds resampled jointly)."""
-    from hf_tta.benchmarks.figures import interval
-    from hf_tta.benchmarks.intervals import paired_bootstrap
-
-    src, before = report_cells(rows, direction, seeds)
-    _, after = report_cells(rows, direction, seeds, phase="after")
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    lines = ["| row | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
-             "Δ R@1 after − before [95 % interval] |", "|---|---|---|---|"]
-    for name, post in sorted(after.items()):
-        pre = before.get(name, {})
-        if not (complete(post, cols, seeds) and complete(pre, cols, seeds)):
-            continue
-        diffs = [np.stack([hits(post[c][s]) - hits(pre[c][s]) for s in seeds]) for c in cols]
-        delta, (lo, hi) = paired_bootstrap(diffs)
-        lines.append(f"| {name} | {figure(share(pre, src, cols), percent=True)} | {figure(share(post, src, cols), percent=True)} | "
-                     f"{figure(delta, sign=True)} {interval(lo, hi)} |")
-    return lines
-
-
 def _preset_lines(rows: list[dict], direction: str) -> list[str]:
     preset = preset_candidates(rows, direction)
     if not preset:
@@ -352,6 +267,35 @@ def _share_at(fixed: dict, objective: str, lr_of: dict, src: dict, cols: list[tu
     return share(cells, src, cols)
 
 
+def _selector_runs(rows: list[dict], direction: str) -> tuple[list[dict], dict[str, dict[tuple, dict]], dict]:
+    """The selection split's rows (seed 0), the selectors' runs on it by label and column, and the source rows."""
+    sel = [r for r in rows if r["direction"] == direction and r["seed"] == 0]
+    auto: dict[str, dict[tuple, dict]] = defaultdict(dict)
+    for r in sel:
+        if r["phase"] == "auto" and r["objective"] != SOURCE and r.get("lr_search"):
+            auto[label(r)][column(r)] = r
+    return sel, auto, {c: {0: by_seed[0]} for c, by_seed in sources(sel).items() if 0 in by_seed}
+
+
+def chosen_selectors(rows: list[dict], direction: str) -> dict[str, str]:
+    """Issue 37's choice of one selector per objective, from the selection split alone: among the selectors whose
+    clean and degenerate streams are not below the source, the highest share (ties: the name first in order); an
+    objective none of whose selectors passes both streams gets none (the selectors' answer to "never below the source"
+    is the safety rule, not the share). ``{objective: selector}``; the ``auto`` phase reports these on every report
+    seed and stream."""
+    _, auto, src = _selector_runs(rows, direction)
+    cols, streams = selection_columns(direction), [("clean", None), ("degenerate", None)]
+    best: dict[str, tuple[float, str]] = {}
+    for name, runs in sorted(auto.items()):
+        objective, chosen = name.split("@")
+        if any(c not in runs for c in [*cols, *streams]) or any(verdict({c: {0: runs[c]}}, src, [c]).below for c in streams):
+            continue
+        mine = share({c: {0: runs[c]} for c in cols}, src, cols)
+        if objective not in best or mine > best[objective][0]:
+            best[objective] = (mine, chosen)
+    return {objective: chosen for objective, (_, chosen) in best.items()}
+
+
 def auto_lines(rows: list[dict], direction: str) -> list[str]:
     """Issue 37's label-free lr probe (phase ``auto``, seed 0, the selection split) against the labelled choice.
 
@@ -364,14 +308,9 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
     (``S`` steps per batch, one answering forward each batch, prequential)."""
     from hf_tta.benchmarks.report import abbreviation
 
-    sel = [r for r in rows if r["direction"] == direction and r["seed"] == 0]
-    auto: dict[str, dict[tuple, dict]] = defaultdict(dict)
-    for r in sel:
-        if r["phase"] == "auto" and r["objective"] != SOURCE and r.get("lr_search"):
-            auto[label(r)][column(r)] = r
+    sel, auto, src = _selector_runs(rows, direction)
     if not auto:
         return []
-    src = {c: {0: by_seed[0]} for c, by_seed in sources(sel).items() if 0 in by_seed}
     table, labelled = selection_table(rows, direction), choices(rows, direction)
     fixed = {name: {c: by_seed[0] for c, by_seed in cells.items() if 0 in by_seed}
              for name, cells in by_label(sel, ("select", "extend", "degenerate")).items()}
@@ -439,6 +378,10 @@ PARTS = (
     ("preset", "Preset candidates ({d}, selection split)", _preset_lines),
     ("auto", "Label-free lr selectors against the labelled choice ({d}, selection split, seed 0)", auto_lines),
     ("autoreport", "Label-free lr selectors on the report split ({d}, default grid, seed 3)", auto_report_lines),
+    ("autochosen", "The selectors chosen on the selection split, on the report split ({d}, default grid, seeds 3, 4, 5)",
+     lambda rows, d: auto_report_lines(rows, d, seeds=(3, 4, 5))),
+    ("autostreams", "The selectors chosen on the selection split, on the report split's streams ({d}, seeds 3, 4, 5)",
+     lambda rows, d: stream_lines(rows, d, phase="auto")),
     ("report", "Report split ({d}), default grid, seeds 3, 4, 5, all queries, prequential", report_lines),
     ("streams", "Report split ({d}): streams, seeds 3, 4, 5", stream_lines),
     ("seed3", "Report split ({d}): every objective at the paper's lr and at its selected lr, seed 3",
@@ -460,7 +403,7 @@ def summarise(out, direction: str = "i2t", part: str | None = None) -> str:
     for name, title, lines_of in PARTS:
         if part not in (None, name):
             continue
-        phase = {"after": "after", "autoreport": "auto", "cheaper": "cheaper", "corruptions": "corruptions"}.get(name, "report")
+        phase = {"after": "after", "autoreport": "auto", "autochosen": "auto", "autostreams": "auto", "cheaper": "cheaper", "corruptions": "corruptions"}.get(name, "report")
         has_rows = name in ("selection", "proxies", "preset", "auto") or any(r["phase"] == phase for r in rows)
         lines = lines_of(rows, direction) if has_rows else []
         if len(lines) > 2 or (name == "selection" and lines):

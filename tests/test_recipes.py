@@ -445,6 +445,35 @@ def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_
         assert config.serve == ("leader" if selector == "auto+leader" else "source")
 
 
+def test_v3_the_selector_chosen_on_the_selection_split_and_its_report_runs(v3, v3_selection, monkeypatch, tmp_path):
+    """Per objective, the selector with the highest selection share whose clean and degenerate streams pass: here the
+    probe (share 100 / 300 queries lost) loses 20 of 400 degenerate queries (below the source), so the back-off
+    (50 / 300) is chosen;
+    REST, whose only selector fails its clean stream, gets none. The auto phase then runs the chosen one on the
+    report's seeds 4 and 5 and on its streams (seeds 3, 4, 5); their rows carry the selector's label."""
+    search = {"chosen": 1e-3, "lr": 1e-3, "choices": {}, "queries": 128, "forward": 0, "backward": 0}
+    rows = list(v3_selection)
+    for config, blur, spatter, clean, degenerate in (("tcr-auto", 290, 310, 400, 380), ("tcr-backoff0.5+safe", 250, 300, 400, 400),
+                                                     ("rest-auto", 300, 340, 390, 400)):
+        objective = config.split("-")[0]
+        for shift, severity, n_hits, suffix in (("gaussian_blur", 5, blur, ""), ("spatter", 5, spatter, ""),
+                                                ("clean", None, clean, ""), ("degenerate", None, degenerate, "-degenerate")):
+            rows.append(_v3_row(objective, shift, severity, n_hits, None, phase="auto", config=config + suffix, lr_search=search))
+    assert v3.chosen_selectors(rows, "i2t") == {"tcr": "backoff0.5+safe"}
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: rows)
+    jobs = dict(recipe.jobs("auto", "i2t", tmp_path))
+    chosen = {name: args for name, args in jobs.items() if name.endswith(("-report45", "-streams"))}
+    assert list(chosen) == ["auto/i2t/tcr-backoff0.5+safe-report45", "auto/i2t/tcr-backoff0.5+safe-streams"]
+    value = lambda args, flag: args[args.index(flag) + 1]  # noqa: E731
+    report45, streams = chosen.values()
+    assert value(report45, "--seeds") == "4,5" and value(report45, "--corruptions") == "default"
+    assert value(streams, "--seeds") == "3,4,5" and all(f in streams for f in ("--clean", "--diverse", "--switch", "--degenerate"))
+    assert all(value(a, "--lr_search") == value(jobs["auto/i2t/tcr-backoff0.5+safe-report"], "--lr_search") for a in chosen.values())
+    labels = _load("protocol_v3_rows")
+    assert {labels.selector({"objective": "tcr", "config": n.split("/")[-1]}) for n in chosen} == {"backoff0.5+safe"}
+
+
 def test_v3_cheaper_phase_lists_the_transforms_the_methods_and_their_budgets(v3, monkeypatch, tmp_path):
     """Issue 39: DN, NNN and QB-Norm alone (no lr: nothing adapts); TCR and REST at their selected lrs on every batch
     and at 50 / 25 / 10 % of batches (one run per method: timed side by side), then with each transform (one run per
