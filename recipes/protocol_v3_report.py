@@ -83,14 +83,15 @@ def stream_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 
 def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
     """The papers' after-update scoring (phase ``after``) beside the prequential row of the same objective and lr on
     the same columns and seeds: each row's share both ways, and the gain the after-update scoring adds, Δ R@1 (after −
-    before) with its two-sided 95 % interval (items and seeds resampled jointly)."""
+    before) with its two-sided 95 % interval (items and seeds resampled jointly). The columns are the report's that the
+    after-update runs hold (their own source rows name them; the header counts them)."""
     from hf_tta.benchmarks.figures import interval
     from hf_tta.benchmarks.intervals import paired_bootstrap
 
     src, before = report_cells(rows, direction, seeds)
-    _, after = report_cells(rows, direction, seeds, phase="after")
-    cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
-    lines = ["| row | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
+    after_src, after = report_cells(rows, direction, seeds, phase="after")
+    cols = [c for c in corruption_columns(src) if all(s in src[c] and s in after_src.get(c, {}) for s in seeds)]
+    lines = [f"| row ({len(cols)} column{'s' if len(cols) != 1 else ''}) | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
              "Δ R@1 after − before [95 % interval] |", "|---|---|---|---|"]
     for name, post in sorted(after.items()):
         pre = before.get(name, {})
