@@ -345,25 +345,25 @@ def auto_lines(rows: list[dict], direction: str) -> list[str]:
 def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,)) -> list[str]:
     """The probe on the report split (phase ``auto``, seed 3) beside the same objective at its labelled lr and at the
     paper's lr (phase ``report``, same seed and columns): shares, the probe's share of the labelled one, the lrs it
-    chose per column, and its verdict against the source. The columns are the report's that the selectors' runs hold
-    (their own source rows name them; the report may have gained columns since)."""
+    chose per column, and its verdict against the source. Each selector on the report's columns its runs hold on every
+    seed of ``seeds`` (counted; the report may have gained columns since), the labelled rows on the same ones."""
     from hf_tta.benchmarks.report import abbreviation
 
-    auto_src, auto = report_cells(rows, direction, seeds, phase="auto")
+    _, auto = report_cells(rows, direction, seeds, phase="auto")
     src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
-    cols = [c for c in corruption_columns(src) if all(s in src[c] and s in auto_src.get(c, {}) for s in seeds)]
-    lines = ["| selector | lr per column, at the end | won back | at the labelled lr | of the labelled | at the paper's lr | "
-             "vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| selector | columns | lr per column, at the end | won back | at the labelled lr | of the labelled | "
+             "at the paper's lr | vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
-        if not complete(cells, cols, seeds) or labelled.get(objective) is None:
+        cols = [c for c in corruption_columns(src) if all(s in src[c] and s in cells.get(c, {}) for s in seeds)]
+        if not cols or labelled.get(objective) is None:
             continue
         at = {lr: report.get(f"{objective}@{lr_name(lr)}", {}) for lr in (labelled[objective], PAPER_LR)}
         shares = {lr: share(c, src, cols) if complete(c, cols, seeds) else None for lr, c in at.items()}
         mine, lab = share(cells, src, cols), shares[labelled[objective]]
         chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['lr'])}" for c in cols)
-        lines.append(f"| {name} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
+        lines.append(f"| {name} | {len(cols)} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
                      f"{figure(lab, percent=True)} | {figure(mine / lab if lab else None, percent=True)} | "
                      f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} |")
     return lines

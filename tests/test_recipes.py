@@ -417,10 +417,18 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
     rows += [_v3_row("source", "fog", 5, 100, phase="report", seed=3), _v3_row("tcr", "fog", 5, 400, 3e-4, phase="report", seed=3)]
     lines = v3.auto_report_lines(rows, "i2t")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[:6] == ["tcr@auto", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
-    assert cells[6].startswith("not below the source")
+    assert cells[:7] == ["tcr@auto", "1", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
+    assert cells[7].startswith("not below the source")
     cells = [c.strip() for c in lines[3].strip("|").split("|")]  # the probe then the online rule: its lr at the end
-    assert cells[:5] == ["tcr@auto+hg0.1", "Contr. 1: 2e-3", "25.0 %", "3e-4: 50.0 %", "50.0 %"]
+    assert cells[:6] == ["tcr@auto+hg0.1", "1", "Contr. 1: 2e-3", "25.0 %", "3e-4: 50.0 %", "50.0 %"]
+    assert len(v3.auto_report_lines(rows, "i2t", seeds=(3, 4, 5))) == 2  # no selector ran on every seed: no row
+    # the probe's runs gain the new column (fog 5: 300/400), the other selector's do not: each on its own columns
+    rows += [_v3_row("source", "fog", 5, 100, phase="auto", seed=3, config="tcr-auto-report~fog"),
+             _v3_row("tcr", "fog", 5, 300, None, phase="auto", seed=3, lr_search=search, config="tcr-auto-report~fog")]
+    lines = v3.auto_report_lines(rows, "i2t")
+    assert [c.strip() for c in lines[2].strip("|").split("|")][:7] == ["tcr@auto", "2", "Contr. 1: 3e-3, Fog 5: 3e-3", "58.0 %",
+                                                                       "3e-4: 80.0 %", "72.5 %", "80.0 %"]
+    assert [c.strip() for c in lines[3].strip("|").split("|")][:2] == ["tcr@auto+hg0.1", "1"]
 
 
 def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_path):
