@@ -352,7 +352,7 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
     _, auto = report_cells(rows, direction, seeds, phase="auto")
     src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
-    lines = ["| selector | columns | lr per column, at the end | won back | at the labelled lr | of the labelled | "
+    lines = ["| selector | columns | lr per column at the end (first seed) | won back | at the labelled lr | of the labelled | "
              "at the paper's lr | vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
