@@ -230,9 +230,9 @@ def columns_only(todo: list[tuple[str, list[str]]], corruptions: list[str], erro
 
     out = []
     for name, args in todo:
-        if "--text-corruptions" not in args or not args[args.index("--text-corruptions") + 1]:
+        i = args.index("--text-corruptions") + 1 if "--text-corruptions" in args else None
+        if i is None or not args[i]:
             continue
-        i = args.index("--text-corruptions") + 1
         unknown = sorted(set(corruptions) - set(args[i].split(",")))
         if unknown:
             error(f"--text-corruptions: {', '.join(unknown)} not in run {name}'s corruptions ({args[i]}).")

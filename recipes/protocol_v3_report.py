@@ -14,7 +14,17 @@ for _p in (REPO, REPO / "recipes"):
         sys.path.insert(0, str(_p))
 
 import numpy as np  # noqa: E402
-from protocol_v3_rows import STREAMS, complete, corruption_columns, hits, mean_r1, report_cells, share, verdict  # noqa: E402
+from protocol_v3_rows import (  # noqa: E402
+    STREAMS,
+    complete,
+    corruption_columns,
+    held_columns,
+    hits,
+    mean_r1,
+    report_cells,
+    share,
+    verdict,
+)
 
 from hf_tta.benchmarks.figures import figure  # noqa: E402
 
@@ -90,7 +100,7 @@ def after_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,))
 
     src, before = report_cells(rows, direction, seeds)
     after_src, after = report_cells(rows, direction, seeds, phase="after")
-    cols = [c for c in corruption_columns(src) if all(s in src[c] and s in after_src.get(c, {}) for s in seeds)]
+    cols = held_columns(src, after_src, seeds)
     lines = [f"| row ({len(cols)} column{'s' if len(cols) != 1 else ''}) | won back, prequential (protocol v3) | won back, after the update (the papers' scoring) | "
              "Δ R@1 after − before [95 % interval] |", "|---|---|---|---|"]
     for name, post in sorted(after.items()):

@@ -169,6 +169,12 @@ def report_cells(rows: list[dict], direction: str, seeds: tuple[int, ...], phase
     return sources(rows), by_label(rows, (phase,))
 
 
+def held_columns(src: dict, held: dict, seeds: tuple[int, ...]) -> list[tuple]:
+    """The corruption columns of ``src`` that ``held`` (cells or source rows of another phase or row) has on every seed
+    of ``seeds``: a table compares on those when the report gained columns after some runs."""
+    return [c for c in corruption_columns(src) if all(s in src[c] and s in held.get(c, {}) for s in seeds)]
+
+
 def complete(cells: dict, cols: list[tuple], seeds: tuple[int, ...]) -> bool:
     return all(c in cells and all(s in cells[c] for s in seeds) for c in cols)
 

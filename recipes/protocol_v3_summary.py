@@ -50,8 +50,8 @@ from protocol_v3_rows import (  # noqa: E402 (next to this file)
     by_label,
     column,
     complete,
-    corruption_columns,
     export,
+    held_columns,
     label,
     load,
     lr_name,
@@ -356,7 +356,7 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
              "at the paper's lr | vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
-        cols = [c for c in corruption_columns(src) if all(s in src[c] and s in cells.get(c, {}) for s in seeds)]
+        cols = held_columns(src, cells, seeds)
         if not cols or labelled.get(objective) is None:
             continue
         at = {lr: report.get(f"{objective}@{lr_name(lr)}", {}) for lr in (labelled[objective], PAPER_LR)}
