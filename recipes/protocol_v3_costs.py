@@ -30,8 +30,8 @@ def _cheaper_order(name: str) -> tuple:
 
 
 def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[str, str]:
-    """``(forward, backward passes per query; seconds per query and their ratio to the source row of the same run)``
-    over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
+    """``(forward, backward passes per query; seconds per query, the device, and their ratio to the source row of the
+    same run)`` over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
     picked = [cells[c][s] for c in cols for s in seeds]
     if any(r.get("forward_per_query") is None or r.get("stream_seconds") is None for r in picked):
         return "–", "–"
@@ -43,8 +43,13 @@ def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) ->
     ratio = None
     if all(o is not None and o.get("stream_seconds") for o in own):
         ratio = seconds / sum(o["stream_seconds"] for o in own)
-    return (f"{figure(forward, 2)}, {figure(backward, 2)}",
-            f"{figure(seconds / queries * 1000, 2)} ms ({figure(ratio, 2)}×)" if ratio is not None else f"{figure(seconds / queries * 1000, 2)} ms")
+    time = f"{figure(seconds / queries * 1000, 2)} ms on {_devices(picked)}"
+    return f"{figure(forward, 2)}, {figure(backward, 2)}", f"{time} ({figure(ratio, 2)}×)" if ratio is not None else time
+
+
+def _devices(rows: list[dict]) -> str:
+    """The device(s) the rows ran on, from their runs' headers (seconds are comparable only on one device)."""
+    return " and ".join(sorted({r.get("device") or "an unrecorded device" for r in rows}))
 
 
 def _against_every_batch(name: str, cells: dict, cells_by: dict, cols: list[tuple], seeds: tuple[int, ...]) -> str:
@@ -77,13 +82,18 @@ def cheaper_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3,
     cols = [c for c in corruption_columns(src) if all(s in src[c] for s in seeds)]
     lines = ["| row | won back | worst column vs the source: Δ R@1, verdict (one-sided 95 % bound, margin 0.5) | "
              "Δ R@1 vs the method on every batch [95 % interval] | passes per query (forward, backward) | "
-             "seconds per query (× the source's, same run) |", "|---|---|---|---|---|---|"]
+             "seconds per query, device (× the source's, same run) |", "|---|---|---|---|---|---|"]
     if not cols:
         return lines
-    own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time
+    own = [r for r in runs.values() if column(r) in cols]  # the source rows of every run: their mean time per device
     passes = _cost(src, runs, cols, seeds)[0]
-    seconds = sum(r.get("stream_seconds") or 0.0 for r in own) / sum(r["num_queries"] for r in own) * 1000
-    lines.append(f"| source | – | – | – | {passes} | {figure(seconds, 2)} ms (1×, mean of {len({r['config'] for r in own})} runs) |")
+    times = []
+    for device in sorted({_devices([r]) for r in own}):
+        mine = [r for r in own if _devices([r]) == device]
+        seconds = sum(r.get("stream_seconds") or 0.0 for r in mine) / sum(r["num_queries"] for r in mine) * 1000
+        n = len({r["config"] for r in mine})
+        times.append(f"{figure(seconds, 2)} ms on {device} (1×, mean of {n} run{'s' * (n != 1)})")
+    lines.append(f"| source | – | – | – | {passes} | {'; '.join(times)} |")
     for name, cells in sorted(cells_by.items(), key=lambda kv: _cheaper_order(kv[0].split("@")[0])):
         if not complete(cells, cols, seeds):
             continue

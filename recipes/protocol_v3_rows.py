@@ -44,7 +44,7 @@ def lr_name(lr: float) -> str:
 
 def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
     """Every finished run's row under ``out/<phase>/<direction>/<config>/rows.jsonl``, tagged with its phase, config
-    and run settings (lr, scoring, safety, score transform, degenerate batches, slice); or the rows of an exported
+    and run settings (lr, scoring, safety, score transform, degenerate batches, slice, device); or the rows of an exported
     ``rows.jsonl`` (already tagged)."""
     if isinstance(out, (list, tuple)):
         return [r for o in out for r in load(o, direction)]
@@ -57,7 +57,8 @@ def load(out: Path | list[Path], direction: str | None = None) -> list[dict]:
             phase, config = path.parts[-4], path.parts[-2]
             lines = path.read_text().splitlines()
             head = json.loads(lines[0]).get("hf-tta-run", {}) if lines else {}
-            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit", "steps")}
+            settings = {k: head.get(k) for k in ("lr", "scoring", "safety", "score_transform", "degenerate_batches", "limit", "steps",
+                                                  "device")}
             for line in lines[1:]:
                 row = json.loads(line)
                 if "error" not in row:

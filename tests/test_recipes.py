@@ -508,7 +508,8 @@ def test_v3_cheaper_phase_lists_the_transforms_the_methods_and_their_budgets(v3,
 
 def _cost_row(objective, shift, severity, n_hits, config, seconds, passes=(1.0, 0.0), lr=None):
     return _v3_row(objective, shift, severity, n_hits, lr=lr, phase="cheaper", config=config, seed=3, num_queries=400,
-                   forward_per_query=passes[0], backward_per_query=passes[1], stream_seconds=seconds)
+                   forward_per_query=passes[0], backward_per_query=passes[1], stream_seconds=seconds,
+                   device="cuda" if config.startswith("tcr") else "cpu")
 
 
 def test_v3_cheaper_table_by_hand(v3, tmp_path):
@@ -516,7 +517,9 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
     contrast and loses 10 on snow (share 50 / 300 = 16.7 %, worst snow −2.5: below the source), its stream 3 s a
     column against its run's source 2 s (7.50 ms a query, 1.50×); TCR at 25 % of batches gains 100 and 10 (36.7 %,
     worst snow +2.5), 1.75 forwards and 0.75 backwards a query, 20 s a column against its run's 4 s (50 ms, 5×); TCR on
-    every batch of the same run gains 120 and 10 (43.3 %), so the budget row is 20 hits below it: −2.5 R@1 over 800."""
+    every batch of the same run gains 120 and 10 (43.3 %), so the budget row is 20 hits below it: −2.5 R@1 over 800.
+    DN's run is on the CPU, TCR's on a GPU: each time names its device, the source's mean one per device (4 s and 8 s
+    over 800 queries: 5 ms and 10 ms)."""
     tcr = dict(config="tcr+b25-lr1e-3", lr=1e-3)
     rows = []
     for config, src_seconds in (("dn", 2.0), (tcr["config"], 4.0)):
@@ -529,14 +532,15 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
              _cost_row("tcr", "snow", 2, 310, seconds=40.0, passes=(4.0, 3.0), **tcr),
              _cost_row("rest+nnn", "contrast", 1, 300, "rest+nnn-lr3e-3", 9.0, lr=3e-3)]  # incomplete: no snow yet
     lines = v3.cheaper_lines(rows, "i2t", seeds=(3,))
-    assert len(lines) == 6 and lines[2] == "| source | – | – | – | 1.00, 0.00 | 7.50 ms (1×, mean of 2 runs) |"
+    assert len(lines) == 6 and lines[2] == ("| source | – | – | – | 1.00, 0.00 | "
+                                            "5.00 ms on cpu (1×, mean of 1 run); 10.00 ms on cuda (1×, mean of 1 run) |")
     dn, every, budget = lines[3].split(" | "), lines[4].split(" | "), lines[5].split(" | ")
     assert dn[0] == "| dn" and dn[1] == "16.7 %" and dn[2].startswith("Snow 2: −2.5, below the source (bound −")
-    assert "not below" not in dn[2] and dn[3:] == ["–", "1.00, 0.00", "7.50 ms (1.50×) |"]
-    assert every[0] == "| tcr@1e-3" and every[1] == "43.3 %" and every[3:] == ["–", "4.00, 3.00", "100.00 ms (10.00×) |"]
+    assert "not below" not in dn[2] and dn[3:] == ["–", "1.00, 0.00", "7.50 ms on cpu (1.50×) |"]
+    assert every[0] == "| tcr@1e-3" and every[1] == "43.3 %" and every[3:] == ["–", "4.00, 3.00", "100.00 ms on cuda (10.00×) |"]
     assert budget[0] == "| tcr+b25@1e-3" and budget[1] == "36.7 %" and budget[2].startswith("Snow 2: +2.5, not below the source (bound ")
     # against TCR on every batch: −20 hits on contrast over 800 queries, −2.5 R@1, its interval below zero
-    assert budget[3].startswith("−2.5 [−") and budget[3].endswith("]") and budget[4:] == ["1.75, 0.75", "50.00 ms (5.00×) |"]
+    assert budget[3].startswith("−2.5 [−") and budget[3].endswith("]") and budget[4:] == ["1.75, 0.75", "50.00 ms on cuda (5.00×) |"]
     hi = float(budget[3].split(", ")[1].rstrip("]").replace("−", "-"))
     assert hi < 0
     old = [{k: v for k, v in r.items() if k != "stream_seconds"} if r["objective"] == "dn" else r for r in rows]
@@ -545,7 +549,7 @@ def test_v3_cheaper_table_by_hand(v3, tmp_path):
     exported.write_text("".join(json.dumps({**r, "seed": seed}) + "\n" for seed in (3, 4, 5) for r in rows))
     printed = v3.summarise(exported, "i2t", part="cheaper").splitlines()
     assert printed[0].startswith("**Cheaper alternatives (i2t, report split, seeds 3, 4, 5") and printed[2:5] == lines[:3]
-    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| – | 1.00, 0.00 | 7.50 ms (1.50×) |")
+    assert printed[5].startswith("| dn | 16.7 % | Snow 2: −2.5, below") and printed[5].endswith("| – | 1.00, 0.00 | 7.50 ms on cpu (1.50×) |")
 
 
 def test_v3_phases_name_the_missing_selection_runs(v3, monkeypatch, tmp_path, capsys):
