@@ -42,6 +42,7 @@ Phases (each reads the choices of the earlier ones from the rows):
     python recipes/protocol_v3.py report --direction i2t --out runs/v3 --jobs 2 --shard 1/2
     python recipes/protocol_v3.py cheaper --direction i2t --out runs/v3 --jobs 1
     python recipes/protocol_v3.py select --direction t2i --out runs/v3 --jobs 8 --device cuda   # where a GPU is lent
+    python recipes/protocol_v3.py cheaper --direction t2i --out runs/v3 --jobs 16 --split-runs 4 --device cuda
     python recipes/protocol_v3_summary.py runs/v3 --export model_cards/results/protocol-v3
 """
 
@@ -113,6 +114,50 @@ def _run(folder: Path, args: list[str], cache: str, device: str = "cpu") -> int:
     (folder / "command.txt").write_text(" ".join(cmd) + "\n")
     with open(folder / "log.txt", "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _part(folder: Path, k: int, n: int) -> Path:
+    """Where part ``k`` of a run split over ``n`` processes (``hf-tta run --shard k/n``, 0-based) writes: one level
+    below the run, out of the tables' reach (``protocol_v3_rows.load`` reads ``<phase>/<direction>/<run>/rows.jsonl``)."""
+    return folder / f"shard-{k}-of-{n}"
+
+
+def merge_parts(folder: Path, n: int) -> int:
+    """The rows of a run's ``n`` finished parts (:func:`_part`) as the run's own ``rows.jsonl`` (the header of part 0
+    without its ``shard``, with ``shards: n``; headers that differ otherwise, a part without ``results.json`` or a
+    row in two parts raise) and ``results.json`` (``hf-tta merge``); returns the number of rows."""
+    import json  # noqa: PLC0415
+
+    heads, rows = [], []
+    for k in range(n):
+        part = _part(folder, k, n)
+        if not (part / "results.json").is_file():
+            raise ValueError(f"{part}: not finished (no results.json); run the phase again to resume it.")
+        lines = [line for line in (part / "rows.jsonl").read_text().splitlines() if line.strip()]
+        heads.append(json.loads(lines[0])["hf-tta-run"])
+        rows += lines[1:]
+    shards = [h.pop("shard", None) for h in heads]
+    if shards != [f"{k}/{n}" for k in range(n)] or any(h != heads[0] for h in heads):
+        raise ValueError(f"{folder}: its parts are not the {n} shards of one run (headers differ).")
+    keys = [(r["stream"], r["objective"], r["seed"]) for r in map(json.loads, rows)]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{folder}: a row is in two parts.")
+    (folder / "rows.jsonl").write_text("\n".join([json.dumps({"hf-tta-run": {**heads[0], "shards": n}}), *rows]) + "\n")
+    subprocess.run([sys.executable, "-m", "hf_tta.cli", "merge", *(str(_part(folder, k, n) / "results.json") for k in range(n)),
+                    "--output-dir", str(folder), "--no-plots"], check=True, stdout=subprocess.DEVNULL)
+    return len(rows)
+
+
+def _run_split(folder: Path, args: list[str], cache: str, device: str, n: int, pool: ThreadPoolExecutor) -> int:
+    """A run as ``n`` processes (``--shard k/n`` each, in the pool), then :func:`merge_parts`; a finished run (its
+    ``results.json``) is left as it is."""
+    if (folder / "results.json").is_file():
+        return 0
+    codes = list(pool.map(lambda k: _run(_part(folder, k, n), [*args, "--shard", f"{k}/{n}"], cache, device), range(n)))
+    if any(codes):
+        return 1
+    merge_parts(folder, n)
+    return 0
 
 
 def _replace(args: list[str], values: dict[str, str]) -> list[str]:
@@ -257,7 +302,13 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     parser.add_argument("--device", default="cpu", help="every run's --device (e.g. cuda, with --jobs 8 on one GPU); a run "
                         "continues only on the device it started on (its rows.jsonl names it)")
+    parser.add_argument("--split-runs", type=int, default=1, metavar="N",
+                        help="run each run as N processes (`hf-tta run --shard k/N` into `<folder>/shard-k-of-N`), "
+                        "merged into the run's folder when all finish: a GPU with many cores finishes a phase of a few "
+                        "long runs sooner (e.g. --device cuda --jobs 16 --split-runs 4)")
     args = parser.parse_args(argv)
+    if args.split_runs < 1:
+        parser.error(f"--split-runs takes a positive number of processes per run; got {args.split_runs}")
     try:
         k, n = (int(x) for x in args.shard.split("/"))
         assert 1 <= k <= n
@@ -271,8 +322,13 @@ def main(argv=None) -> None:
         for name, a in todo:
             print(name, " ".join(a))
         return
-    with ThreadPoolExecutor(args.jobs) as pool:
-        codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir, args.device), todo))
+    if args.split_runs > 1:  # each run's parts share one pool of --jobs processes; the runs are queued from threads
+        with ThreadPoolExecutor(args.jobs) as pool, ThreadPoolExecutor(len(todo) or 1) as runs:
+            codes = list(runs.map(lambda job: _run_split(args.out / job[0], job[1], args.cache_dir, args.device,
+                                                         args.split_runs, pool), todo))
+    else:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir, args.device), todo))
     failed = [name for (name, _), c in zip(todo, codes) if c != 0]
     print(f"{len(todo) - len(failed)} of {len(todo)} runs finished" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

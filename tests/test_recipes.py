@@ -681,3 +681,78 @@ def test_device_pack_check_exits_1_when_a_cached_text_uses_an_id_that_was_not_ke
     (cache / "queries-2-seed0-t2i__diverse.json").write_text(json.dumps(["zebra saxophone"]))  # drawn elsewhere
     assert pack_recipe.main(["check", str(tmp_path / "m"), "--cache-dir", str(cache)]) == 1
     assert "3 texts" in capsys.readouterr().out
+
+
+def _part(folder, k, n, rows, **head):
+    """One finished part of a run split over ``n`` processes, as ``hf-tta run --shard k/n`` leaves it."""
+    from hf_tta.benchmarks.outputs import write_outputs
+
+    folder.mkdir(parents=True)
+    header = {"hf-tta-run": {"lr": 0.001, "device": "cpu", "scoring": "before_update", "shard": f"{k}/{n}", **head}}
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [header, *rows]))
+    write_outputs(rows, str(folder), {"identity": {"scoring": "before_update"}}, plots=False)
+
+
+def test_v3_a_run_split_over_processes_is_merged_into_its_folder_once_every_part_finished(tmp_path, capsys):
+    """``--split-runs N`` runs each run as N ``--shard k/N`` processes below its folder and merges their rows into the
+    run's ``rows.jsonl`` (part 0's header without its shard, ``shards: N``) and ``results.json``; the tables read the
+    run once. An unfinished part, parts of two runs, or a row in two parts is refused; N < 1 exits 2."""
+    recipe, rows_of = _load("protocol_v3"), _load("protocol_v3_rows")
+    row = lambda obj, shift, n_hits: {**_v3_row(obj, shift, 3 if shift != "clean" else None, n_hits, seed=3),  # noqa: E731
+                                      "stream": f"i2t/{shift}", "num_queries": 400, "R@1": n_hits / 4, "R@5": 100.0, "R@10": 100.0}
+    a, b, c = row("source", "clean", 400), row("source", "snow", 200), row("tcr", "snow", 300)
+    run = tmp_path / "cheaper" / "i2t" / "tcr-lr1e-3"
+    _part(recipe._part(run, 0, 2), 0, 2, [a, c])
+    assert not (run / "rows.jsonl").exists()
+    with pytest.raises(ValueError, match="shard-1-of-2: not finished"):
+        recipe.merge_parts(run, 2)
+    _part(recipe._part(run, 1, 2), 1, 2, [b])
+    assert recipe.merge_parts(run, 2) == 3
+    lines = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines()]
+    assert lines[0]["hf-tta-run"] == {"lr": 0.001, "device": "cpu", "scoring": "before_update", "shards": 2}
+    assert [r["hits"] for r in lines[1:]] == [a["hits"], c["hits"], b["hits"]]
+    assert len(json.loads((run / "results.json").read_text())["rows"]) == 3
+    loaded = rows_of.load(tmp_path)  # the parts one level down are not read a second time
+    assert sorted((r["objective"], r["shift"], r["device"]) for r in loaded) == [
+        ("source", "clean", "cpu"), ("source", "snow", "cpu"), ("tcr", "snow", "cpu")]
+    assert recipe._run_split(run, ["--objectives", "tcr"], str(tmp_path), "cpu", 2, None) == 0  # finished: left as is
+    other = tmp_path / "other"
+    _part(recipe._part(other, 0, 2), 0, 2, [a])
+    _part(recipe._part(other, 1, 2), 1, 2, [b], lr=0.01)
+    with pytest.raises(ValueError, match="not the 2 shards of one run"):
+        recipe.merge_parts(other, 2)
+    twice = tmp_path / "twice"
+    _part(recipe._part(twice, 0, 2), 0, 2, [a, b])
+    _part(recipe._part(twice, 1, 2), 1, 2, [b])
+    with pytest.raises(ValueError, match="a row is in two parts"):
+        recipe.merge_parts(twice, 2)
+    with pytest.raises(SystemExit) as exit_:
+        recipe.main(["cheaper", "--out", str(tmp_path), "--split-runs", "0", "--dry-run"])
+    assert exit_.value.code == 2 and "--split-runs takes a positive number" in capsys.readouterr().err
+
+
+def test_v3_split_runs_start_every_part_with_its_shard_and_merge(v3, monkeypatch, tmp_path):
+    """The recipe's plumbing: with ``--split-runs 2`` each selected run starts two ``hf-tta run``s with ``--shard 0/2``
+    and ``--shard 1/2`` in its part folders (here each part writes the rows of its shard of a 2-row run), then the run
+    folder holds the merged rows."""
+    recipe = _load("protocol_v3")
+    monkeypatch.setattr(v3, "load", lambda out: [])
+    monkeypatch.setattr(v3, "selected_lrs", lambda rows, direction: dict.fromkeys(recipe.OBJECTIVES, "1e-3"))
+    started = []
+
+    def fake_run(folder, args, cache, device="cpu"):
+        k, n = args[args.index("--shard") + 1].split("/")
+        started.append((folder.relative_to(tmp_path).as_posix(), args[args.index("--objectives") + 1], k, n))
+        rows = [{**_v3_row("source", "clean", None, 400, seed=3), "stream": "i2t/clean", "num_queries": 400, "R@1": 100.0,
+                 "R@5": 100.0, "R@10": 100.0}, {**_v3_row("dn", "snow", 3, 300, seed=3), "stream": "i2t/snow", "num_queries": 400,
+                                                "R@1": 75.0, "R@5": 100.0, "R@10": 100.0}]
+        _part(folder, int(k), int(n), rows[int(k)::int(n)])
+        return 0
+
+    monkeypatch.setattr(recipe, "_run", fake_run)
+    with pytest.raises(SystemExit) as exit_:
+        recipe.main(["cheaper", "--out", str(tmp_path), "--only", "cheaper/i2t/dn", "--split-runs", "2", "--jobs", "2"])
+    assert exit_.value.code == 0
+    assert sorted(started) == [("cheaper/i2t/dn/shard-0-of-2", "dn", "0", "2"), ("cheaper/i2t/dn/shard-1-of-2", "dn", "1", "2")]
+    merged = (tmp_path / "cheaper" / "i2t" / "dn" / "rows.jsonl").read_text().splitlines()
+    assert len(merged) == 3 and json.loads(merged[0])["hf-tta-run"]["shards"] == 2
