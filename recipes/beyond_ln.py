@@ -49,10 +49,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # protocol_v3, beside this file
+from protocol_v3 import run_folder  # noqa: E402  (its runner: one thread, offline, command and log in the folder)
 
 NORMS = r"vision_model\.(embeddings\.layernorm|encoder\.stages\.\d+\.(layers\.\d+\.layernorm|downsampling_layer\.0)|layernorm)"
 STEM = r"vision_model\.embeddings\.(patch_embeddings|layernorm)"
@@ -180,16 +182,6 @@ STUDIES = {  # direction -> (sets, lrs, candidates, candidate's set, selection, 
 LR_CONTROL = {"i2t": "tcr-ln-lr3e-3", "t2i": "tcr-ln-lr1e-3"}
 
 
-def _run(out: Path, args: list[str], cache: str) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(out), "--cache-dir", cache,
-           "--no-plots", "--quiet", "--threads", "1"]
-    with open(out / "command.txt", "w") as f:
-        f.write(" ".join(cmd) + "\n")
-    with open(out / "log.txt", "a") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-
 def _jobs(phase: str, candidate: str | None = None, lrs: dict[str, str] | None = None,
           direction: str = "i2t") -> list[tuple[str, list[str]]]:
     """The phase's runs: (folder, `hf-tta run` arguments). ``lrs``: each set's chosen lr (report)."""
@@ -255,7 +247,7 @@ def main(argv=None) -> None:
     jobs = [(n, a) for n, a in _jobs(args.phase, args.candidate, lrs, args.direction) if not args.only or any(o in n for o in args.only)]
     with ThreadPoolExecutor(args.jobs) as pool:
         folder = out / ("candidates" if args.phase == "streams" else args.phase)
-        codes = list(pool.map(lambda job: _run(folder / job[0], job[1], args.cache_dir), jobs))
+        codes = list(pool.map(lambda job: run_folder(folder / job[0], job[1], args.cache_dir), jobs))
     failed = [n for (n, _), c in zip(jobs, codes) if c != 0]
     print(f"{len(jobs) - len(failed)} of {len(jobs)} runs finished" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

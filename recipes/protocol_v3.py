@@ -107,7 +107,10 @@ SELECTORS = {
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
 
-def _run(folder: Path, args: list[str], cache: str, device: str = "cpu") -> int:
+def run_folder(folder: Path, args: list[str], cache: str, device: str = "cpu") -> int:
+    """One ``hf-tta run`` of ``args`` into ``folder`` (one thread, offline, plots off; its command line in
+    ``command.txt``, its output appended to ``log.txt``); returns its exit code. ``recipes/beyond_ln.py`` runs with it
+    too."""
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(folder), "--cache-dir", cache,
            "--no-plots", "--quiet", "--threads", "1", *(["--device", device] if device != "cpu" else [])]
@@ -153,7 +156,7 @@ def _run_split(folder: Path, args: list[str], cache: str, device: str, n: int, p
     ``results.json``) is left as it is."""
     if (folder / "results.json").is_file():
         return 0
-    codes = list(pool.map(lambda k: _run(_part(folder, k, n), [*args, "--shard", f"{k}/{n}"], cache, device), range(n)))
+    codes = list(pool.map(lambda k: run_folder(_part(folder, k, n), [*args, "--shard", f"{k}/{n}"], cache, device), range(n)))
     if any(codes):
         return 1
     merge_parts(folder, n)
@@ -328,7 +331,7 @@ def main(argv=None) -> None:
                                                          args.split_runs, pool), todo))
     else:
         with ThreadPoolExecutor(args.jobs) as pool:
-            codes = list(pool.map(lambda job: _run(args.out / job[0], job[1], args.cache_dir, args.device), todo))
+            codes = list(pool.map(lambda job: run_folder(args.out / job[0], job[1], args.cache_dir, args.device), todo))
     failed = [name for (name, _), c in zip(todo, codes) if c != 0]
     print(f"{len(todo) - len(failed)} of {len(todo)} runs finished" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

@@ -633,7 +633,7 @@ def test_v3_runs_pass_the_device_on(tmp_path):
     it in one line and the recipe sees the failure."""
     recipe = _load("protocol_v3")
     folder = tmp_path / "select" / "i2t" / "tcr-lr1e-3"
-    code = recipe._run(folder, ["--objectives", "tcr", "--lr", "1e-3"], str(tmp_path / "cache"), device="cuda")
+    code = recipe.run_folder(folder, ["--objectives", "tcr", "--lr", "1e-3"], str(tmp_path / "cache"), device="cuda")
     assert "--device cuda" in (folder / "command.txt").read_text()
     assert code == 2 and "--device cuda: CUDA is not available here; use --device cpu." in (folder / "log.txt").read_text()
 
@@ -749,7 +749,7 @@ def test_v3_split_runs_start_every_part_with_its_shard_and_merge(v3, monkeypatch
         _part(folder, int(k), int(n), rows[int(k)::int(n)])
         return 0
 
-    monkeypatch.setattr(recipe, "_run", fake_run)
+    monkeypatch.setattr(recipe, "run_folder", fake_run)
     with pytest.raises(SystemExit) as exit_:
         recipe.main(["cheaper", "--out", str(tmp_path), "--only", "cheaper/i2t/dn", "--split-runs", "2", "--jobs", "2"])
     assert exit_.value.code == 0
