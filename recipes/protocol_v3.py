@@ -308,7 +308,8 @@ def main(argv=None) -> None:
     parser.add_argument("--split-runs", type=int, default=1, metavar="N",
                         help="run each run as N processes (`hf-tta run --shard k/N` into `<folder>/shard-k-of-N`), "
                         "merged into the run's folder when all finish: a GPU with many cores finishes a phase of a few "
-                        "long runs sooner (e.g. --device cuda --jobs 16 --split-runs 4)")
+                        "long runs sooner (e.g. --device cuda --jobs 16 --split-runs 4); a row's time is then compared with its "
+                        "run's source row timed in the same or a sibling process")
     args = parser.parse_args(argv)
     if args.split_runs < 1:
         parser.error(f"--split-runs takes a positive number of processes per run; got {args.split_runs}")
