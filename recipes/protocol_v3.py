@@ -95,7 +95,8 @@ RECOMMENDED = {"name": "recommended-lr3e-4", "row": "recommended", "args": ["--l
 #: :class:`hf_tta.lr_search.LRSearchConfig`): the probe at its defaults (selector (a)); the hypergradient rule alone
 #: from the default lr (selector (c)) at its a-priori rate 0.02 and at 0.1; the probe followed by the rule at 0.1; the
 #: probe answering with its leading shadow (selector (b), ``serve="leader"``); the back-off alone (selector (d): from the highest candidate, halving the lr at each rollback of the default safety
-#: layer, which it needs).
+#: layer, which it needs); the probe serving its leader under the default safety layer (what a user who keeps the
+#: safety layer on, as the README advises, runs; added in session 6, after the report rows of the others were read).
 SELECTORS = {
     "auto": ["--lr_search", "{}"],
     "hg": ["--lr_search", '{"online": "hypergradient", "probe_batches": 0}'],
@@ -103,6 +104,7 @@ SELECTORS = {
     "auto+hg0.1": ["--lr_search", '{"online": "hypergradient", "hypergradient_rate": 0.1}'],
     "auto+leader": ["--lr_search", '{"serve": "leader"}'],
     "backoff0.5+safe": ["--lr_search", '{"backoff": 0.5, "probe_batches": 0}', "--safety", "{}"],
+    "auto+leader+safe": ["--lr_search", '{"serve": "leader"}', "--safety", "{}"],
 }
 PHASES = ("select", "extend", "degenerate", "preset", "report", "corruptions", "after", "auto", "cheaper")
 
