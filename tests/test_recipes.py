@@ -433,7 +433,7 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
 
 def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_path):
     """Issue 37's selectors (the probe; the hypergradient rule alone at rates 0.02 and 0.1; the probe then the rule; the
-    probe serving its leader; the back-off alone under the safety layer),
+    probe serving its leader, alone and under the safety layer; the back-off alone under the safety layer),
     for TCR and REST: every selection-split run (corruptions and clean, then degenerate) before any report run; each
     run's --lr_search parses into its LRSearchConfig, and its folder names the selector its rows are labelled by."""
     import json
@@ -443,7 +443,7 @@ def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_
     recipe, rows = _load("protocol_v3"), _load("protocol_v3_rows")
     jobs = recipe.jobs("auto", "i2t", tmp_path)
     names = [name for name, _ in jobs]
-    assert len(names) == 3 * 6 * 2 and all("-report" not in n for n in names[:24]) and all(n.endswith("-report") for n in names[24:])
+    assert len(names) == 3 * 7 * 2 and all("-report" not in n for n in names[:28]) and all(n.endswith("-report") for n in names[28:])
     for name, args in jobs:
         config = LRSearchConfig(**json.loads(args[args.index("--lr_search") + 1]))
         objective = name.split("/")[-1].split("-")[0]
@@ -451,8 +451,9 @@ def test_v3_auto_phase_runs_every_selector_on_the_selection_split_first(v3, tmp_
         assert selector in recipe.SELECTORS and (config.online is None) == ("hg" not in selector)
         assert config.probe_batches == (4 if selector.startswith("auto") else 0) and "--lr" not in args
         assert config.hypergradient_rate == (0.1 if selector.endswith("hg0.1") else None)
-        assert config.backoff == (0.5 if selector.startswith("backoff") else None) and ("--safety" in args) == (config.backoff is not None)
-        assert config.serve == ("leader" if selector == "auto+leader" else "source")
+        assert config.backoff == (0.5 if selector.startswith("backoff") else None)
+        assert ("--safety" in args) == selector.endswith("+safe")
+        assert config.serve == ("leader" if selector.startswith("auto+leader") else "source")
 
 
 def test_v3_the_selector_chosen_on_the_selection_split_and_its_report_runs(v3, v3_selection, monkeypatch, tmp_path):
