@@ -29,15 +29,26 @@ def _cheaper_order(name: str) -> tuple:
             spec.score_transform or "")
 
 
+def passes(cells: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[float, float] | None:
+    """The query tower's forward and backward passes per query over the columns and seeds (query-weighted); ``None``
+    where a row predates the cost columns."""
+    picked = [cells[c][s] for c in cols for s in seeds]
+    if any(r.get("forward_per_query") is None for r in picked):
+        return None
+    queries = sum(r["num_queries"] for r in picked)
+    return (sum(r["forward_per_query"] * r["num_queries"] for r in picked) / queries,
+            sum(r["backward_per_query"] * r["num_queries"] for r in picked) / queries)
+
+
 def _cost(cells: dict, runs: dict, cols: list[tuple], seeds: tuple[int, ...]) -> tuple[str, str]:
     """``(forward, backward passes per query; seconds per query, the device, and their ratio to the source row of the
     same run)`` over the columns and seeds (query-weighted), ``–`` where a row predates the cost columns."""
     picked = [cells[c][s] for c in cols for s in seeds]
-    if any(r.get("forward_per_query") is None or r.get("stream_seconds") is None for r in picked):
+    counted = passes(cells, cols, seeds)
+    if counted is None or any(r.get("stream_seconds") is None for r in picked):
         return "–", "–"
+    forward, backward = counted
     queries = sum(r["num_queries"] for r in picked)
-    forward = sum(r["forward_per_query"] * r["num_queries"] for r in picked) / queries
-    backward = sum(r["backward_per_query"] * r["num_queries"] for r in picked) / queries
     seconds = sum(r["stream_seconds"] for r in picked)
     own = [runs.get((r["config"], column(r), r["seed"])) for r in picked]
     ratio = None

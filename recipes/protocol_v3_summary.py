@@ -346,14 +346,18 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
     """The probe on the report split (phase ``auto``, seed 3) beside the same objective at its labelled lr and at the
     paper's lr (phase ``report``, same seed and columns): shares, the probe's share of the labelled one, the lrs it
     chose per column, and its verdict against the source. Each selector on the report's columns its runs hold on every
-    seed of ``seeds`` (counted; the report may have gained columns since), the labelled rows on the same ones."""
+    seed of ``seeds`` (counted; the report may have gained columns since), the labelled rows on the same ones; its
+    passes per query against a fixed-lr run's ``1 + S`` forwards and ``S`` backwards (``S`` steps per batch; with the
+    safety layer a fixed-lr run also makes one more forward)."""
+    from protocol_v3_costs import passes  # noqa: PLC0415 (next to this file)
+
     from hf_tta.benchmarks.report import abbreviation
 
     _, auto = report_cells(rows, direction, seeds, phase="auto")
     src, report = report_cells(rows, direction, seeds)  # the report's source rows (the probe's runs hold the same ones)
     labelled = {n: c["lr"] for n, c in choices(rows, direction).items()}
     lines = ["| selector | columns | lr per column at the end (first seed) | won back | at the labelled lr | of the labelled | "
-             "at the paper's lr | vs the source (margin 0.5) |", "|---|---|---|---|---|---|---|---|"]
+             "at the paper's lr | vs the source (margin 0.5) | passes per query (× a fixed lr's) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, cells in sorted(auto.items()):
         objective = name.split("@")[0]
         cols = held_columns(src, cells, seeds)
@@ -363,9 +367,12 @@ def auto_report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] =
         shares = {lr: share(c, src, cols) if complete(c, cols, seeds) else None for lr, c in at.items()}
         mine, lab = share(cells, src, cols), shares[labelled[objective]]
         chosen = ", ".join(f"{abbreviation(c[0])} {c[1]}: {lr_name(cells[c][seeds[0]]['lr_search']['lr'])}" for c in cols)
+        counted, steps = passes(cells, cols, seeds), cells[cols[0]][seeds[0]].get("steps")
+        cost = "–" if counted is None or not steps else (f"{figure(counted[0], 2)}, {figure(counted[1], 2)} "
+                                                         f"({figure(sum(counted) / (2 * steps + 1), 2)}×)")
         lines.append(f"| {name} | {len(cols)} | {chosen} | {figure(mine, percent=True)} | {lr_name(labelled[objective])}: "
                      f"{figure(lab, percent=True)} | {figure(mine / lab if lab else None, percent=True)} | "
-                     f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} |")
+                     f"{figure(shares[PAPER_LR], percent=True)} | {verdict(cells, src, cols).verdict} | {cost} |")
     return lines
 
 

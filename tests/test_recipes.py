@@ -404,13 +404,15 @@ def test_v3_auto_probe_against_the_labelled_choice_by_hand(v3, v3_selection):
 
 def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
     """Labelled TCR lr 3e-4 (the selection fixture; also the paper's). Report, seed 3, contrast 1: source 200/400,
-    TCR at 3e-4 300/400 (share 100/200 = 50 %), the probe 290/400 (45 %, 90 % of the labelled)."""
+    TCR at 3e-4 300/400 (share 100/200 = 50 %), the probe 290/400 (45 %, 90 % of the labelled), with 5.5 forwards and
+    4.5 backwards a query where a fixed lr at 3 steps a batch makes 4 + 3: 10 / 7 = 1.43×."""
     rows = [*v3_selection, *(_v3_row("tcr", "degenerate", None, 400, lr, phase="degenerate") for lr in (1e-4, 3e-4))]
     search = {"chosen": 3e-3, "lr": 3e-3, "choices": {}, "queries": 128, "forward": 0, "backward": 0}
     rows += [_v3_row("source", "clean", None, 400, phase="report", seed=3), _v3_row("source", "contrast", 1, 200, phase="report", seed=3),
              _v3_row("tcr", "contrast", 1, 300, 3e-4, phase="report", seed=3),
              _v3_row("source", "contrast", 1, 200, phase="auto", seed=3),
-             _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search, config="tcr-auto-report"),
+             _v3_row("tcr", "contrast", 1, 290, None, phase="auto", seed=3, lr_search=search, config="tcr-auto-report",
+                     forward_per_query=5.5, backward_per_query=4.5, steps=3, num_queries=400),
              _v3_row("tcr", "contrast", 1, 250, None, phase="auto", seed=3, config="tcr-auto+hg0.1-report",
                      lr_search={**search, "lr": 1.7e-3, "lr_min": 1e-4, "lr_max": 3e-3})]
     # a column the report gained after the selectors ran (the text report's WordNet columns): left out of this table
@@ -418,9 +420,10 @@ def test_v3_auto_on_the_report_split_by_hand(v3, v3_selection):
     lines = v3.auto_report_lines(rows, "i2t")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:7] == ["tcr@auto", "1", "Contr. 1: 3e-3", "45.0 %", "3e-4: 50.0 %", "90.0 %", "50.0 %"]
-    assert cells[7].startswith("not below the source")
+    assert cells[7].startswith("not below the source") and cells[8] == "5.50, 4.50 (1.43×)"
     cells = [c.strip() for c in lines[3].strip("|").split("|")]  # the probe then the online rule: its lr at the end
     assert cells[:6] == ["tcr@auto+hg0.1", "1", "Contr. 1: 2e-3", "25.0 %", "3e-4: 50.0 %", "50.0 %"]
+    assert cells[8] == "–"  # a row from before the cost columns
     assert len(v3.auto_report_lines(rows, "i2t", seeds=(3, 4, 5))) == 2  # no selector ran on every seed: no row
     # the probe's runs gain the new column (fog 5: 300/400), the other selector's do not: each on its own columns
     rows += [_v3_row("source", "fog", 5, 100, phase="auto", seed=3, config="tcr-auto-report~fog"),
