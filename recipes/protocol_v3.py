@@ -133,21 +133,24 @@ def merge_parts(folder: Path, n: int) -> int:
     row in two parts raise) and ``results.json`` (``hf-tta merge``); returns the number of rows."""
     import json  # noqa: PLC0415
 
+    from hf_tta.benchmarks.report import row_key  # noqa: PLC0415
+    from hf_tta.cli.run import RUN_HEADER, read_progress  # noqa: PLC0415
+
     heads, rows = [], []
     for k in range(n):
         part = _part(folder, k, n)
         if not (part / "results.json").is_file():
             raise ValueError(f"{part}: not finished (no results.json); run the phase again to resume it.")
-        lines = [line for line in (part / "rows.jsonl").read_text().splitlines() if line.strip()]
-        heads.append(json.loads(lines[0])["hf-tta-run"])
-        rows += lines[1:]
+        head, part_rows = read_progress(part / "rows.jsonl")
+        heads.append(dict(head or {}))
+        rows += part_rows
     shards = [h.pop("shard", None) for h in heads]
     if shards != [f"{k}/{n}" for k in range(n)] or any(h != heads[0] for h in heads):
         raise ValueError(f"{folder}: its parts are not the {n} shards of one run (headers differ).")
-    keys = [(r["stream"], r["objective"], r["seed"]) for r in map(json.loads, rows)]
-    if len(set(keys)) != len(keys):
+    if len({row_key(r) for r in rows}) != len(rows):
         raise ValueError(f"{folder}: a row is in two parts.")
-    (folder / "rows.jsonl").write_text("\n".join([json.dumps({"hf-tta-run": {**heads[0], "shards": n}}), *rows]) + "\n")
+    lines = [json.dumps({RUN_HEADER: {**heads[0], "shards": n}}), *map(json.dumps, rows)]
+    (folder / "rows.jsonl").write_text("\n".join(lines) + "\n")
     subprocess.run([sys.executable, "-m", "hf_tta.cli", "merge", *(str(_part(folder, k, n) / "results.json") for k in range(n)),
                     "--output-dir", str(folder), "--no-plots"], check=True, stdout=subprocess.DEVNULL)
     return len(rows)
