@@ -157,14 +157,18 @@ def merge_parts(folder: Path, n: int) -> int:
 
 
 def _run_split(folder: Path, args: list[str], cache: str, device: str, n: int, pool: ThreadPoolExecutor) -> int:
-    """A run as ``n`` processes (``--shard k/n`` each, in the pool), then :func:`merge_parts`; a finished run (its
-    ``results.json``) is left as it is."""
+    """A run as ``n`` processes (``--shard k/n`` each, in the pool), then :func:`merge_parts` (a refusal: one line on
+    stderr, exit code 1); a finished run (its ``results.json``) is left as it is."""
     if (folder / "results.json").is_file():
         return 0
     codes = list(pool.map(lambda k: run_folder(_part(folder, k, n), [*args, "--shard", f"{k}/{n}"], cache, device), range(n)))
     if any(codes):
         return 1
-    merge_parts(folder, n)
+    try:
+        merge_parts(folder, n)
+    except ValueError as err:  # parts of two runs, or a row in two parts: one line, the run counted as failed
+        print(f"protocol_v3: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

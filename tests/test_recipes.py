@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -697,7 +698,7 @@ def _part(folder, k, n, rows, **head):
     write_outputs(rows, str(folder), {"identity": {"scoring": "before_update"}}, plots=False)
 
 
-def test_v3_a_run_split_over_processes_is_merged_into_its_folder_once_every_part_finished(tmp_path, capsys):
+def test_v3_a_run_split_over_processes_is_merged_into_its_folder_once_every_part_finished(tmp_path, capsys, monkeypatch):
     """``--split-runs N`` runs each run as N ``--shard k/N`` processes below its folder and merges their rows into the
     run's ``rows.jsonl`` (part 0's header without its shard, ``shards: N``) and ``results.json``; the tables read the
     run once. An unfinished part, parts of two runs, or a row in two parts is refused; N < 1 exits 2."""
@@ -730,6 +731,11 @@ def test_v3_a_run_split_over_processes_is_merged_into_its_folder_once_every_part
     _part(recipe._part(twice, 1, 2), 1, 2, [b])
     with pytest.raises(ValueError, match="a row is in two parts"):
         recipe.merge_parts(twice, 2)
+    with ThreadPoolExecutor(2) as pool:  # parts that finished but do not merge: one line, the run fails, nothing written
+        monkeypatch.setattr(recipe, "run_folder", lambda *a, **k: 0)
+        assert recipe._run_split(twice, ["--objectives", "tcr"], str(tmp_path), "cpu", 2, pool) == 1
+    assert capsys.readouterr().err.strip() == f"protocol_v3: {twice}: a row is in two parts."
+    assert not (twice / "rows.jsonl").exists()
     with pytest.raises(SystemExit) as exit_:
         recipe.main(["cheaper", "--out", str(tmp_path), "--split-runs", "0", "--dry-run"])
     assert exit_.value.code == 2 and "--split-runs takes a positive number" in capsys.readouterr().err
