@@ -65,6 +65,8 @@ class EmojiTask(Task):
 
     Args:
         limit: use a seeded slice of this many concepts (quick runs, tests); ``None`` = all 1,899.
+        concepts: ``"selection"`` or ``"report"``: one part of protocol v4's concept split
+            (:func:`~hf_tta.benchmarks.emoji.concept_part`), its own gallery of its own captions; ``None`` = all.
         seed: seeds the slice, and the corruptions unless a run passes its own seed to :meth:`queries`.
         render_factor: the query-rendering factor k of the COCO-C protocol (queries rendered at k x the model's input
             side, corrupted there, then resized by the model's preprocessing); ``None`` = the benchmark's default.
@@ -79,7 +81,7 @@ class EmojiTask(Task):
 
     def __init__(
         self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None,
-        render_factor: float | None = None,
+        render_factor: float | None = None, concepts: str | None = None,
     ):
         from .emoji import load_emoji_benchmark
         from .source_model import load_emoji_source_model
@@ -92,7 +94,8 @@ class EmojiTask(Task):
         # protocol v2 always (None = the benchmark's default k); k = 1 on a 32 px model reproduces protocol v1
         self.render_factor = float(render_factor) if render_factor is not None else DEFAULT_RENDER_FACTOR
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.bench = load_emoji_benchmark(limit=limit, seed=seed)
+        self.concepts, self.limit = concepts, limit
+        self.bench = load_emoji_benchmark(limit=limit, seed=seed, concepts=concepts)
         try:
             self.model, self.tokenizer = load_emoji_source_model(weights, device=device)
         except ImportError:
@@ -114,12 +117,17 @@ class EmojiTask(Task):
         side = input_side(self.model)
         v1 = self.render_factor == 1 and side == 32  # the images protocol v1 gave
         return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe(),
+                **({"concepts": self.concepts} if self.concepts is not None else {}),
                 "input_side": side, "render_side": round(self.render_factor * side), "protocol_version": 1 if v1 else 2}
 
     def gallery_key(self, cond: Condition) -> str:
-        if cond.direction == "t2i" and cond.shift == "noto":
-            return "t2i-noto"  # query–gallery style shift: clean captions retrieve Noto-style images
-        return cond.direction
+        """The gallery's name: its direction (``t2i-noto`` for Noto-style images), after the concept part and the
+        ``limit`` slice's seed where they choose the concepts (two sets of concepts of one size never share a cached
+        gallery file)."""
+        key = "t2i-noto" if cond.direction == "t2i" and cond.shift == "noto" else cond.direction  # style shift
+        if self.limit is not None:
+            key = f"slice{self.seed}-{key}"
+        return key if self.concepts is None else f"{self.concepts}-{key}"
 
     def gallery_items(self, cond: Condition) -> Sequence:
         if cond.direction == "i2t":
@@ -136,7 +144,8 @@ class EmojiTask(Task):
             return None
         suffix = "safetensors" if cond.direction == "i2t" else "json"
         k = f"-k{self.render_factor:g}" if self.render_factor is not None else ""
-        return self.cache_dir / f"queries-{len(self.bench)}-seed{seed}{k}-{self.stream_key(cond).replace('/', '__')}.{suffix}"
+        part = f"-{self.concepts}" if self.concepts is not None else ""
+        return self.cache_dir / f"queries-{len(self.bench)}{part}-seed{seed}{k}-{self.stream_key(cond).replace('/', '__')}.{suffix}"
 
     def stream_key(self, cond: Condition) -> str:
         """``cond.key``, and for the text diverse stream the corruptions it draws from (``t2i/diverse`` drew from 4 in

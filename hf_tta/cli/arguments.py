@@ -101,6 +101,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    "(a save_av_benchmark folder or Hub id).")
     g.add_argument("--weights", default=None, help="Emoji benchmark: folder of other trained source weights.")
     g.add_argument("--limit", type=_positive_int, default=None, help="Emoji: a seeded slice of this many concepts; Hub: the first N queries of each stream.")
+    g.add_argument("--concepts", choices=("selection", "report"), default=None, help="Emoji: one part of protocol v4's "
+                   "concept split (a hash of each concept's name: a third for choosing, the rest for reporting), each with "
+                   "its own gallery of its own captions (default: every concept).")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice).")
     g.add_argument("--render-factor", type=_render_factor, default=None, help="Emoji: render each query at k x the model's input side, corrupt it "
@@ -292,6 +295,8 @@ def writable_folder(flag: str, value: str | None) -> None:
 
 def validate_args(args) -> None:
     """Check what the command line names before anything loads (each mistake: one line that names the fix)."""
+    if getattr(args, "concepts", None) is not None and (getattr(args, "model", None) or getattr(args, "dataset", None)):
+        raise UsageError("--concepts splits the emoji benchmark's concepts: drop it with --model/--dataset.")
     _dataset_folder(getattr(args, "dataset", None))
     _path_or_hub_id("--dataset", getattr(args, "dataset", None), "build a benchmark with `hf-tta build` and pass its folder")
     _model_source(getattr(args, "model", None))

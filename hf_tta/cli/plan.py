@@ -94,7 +94,7 @@ def make_task(args):
         task_class = AVTask if audio_video else HubTask
         return task_class(args.model, args.dataset, limit=args.limit, device=args.device)
     return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir,
-                     render_factor=getattr(args, "render_factor", None))
+                     render_factor=getattr(args, "render_factor", None), concepts=getattr(args, "concepts", None))
 
 
 def resolve_grid(args) -> tuple[list, dict]:

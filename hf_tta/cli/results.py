@@ -26,6 +26,7 @@ def cmd_plot(args) -> int:
 
 #: Each identity field (:data:`.run.IDENTITY`): what it is called, and the option that sets it.
 _IDENTITY_WORDS = {"model": ("model", "--model"), "dataset": ("build", "--dataset"), "limit": ("build", "--limit"),
+                   "concepts": ("concept part", "--concepts"),
                    "render_factor": ("build", "--render-factor"), "scoring": ("scoring rule", "--scoring"),
                    "steps": ("scoring rule", "--steps"), "batch_size": ("scoring rule", "--batch-size"),
                    "lr": ("scoring rule", "--lr")}

@@ -152,7 +152,7 @@ def cmd_run(args) -> int:
 
 #: What makes the rows of two runs comparable (``hf-tta merge`` refuses to mix them otherwise): the model, the build
 #: and the scoring rule. Keys of :func:`run_signature`; ``model`` is the emoji ``--weights`` when there is no --model.
-IDENTITY = ("model", "dataset", "limit", "render_factor", "scoring", "steps", "batch_size", "lr")
+IDENTITY = ("model", "dataset", "limit", "concepts", "render_factor", "scoring", "steps", "batch_size", "lr")
 
 
 def run_identity(signature: dict) -> dict:

@@ -1,0 +1,200 @@
+"""Protocol v4's runs: held out in data, registered before they run.
+
+* **Held out in data**: the emoji benchmark's concepts are split once by a fixed rule
+  (:func:`hf_tta.benchmarks.emoji.concept_part`, a hash of each concept's name) into a selection part (624 concepts,
+  979 captions) and a report part (1,275 concepts, 1,993 captions), each with its own gallery of its own captions
+  (``hf-tta run --concepts selection|report``). Every choice reads selection rows only (seed 0, ImageNet-C's
+  validation corruptions, character-level text corruptions); every reported figure comes from report rows only
+  (seeds 3, 4, 5 and 11, 12, the test corruptions, word-level text corruptions, the five streams).
+* **Registered before it runs**: a study's registration (``model_cards/results/protocol-v4/registrations/<study>.json``:
+  candidates, grids, the choice rule, margin, bootstrap size and RNG seed, tables) is committed before its first row.
+  :func:`check_registered` refuses a run of a study whose registration is missing, not committed, or changed since
+  its commit, and every run folder records the registration's commit (``registration.txt``), so git order shows it.
+* Every row is prequential (``--scoring before_update``).
+
+Runs are ``hf-tta run`` processes into their own folders (``<out>/<run name>/rows.jsonl``: per-query hits, resumable)::
+
+    python -m hf_tta.benchmarks.protocols.v4 list
+    python -m hf_tta.benchmarks.protocols.v4 run --out runs/v4 --only sel-i2t/ --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...data.corruptions import CHAR_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
+
+REPO = Path(__file__).resolve().parents[3]
+REGISTRATIONS = Path("model_cards/results/protocol-v4/registrations")
+SCORING = "before_update"
+SELECTION_SEED = 0
+REPORT_SEEDS = (3, 4, 5)
+STREAM_SEEDS = (3, 4, 5, 11, 12)
+DEGENERATE_BATCHES = 50
+#: The safety layer with its degenerate-batch rule only (no drift rollback): the candidates' ``+safe``.
+SAFE_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``hf-tta run`` of a study: its folder name (``<phase>-<direction>/<name>``), the study whose registration
+    it needs, and its arguments."""
+
+    name: str
+    study: str
+    args: tuple[str, ...]
+
+    @property
+    def split(self) -> str:
+        return "selection" if self.name.startswith("sel-") else "report"
+
+
+def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = True, streams=("clean",),
+                    default_grid: bool = False) -> list[str]:
+    """``hf-tta run`` arguments of a v4 split in a direction: its concept part, seeds, corruption columns (the
+    selection split's validation / character-level corruptions; the report's test / word-level ones, or the default
+    grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``)."""
+    from ...data.corruptions import TEST_IMAGE_CORRUPTIONS
+
+    selection = split == "selection"
+    seeds = seeds or ((SELECTION_SEED,) if selection else REPORT_SEEDS)
+    args = ["--direction", direction, "--concepts", split, "--seeds", ",".join(map(str, seeds)), "--scoring", SCORING]
+    if direction == "i2t":
+        if not corruptions:
+            args += ["--corruptions", ""]
+        elif default_grid:
+            args += ["--corruptions", "default"]
+        elif selection:
+            args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", "5"]
+        else:
+            args += ["--corruptions", ",".join(TEST_IMAGE_CORRUPTIONS), "--severities", "3,5"]
+    else:
+        names = (CHAR_CORRUPTIONS if selection else WORD_CORRUPTIONS) if corruptions else ()
+        args += ["--text-corruptions", ",".join(names), "--text-severities", "7" if selection else "3,7"]
+    args += ["--style" if "noto" in streams else "--no-style"]
+    args += [f"--{s}" for s in ("clean", "diverse", "switch", "degenerate") if s in streams]
+    if "degenerate" in streams:
+        args += ["--degenerate-batches", str(DEGENERATE_BATCHES)]
+    return args
+
+
+def _objectives(*rows: str) -> list[str]:
+    return ["--objectives", ",".join(rows)]
+
+
+def default_study_runs() -> list[Run]:
+    """The runs of the ``default-study`` registration (issue 48): the labelled comparators and the candidates on
+    the selection split. Report runs join once the rule has chosen (they name the chosen rows)."""
+    study = "default-study"
+    sel_i2t = split_arguments("selection", "i2t")
+    sel_i2t_d = split_arguments("selection", "i2t", streams=("clean", "degenerate"))
+    sel_t2i = split_arguments("selection", "t2i")
+    sel_t2i_d = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
+    lite = ["--safety", SAFE_LITE]
+    gate = lambda t: ["--shift_gate", json.dumps({"threshold": t})]  # noqa: E731
+    ens = ["--weight_ensemble", json.dumps({"momentum": 0.99})]
+    runs = [
+        Run("sel-i2t/comparators", study, (*sel_i2t, *_objectives(
+            "tcr@1e-3", "tcr@3e-3", "tcr@1e-2", "tcr@3e-2", "rest@3e-4", "rest@1e-3", "rest@3e-3", "rest@1e-2", "nnn"))),
+        Run("sel-i2t/preset", study, (*sel_i2t_d, *_objectives("rest+dn+safe@1e-3"), "--safety", "{}")),
+        Run("sel-i2t/lite", study, (*sel_i2t_d, *lite, *ens, *_objectives(
+            "tcr+safe@3e-3", "tcr+safe@1e-2", "tcr+ens+safe@3e-3", "tcr+ens+safe@1e-2"))),
+        Run("sel-i2t/gate1.5", study, (*sel_i2t_d, *lite, *gate(1.5), *ens, *_objectives(
+            "tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2", "tcr+gate+ens+safe@3e-3", "tcr+gate+ens+safe@1e-2"))),
+        Run("sel-i2t/gate3", study, (*sel_i2t_d, *lite, *gate(3), *_objectives("tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2"))),
+        Run("sel-t2i/comparators", study, (*sel_t2i, *_objectives(
+            "tcr@1e-4", "tcr@3e-4", "tcr@1e-3", "rest@1e-4", "rest@3e-4", "rest@1e-3", "nnn"))),
+        Run("sel-t2i/preset", study, (*sel_t2i_d, *_objectives("tcr+dn+safe@3e-4", "nnn"), "--safety", "{}")),
+        Run("sel-t2i/lite", study, (*sel_t2i_d, *lite, *_objectives("rest+nnn+safe@3e-4"))),
+        Run("sel-t2i/gate1.5", study, (*sel_t2i_d, *lite, *gate(1.5), *_objectives(
+            "rest+gate+safe@3e-4", "rest+gate+safe@1e-3", "rest+gate+nnn+safe@3e-4"))),
+    ]
+    return runs
+
+
+def all_runs() -> list[Run]:
+    return default_study_runs()
+
+
+# ------------------------------------------------------------------------------------------ registration
+def registration_path(study: str, repo: Path = REPO) -> Path:
+    return repo / REGISTRATIONS / f"{study}.json"
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+
+
+def check_registered(study: str, repo: Path = REPO) -> str:
+    """The commit that registered ``study``; a ``ValueError`` in one line when its registration file is missing, not
+    committed, or changed since its last commit (a run must not start before its study's rules are in git)."""
+    path = registration_path(study, repo)
+    rel = path.relative_to(repo)
+    if not path.is_file():
+        raise ValueError(f"study {study!r} has no registration ({rel}): write and commit it before its first run.")
+    json.loads(path.read_text(encoding="utf-8"))  # a registration is JSON; a broken one fails here
+    commit = _git(repo, "log", "-1", "--format=%H", "--", str(rel)).stdout.strip()
+    if not commit:
+        raise ValueError(f"study {study!r}: its registration {rel} is not committed: `git add {rel} && git commit` "
+                         "before its first run.")
+    if _git(repo, "diff", "--quiet", "HEAD", "--", str(rel)).returncode != 0:
+        raise ValueError(f"study {study!r}: its registration {rel} changed since {commit[:7]}: commit the change "
+                         "(and say in the card that the study was re-registered) before running.")
+    return commit
+
+
+def run_folder(folder: Path, args: list[str], cache: str, registration: str, device: str = "cpu") -> int:
+    """One ``hf-tta run`` of ``args`` into ``folder`` (one thread, offline, plots off; its command line in
+    ``command.txt``, the registration commit in ``registration.txt``, its output appended to ``log.txt``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(folder), "--cache-dir", cache,
+           "--no-plots", "--quiet", "--threads", "1", *(["--device", device] if device != "cpu" else [])]
+    (folder / "command.txt").write_text(" ".join(cmd) + "\n")
+    (folder / "registration.txt").write_text(registration + "\n")
+    with open(folder / "log.txt", "a") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_tta.benchmarks.protocols.v4", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the runs and their arguments")
+    run = sub.add_parser("run", help="run (or resume) the runs whose names start with one of --only")
+    run.add_argument("--out", required=True, help="the runs' parent folder")
+    run.add_argument("--only", nargs="*", default=None, help="run-name prefixes (default: every run)")
+    run.add_argument("--jobs", type=int, default=1)
+    run.add_argument("--cache-dir", default=None, help="streams and galleries (default: <out>/cache)")
+    run.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    runs = all_runs()
+    if args.command == "list":
+        for r in runs:
+            print(f"{r.name} [{r.study}, {r.split}]: hf-tta run {' '.join(r.args)}")
+        return 0
+    chosen = [r for r in runs if args.only is None or any(r.name.startswith(p) for p in args.only)]
+    if not chosen:
+        print(f"v4: no run starts with {args.only}; `list` shows them.", file=sys.stderr)
+        return 2
+    try:
+        commits = {s: check_registered(s) for s in {r.study for r in chosen}}
+    except ValueError as err:
+        print(f"v4: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    cache = args.cache_dir or str(out / "cache")
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        codes = list(pool.map(lambda r: run_folder(out / r.name, list(r.args), cache, commits[r.study], args.device), chosen))
+    for r, code in zip(chosen, codes):
+        print(f"{r.name}: {'done' if code == 0 else f'failed (exit {code}; see its log.txt)'}")
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
