@@ -1,0 +1,128 @@
+"""A shift gate: adapt, and answer with the adapted model, only while the queries are off the source distribution.
+
+``TTAConfig(shift_gate={"threshold": 1.5})`` with reference statistics of clean, in-distribution queries
+(:meth:`~hf_tta.TTAWrapper.fit_shift_gate`; no labels). Per batch the source model's **style statistics** of each
+query are computed (:class:`hf_tta.router.QueryFeatures` ``"style"``: the channel-wise mean and log std of the input
+of the query tower's first normalisation layer, a forward that stops there) and compared with the reference's
+per-feature mean :math:`\\mu_d` and variance :math:`\\sigma^2_d`:
+
+.. math::  T = \\frac{1}{B}\\sum_{i=1}^{B} \\frac{1}{D}\\sum_{d=1}^{D} \\frac{(f_{id} - \\mu_d)^2}{\\sigma_d^2}
+
+the batch's mean squared z-score (about 1 on batches drawn like the reference). ``T > threshold`` opens the gate:
+the batch adapts as without the gate and is answered as without it. Otherwise the gate is closed: the **source model**
+answers the batch (one no-grad forward of the source) and nothing adapts; what was adapted before stays for the next
+open batch. So a stream of clean queries is answered exactly as the source model answers it, whatever the objective
+would have done there, and a gradual shift is adapted to only once it is large enough to matter.
+
+Without reference statistics the gate cannot decide: it stays open (every batch adapts, as without it) and says so
+once in the log; ``TTAOutput.logs["shift_gate_statistic"]`` then holds ``nan``.
+
+The reference (``mean``, ``var``, ``count``) is adapted state of a kind: it is saved with the wrapper's checkpoint and
+kept by :meth:`~hf_tta.TTAWrapper.reset` (it describes the source distribution, not the adaptation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .configuration_utils import ConfigMixin, check_field_types, check_positive
+
+logger = logging.getLogger(__name__)
+
+#: Added to each reference variance (features that do not vary over the reference would divide by zero).
+VARIANCE_FLOOR = 1e-12
+
+
+@dataclass
+class ShiftGateConfig(ConfigMixin):
+    """The shift gate (:mod:`hf_tta.shift_gate`).
+
+    Example:
+        >>> ShiftGateConfig.from_dict(ShiftGateConfig(threshold=3.0).to_dict()).threshold
+        3.0
+    """
+
+    threshold: float = field(
+        default=1.5,
+        metadata={"help": "The gate opens (the batch adapts) when its mean squared z-score of the source model's style "
+                  "statistics against the reference exceeds this (about 1 on reference-like batches)."},
+    )
+    min_reference: int = field(
+        default=32, metadata={"help": "fit_shift_gate refuses fewer reference queries than this (a variance of few is noise)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        check_positive("threshold", self.threshold, owner="ShiftGateConfig")
+        if self.min_reference < 2:
+            raise ValueError(f"ShiftGateConfig `min_reference` must be at least 2 (a variance needs two queries); got {self.min_reference}.")
+
+
+class ShiftGate:
+    """The gate's reference and rule. ``fit`` takes ``(N, D)`` features of reference queries; ``statistic`` and
+    ``is_open`` judge a batch's ``(B, D)`` features."""
+
+    def __init__(self, config: ShiftGateConfig):
+        self.config = config
+        self.mean: torch.Tensor | None = None
+        self.var: torch.Tensor | None = None
+        self.count = 0
+        self._warned = False
+
+    @property
+    def fitted(self) -> bool:
+        return self.mean is not None
+
+    def fit(self, features: torch.Tensor) -> None:
+        """Take ``features`` (``(N, D)``, one row per reference query) as the source distribution: per-feature mean
+        and unbiased variance (+ :data:`VARIANCE_FLOOR`). Refuses non-finite features or fewer than ``min_reference``
+        rows in one line, changing nothing."""
+        if not isinstance(features, torch.Tensor) or features.dim() != 2:
+            raise ValueError("fit_shift_gate needs (N, D) features of reference queries.")
+        if features.shape[0] < self.config.min_reference:
+            raise ValueError(f"fit_shift_gate got {features.shape[0]} reference queries; pass at least "
+                             f"{self.config.min_reference} clean, in-distribution queries (ShiftGateConfig.min_reference).")
+        x = features.to("cpu", torch.float64)
+        if not torch.isfinite(x).all():
+            raise ValueError("fit_shift_gate: the reference queries gave non-finite features; check the inputs.")
+        self.mean, self.var, self.count = x.mean(0), x.var(0, unbiased=True) + VARIANCE_FLOOR, int(x.shape[0])
+
+    def statistic(self, features: torch.Tensor) -> float:
+        """``T``, the batch's mean over queries of the mean over features of ``(f - mean)^2 / var``; ``nan``
+        before :meth:`fit`."""
+        if self.mean is None:
+            return math.nan
+        x = features.to("cpu", torch.float64)
+        if x.shape[-1] != self.mean.shape[0]:
+            raise ValueError(f"The shift gate's reference has {self.mean.shape[0]} features, this batch {x.shape[-1]}: "
+                             "was it fitted with another model? Call fit_shift_gate again.")
+        return float(((x - self.mean) ** 2 / self.var).mean())
+
+    def is_open(self, statistic: float) -> bool:
+        """Whether a batch with this statistic adapts: above the threshold, or always before :meth:`fit` (logged once)."""
+        if math.isnan(statistic):
+            if not self._warned:
+                logger.warning("shift_gate has no reference statistics: every batch adapts (call "
+                               "tta.fit_shift_gate(clean_queries) with a few hundred clean, in-distribution queries).")
+                self._warned = True
+            return True
+        return statistic > self.config.threshold
+
+    # ---------------------------------------------------------------- state (checkpoints)
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        if self.mean is None:
+            return {}
+        return {"shift_gate.mean": self.mean.clone(), "shift_gate.var": self.var.clone(),
+                "shift_gate.count": torch.tensor(self.count, dtype=torch.int64)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if "shift_gate.mean" not in tensors:
+            self.mean, self.var, self.count = None, None, 0
+            return
+        self.mean = tensors["shift_gate.mean"].to("cpu", torch.float64).clone()
+        self.var = tensors["shift_gate.var"].to("cpu", torch.float64).clone()
+        self.count = int(tensors["shift_gate.count"])

@@ -1,0 +1,52 @@
+"""Weight ensembling with the source model after each update (ROID's, Marsden et al., WACV 2024).
+
+``TTAConfig(weight_ensemble={"momentum": 0.99})``: after a batch's updates, every adapted parameter is pulled towards
+its source value,
+
+.. math::  \\theta \\leftarrow m\\,\\theta + (1 - m)\\,\\theta_{\\text{source}},
+
+the exponential moving average of ROID's code (``classification/methods/roid.py``, ``forward_and_adapt``: after
+``optimizer.step()``, ``ema_update_model(model_to_update=self.model, model_to_merge=self.src_model,
+momentum=self.momentum_src)``, i.e. ``momentum * p + (1 - momentum) * p_src`` on the parameters that require grad;
+``ROID.MOMENTUM_SRC = 0.99``). ROID takes one step per batch, so its pull follows each step; here it follows each
+batch's ``steps`` updates (TCR: 3), once per batch, as the registration of protocol v4's default study says. It bounds how far a long stream
+can carry the weights from the source (a stationary point of the pull is ``(1 - m)`` of the way back per batch) while
+the optimiser's moments go on as they were. A batch that updated nothing (a skipped step, the safety layer's skip) is
+not pulled: the pull follows the update, as in ROID.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from .configuration_utils import ConfigMixin, check_field_types
+
+
+@dataclass
+class WeightEnsembleConfig(ConfigMixin):
+    """Weight ensembling with the source (:mod:`hf_tta.weight_ensemble`).
+
+    Example:
+        >>> WeightEnsembleConfig.from_dict({"momentum": 0.9}).momentum
+        0.9
+    """
+
+    momentum: float = field(
+        default=0.99, metadata={"help": "m in theta <- m theta + (1 - m) theta_source after each updated batch (ROID: 0.99)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"WeightEnsembleConfig `momentum` must be in [0, 1) (1 would never pull); got {self.momentum}.")
+
+
+@torch.no_grad()
+def ensemble_with_source(params: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor], momentum: float) -> None:
+    """In place, ``p <- momentum * p + (1 - momentum) * source[name]`` for every adapted parameter (one fused
+    ``lerp_`` per tensor: ``p + (1 - m)(s - p)``)."""
+    for name, p in params.items():
+        p.lerp_(source[name].to(dtype=p.dtype, device=p.device), 1.0 - momentum)
