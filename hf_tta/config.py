@@ -24,7 +24,10 @@ from .config_features import (
     GradientDecouplingConfig,
     RunConfig,
     SafetyConfig,
+    ShiftGateConfig,
     TuningConfig,
+    WeightEnsembleConfig,
+    build_feature_config,
     build_safety_config,
 )
 from .config_flat import FLAT_FIELDS, flat_keys, nest
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TTAConfig", "TuningConfig", "GradientDecouplingConfig", "ConsistencyConfig", "SafetyConfig", "RunConfig",
-    "LRSearchConfig", "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
+    "LRSearchConfig", "ShiftGateConfig", "WeightEnsembleConfig", "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
 ]
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
@@ -168,6 +171,24 @@ class TTAConfig(ConfigMixin):
             "and changes nothing adapted.",
         },
     )
+    shift_gate: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "config_class": ShiftGateConfig,
+            "help": "The shift gate (hf_tta.shift_gate): None = off; a dict of ShiftGateConfig fields ({} = threshold 1.5) "
+            "turns it on: a batch adapts, and the adapted model answers it, only while the source model's style "
+            "statistics of its queries are off those of reference clean queries (tta.fit_shift_gate(queries)); "
+            "otherwise the source model answers and nothing adapts.",
+        },
+    )
+    weight_ensemble: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "config_class": WeightEnsembleConfig,
+            "help": "Weight ensembling with the source after each updated batch (hf_tta.weight_ensemble, ROID's): None = "
+            "off; {'momentum': m} (default 0.99) pulls every adapted parameter to m theta + (1 - m) theta_source.",
+        },
+    )
     lr_search: LRSearchConfig | None = field(
         default=None,
         metadata={
@@ -255,9 +276,33 @@ class TTAConfig(ConfigMixin):
         if budget is not None and not get_objective_class(self.objective).requires_grad:
             raise ValueError(f"`update_budget` limits updates; {self.objective!r} is training-free: drop update_budget.")
         self._check_lr_search(budget)
+        self._check_source_anchors()
         if budget is not None and budget.fraction is not None and self.reset_policy == "episodic":
             raise ValueError("`update_budget={'fraction': ...}` spaces updates by the batch counter, which "
                              "reset_policy='episodic' resets every batch: use {'entropy_threshold': ...} or reset_policy='never'.")
+
+    def _check_source_anchors(self) -> None:
+        """``shift_gate`` and ``weight_ensemble`` (protocol v4's default study, issue 48) act on a gradient objective's
+        updates over a continual stream, and not (yet) inside the lr search's probe."""
+        for name, cls in (("shift_gate", ShiftGateConfig), ("weight_ensemble", WeightEnsembleConfig)):
+            value = getattr(self, name)
+            if isinstance(value, cls):
+                setattr(self, name, value := value.to_dict())
+            if build_feature_config(name, cls, value) is None:
+                continue
+            if not get_objective_class(self.objective).requires_grad:
+                raise ValueError(f"`{name}` acts on adaptation; {self.objective!r} is training-free: drop {name}.")
+            if self.lr_search is not None:
+                raise ValueError(f"`{name}` does not run inside the lr search's probe: drop lr_search or {name}.")
+        if self.weight_ensemble is not None and self.reset_policy == "episodic":
+            raise ValueError("`weight_ensemble` pulls a continual stream's weights towards the source; with "
+                             "reset_policy='episodic' every batch starts from the source: drop weight_ensemble.")
+
+    def build_shift_gate_config(self) -> ShiftGateConfig | None:
+        return build_feature_config("shift_gate", ShiftGateConfig, self.shift_gate)
+
+    def build_weight_ensemble_config(self) -> WeightEnsembleConfig | None:
+        return build_feature_config("weight_ensemble", WeightEnsembleConfig, self.weight_ensemble)
 
     def _check_lr_search(self, budget: UpdateBudgetConfig | None) -> None:
         """``lr_search`` needs a gradient objective on a continual stream that adapts on every probe batch."""

@@ -1,7 +1,8 @@
 """The optional features of a :class:`~hf_tta.TTAConfig`, each a dataclass of its own fields, grouped the way
 ``peft`` groups a tuner's fields in its ``LoraConfig``: what adapts (:class:`TuningConfig`), REST's gradient decoupling
 (:class:`GradientDecouplingConfig`), the pull towards the source's predictions (:class:`ConsistencyConfig`), the safety
-layer (:class:`SafetyConfig`) and how a wrapper runs (:class:`RunConfig`).
+layer (:class:`SafetyConfig`), the shift gate (:class:`ShiftGateConfig`), weight ensembling with the source
+(:class:`WeightEnsembleConfig`) and how a wrapper runs (:class:`RunConfig`).
 
 A feature is on when its config is present (``TTAConfig(consistency=ConsistencyConfig(weight=1.0))``), so a field of
 a feature that is off cannot be set; within :class:`TuningConfig` the LoRA rank is refused unless the method is
@@ -297,3 +298,58 @@ def build_safety_config(value: SafetyConfig | Mapping[str, Any] | None) -> Safet
         raise TypeError(f"`safety` must be None, a dict of SafetyConfig overrides or a SafetyConfig, got {value!r}.")
     check_known_keys(SafetyConfig, value, where="`safety`: ")
     return SafetyConfig(**value)
+
+
+@dataclass
+class ShiftGateConfig(ConfigMixin):
+    """The shift gate (:mod:`hf_tta.shift_gate`).
+
+    Example:
+        >>> ShiftGateConfig.from_dict(ShiftGateConfig(threshold=3.0).to_dict()).threshold
+        3.0
+    """
+
+    threshold: float = field(
+        default=1.5,
+        metadata={"help": "The gate opens (the batch adapts) when its mean squared z-score of the source model's style "
+                  "statistics against the reference exceeds this (about 1 on reference-like batches)."},
+    )
+    min_reference: int = field(
+        default=32, metadata={"help": "fit_shift_gate refuses fewer reference queries than this (a variance of few is noise)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        check_positive("threshold", self.threshold, owner="ShiftGateConfig")
+        if self.min_reference < 2:
+            raise ValueError(f"ShiftGateConfig `min_reference` must be at least 2 (a variance needs two queries); got {self.min_reference}.")
+
+
+@dataclass
+class WeightEnsembleConfig(ConfigMixin):
+    """Weight ensembling with the source (:mod:`hf_tta.weight_ensemble`).
+
+    Example:
+        >>> WeightEnsembleConfig.from_dict({"momentum": 0.9}).momentum
+        0.9
+    """
+
+    momentum: float = field(
+        default=0.99, metadata={"help": "m in theta <- m theta + (1 - m) theta_source after each updated batch (ROID: 0.99)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"WeightEnsembleConfig `momentum` must be in [0, 1) (1 would never pull); got {self.momentum}.")
+
+
+def build_feature_config(name: str, cls: type, value: Any) -> Any:
+    """``TTAConfig.<name>`` (``None``, a dict of ``cls``'s fields, or a ``cls``) as a ``cls`` or ``None``; an unknown
+    key is refused in one line naming the closest field."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`{name}` must be None, a dict of {cls.__name__} fields or a {cls.__name__}, got {value!r}.")
+    check_known_keys(cls, value, where=f"`{name}`: ")
+    return cls(**value)

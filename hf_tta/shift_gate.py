@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from .configuration_utils import ConfigMixin, check_field_types, check_positive
+from .config_features import ShiftGateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,34 +37,9 @@ logger = logging.getLogger(__name__)
 VARIANCE_FLOOR = 1e-12
 
 
-@dataclass
-class ShiftGateConfig(ConfigMixin):
-    """The shift gate (:mod:`hf_tta.shift_gate`).
-
-    Example:
-        >>> ShiftGateConfig.from_dict(ShiftGateConfig(threshold=3.0).to_dict()).threshold
-        3.0
-    """
-
-    threshold: float = field(
-        default=1.5,
-        metadata={"help": "The gate opens (the batch adapts) when its mean squared z-score of the source model's style "
-                  "statistics against the reference exceeds this (about 1 on reference-like batches)."},
-    )
-    min_reference: int = field(
-        default=32, metadata={"help": "fit_shift_gate refuses fewer reference queries than this (a variance of few is noise)."}
-    )
-
-    def __post_init__(self):
-        check_field_types(self)
-        check_positive("threshold", self.threshold, owner="ShiftGateConfig")
-        if self.min_reference < 2:
-            raise ValueError(f"ShiftGateConfig `min_reference` must be at least 2 (a variance needs two queries); got {self.min_reference}.")
-
-
 class ShiftGate:
     """The gate's reference and rule. ``fit`` takes ``(N, D)`` features of reference queries; ``statistic`` and
-    ``is_open`` judge a batch's ``(B, D)`` features."""
+    ``is_open`` judge a batch's ``(B, D)`` features; ``fit_queries`` and ``answer`` do both for a wrapper."""
 
     def __init__(self, config: ShiftGateConfig):
         self.config = config
@@ -72,6 +47,48 @@ class ShiftGate:
         self.var: torch.Tensor | None = None
         self.count = 0
         self._warned = False
+        self._features = None  # a hf_tta.router.QueryFeatures of the wrapper's query tower, made at first use
+
+    def features(self, wrapper: Any, queries: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The source model's ``(B, D)`` style statistics of checked query inputs (a forward that stops at the query
+        tower's first normalisation layer)."""
+        if self._features is None:
+            from .router import QueryFeatures
+
+            self._features = QueryFeatures(wrapper.adapter, wrapper.query_modality, "style")
+        with wrapper.disabled():
+            return self._features(queries)
+
+    def fit_queries(self, wrapper: Any, queries: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Fit the reference on clean queries: a dict of input tensors (one row per query) or an iterable of such
+        dicts; checked as ``adapt_step`` checks a batch, and nothing changes when one is refused."""
+        from . import batch as batching
+
+        parts = batching.chunks(queries, wrapper.config.run.gallery_batch_size) if isinstance(queries, Mapping) else queries
+        feats = [self.features(wrapper, wrapper.forward.check_inputs(q, wrapper.query_modality)) for q in parts]
+        if not feats:
+            raise ValueError("fit_shift_gate got no reference queries.")
+        self.fit(torch.cat(feats))
+        logger.info("shift_gate: reference of %d queries (%d features), threshold %s", self.count, self.mean.numel(),
+                    self.config.threshold)
+
+    def answer(self, wrapper: Any, batch: Any, logs: dict[str, float]) -> Any:
+        """``wrapper.adapt_step``'s answer to ``batch`` when the gate is closed (the source model's no-grad view through
+        the score transform; the batch counter advances, an episodic wrapper resets; nothing adapted changes), else
+        ``None`` (the batch adapts). ``logs`` receives the gate's statistic either way."""
+        t = self.statistic(self.features(wrapper, batch.queries)) if self.fitted else math.nan
+        opened = self.is_open(t)
+        logs.update({"shift_gate_statistic": t, "shift_gate_open": float(opened)})
+        if opened:
+            return None
+        view = wrapper.forward.view(batch, wrapper.config.steps - 1, source=True)
+        out = wrapper.forward.scored(batch, view, view.scores)
+        out.skipped = [f"shift gate: statistic {t:.4g} <= {self.config.threshold} (the source answered, nothing adapted)"]
+        out.logs = dict(logs)
+        wrapper.batch_index += 1
+        if wrapper.config.reset_policy == "episodic":
+            wrapper.restore_source()
+        return out
 
     @property
     def fitted(self) -> bool:

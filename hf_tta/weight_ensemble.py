@@ -17,31 +17,9 @@ not pulled: the pull follows the update, as in ROID.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
-
-from .configuration_utils import ConfigMixin, check_field_types
-
-
-@dataclass
-class WeightEnsembleConfig(ConfigMixin):
-    """Weight ensembling with the source (:mod:`hf_tta.weight_ensemble`).
-
-    Example:
-        >>> WeightEnsembleConfig.from_dict({"momentum": 0.9}).momentum
-        0.9
-    """
-
-    momentum: float = field(
-        default=0.99, metadata={"help": "m in theta <- m theta + (1 - m) theta_source after each updated batch (ROID: 0.99)."}
-    )
-
-    def __post_init__(self):
-        check_field_types(self)
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"WeightEnsembleConfig `momentum` must be in [0, 1) (1 would never pull); got {self.momentum}.")
 
 
 @torch.no_grad()

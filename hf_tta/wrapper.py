@@ -34,8 +34,10 @@ from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import PassCounts, TTAOutput, float_logs
 from .safety import SafetyDecision, build_monitor
+from .shift_gate import ShiftGate
 from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, SHADOW, AdapterState
 from .update_budget import UpdateBudget
+from .weight_ensemble import ensemble_with_source
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.score_transform = build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
         batching.check_query_vectors(self.adapter, self.query_modality, (self.objective, self.score_transform))
         self.budget = UpdateBudget(cfg.build_update_budget_config()) if cfg.update_budget is not None else None
+        self.shift_gate = ShiftGate(cfg.build_shift_gate_config()) if cfg.shift_gate is not None else None
+        self.weight_ensemble = cfg.build_weight_ensemble_config()
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
         self.peft_model: nn.Module | None = None  # a peft.PeftModel (LoRA only)
         self.params: dict[str, nn.Parameter] = {}
@@ -243,6 +247,9 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         batch = self._prepare(queries, gallery, labels)
         if self.budget is not None and (skipped := self.budget.answer(self, batch)) is not None:
             return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
+        gate_logs: dict[str, float] = {}
+        if self.shift_gate is not None and (closed := self.shift_gate.answer(self, batch, gate_logs)) is not None:
+            return closed  # TTAConfig.shift_gate: the source answered, nothing adapted (hf_tta.shift_gate)
         if self.safety.last_good is None:
             self.safety.remember(self)
         if self.lr_search is not None and self.lr_search.probing:
@@ -271,6 +278,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             window.record(self.state, self.config.window, inputs, scores, source)
             decision = self.safety.after(inputs, scores)
             self._apply(decision, lr_start)
+            if self.weight_ensemble is not None and result.num_updates and decision.action is None:
+                ensemble_with_source(self.params, self._source_params, self.weight_ensemble.momentum)
             if self.lr_search is not None:  # the lr in use after the batch (and the online rule's trace)
                 result.logs.update(self.lr_search.batch_logs())
             if decision.action is not None:  # a flagged batch returns the source model's scores
@@ -278,10 +287,20 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             if answer is not None:
                 inputs, scores = answer, answer.scores
         out = self._report(batch, inputs, scores, result, decision)
+        if gate_logs:
+            out.logs = {**out.logs, **gate_logs}
         self.batch_index += 1
         if self.config.reset_policy == "episodic":
             self.restore_source()
         return out
+
+    def fit_shift_gate(self, queries: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Give ``TTAConfig.shift_gate`` its reference: clean, in-distribution queries (a dict of input tensors or an
+        iterable of them; no labels), described by the source model (:mod:`hf_tta.shift_gate`). Kept by
+        :meth:`reset` and saved with the checkpoint."""
+        if self.shift_gate is None:
+            raise ValueError("fit_shift_gate needs TTAConfig(shift_gate={...}): the gate is off.")
+        self.shift_gate.fit_queries(self, queries)
 
     def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
         batching.check_step_context()
@@ -386,6 +405,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         tensors, meta = AdapterState.capture(self, ALL).to_tensors()
         safety_tensors, safety_meta = self.safety.state_tensors()
         tensors.update(safety_tensors)
+        if self.shift_gate is not None:  # the gate's reference (hf_tta.shift_gate)
+            tensors.update(self.shift_gate.state_tensors())
         if safety_meta is not None:  # the layer is on
             meta["safety"] = safety_meta
         meta["param_names"] = list(self.params)
@@ -403,6 +424,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.rebuild_optimizer()
         state.apply(self)
         self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
+        if self.shift_gate is not None:
+            self.shift_gate.load_state_tensors(tensors)
 
     def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""

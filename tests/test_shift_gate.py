@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hf_tta.shift_gate import VARIANCE_FLOOR, ShiftGate, ShiftGateConfig
+from hf_tta.config_features import ShiftGateConfig
+from hf_tta.shift_gate import VARIANCE_FLOOR, ShiftGate
 
 
 def _gate(threshold=1.5, min_reference=2):
@@ -73,3 +74,72 @@ def test_the_reference_round_trips_through_state_tensors():
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ShiftGateConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ in the wrapper
+from hf_tta import TTAConfig, TTAWrapper  # noqa: E402
+from support import check_resume, state_of  # noqa: E402
+from tiny_models import image_batch, make_model, text_batch  # noqa: E402
+
+REFERENCE = image_batch(96, seed=7)
+SHIFTED = [{"pixel_values": 4.0 * image_batch(8, seed=60 + i)["pixel_values"] + 2.0} for i in range(4)]
+LIKE_REFERENCE = [image_batch(8, seed=80 + i) for i in range(2)]
+
+
+def _gated(**gate) -> tuple[TTAWrapper, object]:
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2, shift_gate=gate))
+    tta.fit_shift_gate(REFERENCE)
+    return tta, tta.encode_gallery(text_batch(20, seed=1))
+
+
+def test_a_closed_gate_answers_with_the_source_and_adapts_nothing():
+    tta, gallery = _gated()
+    before = state_of(tta)
+    out = tta.adapt_step(LIKE_REFERENCE[0], gallery)
+    assert out.logs["shift_gate_open"] == 0.0 and out.logs["shift_gate_statistic"] < 1.5
+    assert "shift gate" in out.skipped[0]
+    with tta.disabled():
+        _, source_scores = tta.embed_and_score(LIKE_REFERENCE[0], gallery)
+    assert torch.equal(out.scores, source_scores)
+    after = state_of(tta)
+    assert all(torch.equal(before[k], after[k]) for k in before) and tta.batch_index == 1
+
+
+def test_an_open_gate_adapts_as_without_the_gate():
+    tta, gallery = _gated()
+    plain = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2))
+    out, ref = tta.adapt_step(SHIFTED[0], gallery), plain.adapt_step(SHIFTED[0], gallery)
+    assert out.logs["shift_gate_open"] == 1.0 and out.logs["shift_gate_statistic"] > 1.5
+    assert torch.equal(out.scores, ref.scores)
+    a, b = state_of(tta), state_of(plain)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(p, tta.source_parameters()[n]) for n, p in tta.params.items())
+
+
+def test_the_reference_is_kept_by_reset_and_resumes_bit_exact(tmp_path):
+    tta, _ = _gated()
+    mean = tta.shift_gate.mean.clone()
+    tta.reset()
+    assert torch.equal(tta.shift_gate.mean, mean)
+    check_resume(_gated, [SHIFTED[0], LIKE_REFERENCE[0], SHIFTED[1], LIKE_REFERENCE[1], SHIFTED[2]], 2, tmp_path)
+
+
+def test_fit_shift_gate_refuses_bad_queries_and_changes_nothing():
+    tta, _ = _gated()
+    mean = tta.shift_gate.mean.clone()
+    with pytest.raises(ValueError):
+        tta.fit_shift_gate({"pixel_values": torch.zeros(40, 3, 32)})  # not (B, C, H, W)
+    assert torch.equal(tta.shift_gate.mean, mean)
+    off = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image"))
+    with pytest.raises(ValueError, match="the gate is off"):
+        off.fit_shift_gate(REFERENCE)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"objective": "dn", "shift_gate": {}}, "training-free"),
+    ({"shift_gate": {}, "lr_search": {}}, "lr search"),
+    ({"shift_gate": {"treshold": 2}}, "did you mean 'threshold'"),
+])
+def test_config_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TTAConfig(**kwargs)

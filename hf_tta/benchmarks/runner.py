@@ -213,6 +213,8 @@ class GridRunner:
             "score_transform": transform,
             "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
             "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
+            "shift_gate": dict(base.get("shift_gate") or {}) if spec.gate else base.get("shift_gate"),
+            "weight_ensemble": dict(base.get("weight_ensemble") or {}) if spec.ens else base.get("weight_ensemble"),
             "update_budget": {"fraction": spec.budget} if spec.budget is not None else base.get("update_budget"),
             # the supervised ceilings are prequential: each batch is scored before its labels train the model
             "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),
@@ -238,6 +240,10 @@ class GridRunner:
                 held = make_wrapper(copy.deepcopy(self.pristine), cfg, routing)
             else:
                 held = TTAWrapper(copy.deepcopy(self.pristine), cfg)
+            if cfg.shift_gate is not None:  # the gate's reference: the task's clean reference queries (no labels)
+                modality = QUERY_MODALITY[cond.direction]
+                items = self.task.gate_reference(cond.direction)
+                held.fit_shift_gate(self._batches(modality, items, self.settings.gallery_batch_size))
         self._wrappers[key] = held
         held.reset()
         return held

@@ -22,6 +22,9 @@ import torch
 
 from .grid import AV_DIRECTIONS, DIVERSE_TEXT_CORRUPTIONS, SWITCH_EVERY, Condition
 
+#: How many clean queries make the shift gate's reference in a benchmark run (``+gate`` rows; protocol v4).
+GATE_REFERENCE_SIZE = 256
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +55,14 @@ class Task:
 
     def gallery_items(self, cond: Condition) -> Sequence:
         raise NotImplementedError
+
+    def gate_reference(self, direction: str) -> Sequence:
+        """Clean, in-distribution queries for the shift gate's reference (``+gate`` rows, :mod:`hf_tta.shift_gate`):
+        the first :data:`GATE_REFERENCE_SIZE` queries of the clean stream in its seed-0 order (no labels read)."""
+        from .grid import stream_order
+
+        raw, _ = self.queries(Condition(direction, "clean"), 0)
+        return take_items(raw, stream_order(len(raw), 0)[:GATE_REFERENCE_SIZE])
 
     def to_inputs(self, modality: str, raw: Sequence) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -104,6 +115,7 @@ class EmojiTask(Task):
             logger.warning("MiniLM is not installed: text tower left empty; only cached text galleries can be used.")
             self.model, self.tokenizer = load_emoji_source_model(weights, device=device, text_weights=False)
         self.device = torch.device(device)
+        self._weights = weights
         self.weights = str(weights) if weights is not None else "shipped (emoji-convnext-minilm)"
         self._cache: dict[str, tuple[Sequence, list[list[int]]]] = {}
         #: queries per segment of the switching stream (the shift changes after this many queries of the stream)
@@ -119,6 +131,18 @@ class EmojiTask(Task):
         return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe(),
                 **({"concepts": self.concepts} if self.concepts is not None else {}),
                 "input_side": side, "render_side": round(self.render_factor * side), "protocol_version": 1 if v1 else 2}
+
+    def gate_reference(self, direction: str) -> Sequence:
+        """The shift gate's reference (protocol v4's registration): the first :data:`GATE_REFERENCE_SIZE` queries of the
+        **selection** part's clean stream in its seed-0 order, whichever part this task runs (for a report run they are
+        other concepts; for a selection run they are part of its clean column)."""
+        if self.concepts != "selection" or self.limit is not None:
+            if getattr(self, "_selection", None) is None:
+                self._selection = EmojiTask(seed=0, weights=self._weights,
+                                            device=str(self.device), cache_dir=self.cache_dir, render_factor=self.render_factor,
+                                            concepts="selection")
+            return self._selection.gate_reference(direction)
+        return super().gate_reference(direction)
 
     def gallery_key(self, cond: Condition) -> str:
         """The gallery's name: its direction (``t2i-noto`` for Noto-style images), after the concept part and the

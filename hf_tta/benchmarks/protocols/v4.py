@@ -111,7 +111,7 @@ def default_study_runs() -> list[Run]:
         Run("sel-i2t/gate3", study, (*sel_i2t_d, *lite, *gate(3), *_objectives("tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2"))),
         Run("sel-t2i/comparators", study, (*sel_t2i, *_objectives(
             "tcr@1e-4", "tcr@3e-4", "tcr@1e-3", "rest@1e-4", "rest@3e-4", "rest@1e-3", "nnn"))),
-        Run("sel-t2i/preset", study, (*sel_t2i_d, *_objectives("tcr+dn+safe@3e-4", "nnn"), "--safety", "{}")),
+        Run("sel-t2i/preset", study, (*sel_t2i_d, *_objectives("tcr+dn+safe@3e-4"), "--safety", "{}")),
         Run("sel-t2i/lite", study, (*sel_t2i_d, *lite, *_objectives("rest+nnn+safe@3e-4"))),
         Run("sel-t2i/gate1.5", study, (*sel_t2i_d, *lite, *gate(1.5), *_objectives(
             "rest+gate+safe@3e-4", "rest+gate+safe@1e-3", "rest+gate+nnn+safe@3e-4"))),
