@@ -302,12 +302,15 @@ def build_safety_config(value: SafetyConfig | Mapping[str, Any] | None) -> Safet
 
 @dataclass
 class ShiftGateConfig(ConfigMixin):
-    """The shift gate (:mod:`hf_tta.shift_gate`).
+    """The shift gate (:mod:`hf_tta.shift_gate`). It decides which batches adapt, not what an adapted state means, so a
+    checkpoint loads across its settings (the reference it saved comes with it).
 
     Example:
         >>> ShiftGateConfig.from_dict(ShiftGateConfig(threshold=3.0).to_dict()).threshold
         3.0
     """
+
+    loads_across_checkpoints: ClassVar[bool] = True
 
     threshold: float = field(
         default=1.5,
