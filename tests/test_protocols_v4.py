@@ -99,3 +99,60 @@ def test_every_registered_run_is_on_its_split():
         assert seeds == {0} if part == "selection" else seeds <= set(v4.STREAM_SEEDS)
         assert args[args.index("--scoring") + 1] == "before_update"
         assert v4.registration_path(run.study).is_file()
+
+
+# ------------------------------------------------------------------------------------------ the registered choice
+from hf_tta.benchmarks.protocols import v4_choice  # noqa: E402
+
+
+def _row(label, shift, bits, severity=None, objective=None, split="selection"):
+    run, _, obj = label.partition("/")
+    return {"objective": objective or obj, "label": label, "run": f"sel-i2t/{run}", "split": split, "concepts": "selection",
+            "seed": 0, "direction": "i2t", "shift": shift, "severity": severity, "hits": bits}
+
+
+N = 400
+CLEAN = "1" * N
+HALF = "1" * (N // 2) + "0" * (N // 2)
+
+
+def _rows(candidate_bits: dict):
+    rows = [_row("a/source", "clean", CLEAN), _row("a/source", "blur", HALF, 5)]
+    for label, (blur, clean, degenerate) in candidate_bits.items():
+        rows += [_row(label, "blur", blur, 5), _row(label, "clean", clean), _row(label, "degenerate", degenerate)]
+    return rows
+
+
+def test_the_share_and_the_registered_choice_by_hand():
+    # source: clean 100 %, blur 50 %: 50 points lost. good: blur 90 % -> share 40/50 = 80 %, harms clean by 5 points;
+    # safe: blur 80 % (60 %), clean and degenerate as the source; close: 79.75 % (59.5 %, tied with safe) and safe.
+    good = "1" * 360 + "0" * 40
+    safe = "1" * 320 + "0" * 80
+    close = "1" * 319 + "0" * 81
+    harm = "0" * 20 + "1" * (N - 20)
+    rows = _rows({"g/tcr@1e-2": (good, harm, CLEAN), "s/tcr+gate@1e-2": (safe, CLEAN, CLEAN),
+                  "c/tcr+ens@1e-2": (close, CLEAN, CLEAN)})
+    summaries = {s.label: s for s in v4_choice.summarise(rows, "i2t")}
+    assert summaries["g/tcr@1e-2"].share == pytest.approx(0.8)
+    assert summaries["s/tcr+gate@1e-2"].share == pytest.approx(0.6)
+    assert summaries["g/tcr@1e-2"].streams["clean"][0] == pytest.approx(-5.0)
+    assert not summaries["g/tcr@1e-2"].not_below("clean")  # 5 points below: bound far under -0.5
+    chosen, notes = v4_choice.choose_default(list(summaries.values()))
+    assert chosen.label in ("s/tcr+gate@1e-2", "c/tcr+ens@1e-2")  # tied within 1 point: the safer; both equally safe,
+    assert chosen.label == "s/tcr+gate@1e-2"  # no passes recorded: the first listed after a stable sort
+    assert any(n.startswith("g/tcr@1e-2: not eligible") for n in notes)
+
+
+def test_a_choice_refuses_report_rows():
+    rows = _rows({"s/tcr@1e-2": (HALF, CLEAN, CLEAN)})
+    rows.append(_row("s/tcr@1e-2", "snow", HALF, 5, split="report"))
+    with pytest.raises(ValueError, match="not selection rows"):
+        v4_choice.summarise(rows, "i2t")
+
+
+def test_the_comparators_rule_breaks_ties_towards_the_smaller_lr():
+    rows = _rows({})
+    for lr, bits in (("1e-3", "1" * 300 + "0" * 100), ("3e-3", "1" * 301 + "0" * 99), ("1e-2", "1" * 250 + "0" * 150)):
+        rows += [_row(f"comparators/tcr@{lr}", "blur", bits, 5)]
+    summaries = v4_choice.summarise(rows, "i2t")
+    assert v4_choice.choose_lr(summaries, "tcr").label == "comparators/tcr@1e-3"  # 50.0 vs 50.5 %: tied, smaller lr

@@ -1,0 +1,186 @@
+"""Protocol v4's choices, made from selection rows only by the registered rules (``registrations/<study>.json``).
+
+:func:`load` reads the rows of the run folders :mod:`.v4` writes (``<out>/<phase>-<direction>/<run>/rows.jsonl``), each
+tagged with its run (``sel-i2t/gate1.5``) and labelled ``<run>/<row>`` (``gate1.5/tcr+gate+safe@1e-2``: the same row
+name in two runs with other run-level settings is two candidates). :func:`choose_default` applies the default study's
+rule (issue 48) and :func:`choose_lr` the comparators' rule; both refuse any row that is not on the selection split.
+
+    python -m hf_tta.benchmarks.protocols.v4_choice runs/v4 --direction i2t
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..intervals import non_inferiority
+
+SOURCE = "source"
+STREAMS = ("clean", "noto", "diverse", "switch", "degenerate")
+#: The registration's statistics (``registrations/default-study.json``): resamples, RNG seed, margin.
+RESAMPLES = 4000
+RNG_SEED = 20261128
+MARGIN = 0.5
+#: Candidates within this many share points of the best are tied (the registration's rule).
+TIE = 1.0
+
+
+def load(out: Path) -> list[dict]:
+    """Every finished row under ``out/<phase>-<direction>/<run>/rows.jsonl``, with ``run`` (``sel-i2t/gate1.5``),
+    ``label`` (``gate1.5/<row>``), ``split`` and ``concepts`` added."""
+    rows = []
+    for path in sorted(Path(out).glob("*/*/rows.jsonl")):
+        run = f"{path.parts[-3]}/{path.parts[-2]}"
+        lines = path.read_text().splitlines()
+        head = json.loads(lines[0]).get("hf-tta-run", {}) if lines else {}
+        for line in lines[1:]:
+            row = json.loads(line)
+            if "error" in row:
+                continue
+            rows.append({**row, "run": run, "label": f"{path.parts[-2]}/{row['objective']}", "concepts": head.get("concepts"),
+                         "split": "selection" if run.startswith("sel-") else "report"})
+    return rows
+
+
+def hits(row: dict) -> np.ndarray:
+    return np.frombuffer(row["hits"].encode("ascii"), dtype=np.uint8).astype(np.int8) - ord("0")
+
+
+def column(row: dict) -> tuple:
+    return (row["shift"], row.get("severity"))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A candidate on the selection split: its pooled share over the corruption columns, and each stream's mean
+    difference to the source and one-sided 95 % lower bound."""
+
+    label: str
+    share: float
+    streams: dict
+    passes: float | None
+
+    def not_below(self, stream: str) -> bool:
+        return self.streams[stream][1] > -MARGIN
+
+    @property
+    def safety(self) -> float:
+        """The smallest lower bound over the clean and degenerate streams (the tie-break: higher is safer)."""
+        return min(self.streams[s][1] for s in ("clean", "degenerate") if s in self.streams)
+
+
+def _by_label(rows: list[dict], direction: str) -> tuple[dict, dict]:
+    bad = [r for r in rows if r["split"] != "selection" or r.get("concepts") != "selection" or r["seed"] != 0]
+    if bad:
+        r = bad[0]
+        raise ValueError(f"{len(bad)} rows are not selection rows (first: {r['label']} {column(r)} seed {r['seed']}); "
+                         "a choice reads the selection split only.")
+    rows = [r for r in rows if r["direction"] == direction]
+    sources, labelled = {}, defaultdict(dict)
+    for r in rows:
+        if r["objective"] == SOURCE:
+            held = sources.setdefault(column(r), r)
+            if held["hits"] != r["hits"]:
+                raise ValueError(f"two source rows of {column(r)} differ in their hits.")
+        else:
+            labelled[r["label"]][column(r)] = r
+    return sources, labelled
+
+
+def summarise(rows: list[dict], direction: str) -> list[Summary]:
+    """Every labelled row of ``direction`` on the selection split: pooled share over the corruption columns it holds,
+    and each stream's (mean difference, one-sided 95 % lower bound) against the source, in R@1 points."""
+    sources, labelled = _by_label(rows, direction)
+    clean = hits(sources[("clean", None)]).mean()
+    out = []
+    for label, cols in labelled.items():
+        corr = [c for c in cols if c[0] not in STREAMS]
+        lost = sum(clean - hits(sources[c]).mean() for c in corr)
+        won = sum(hits(cols[c]).mean() - hits(sources[c]).mean() for c in corr)
+        streams = {}
+        for c in (c for c in cols if c[0] in STREAMS):
+            # the degenerate stream's hits are its clean part: the same items as the clean column's source row
+            ref = sources.get(c) or sources[("clean", None)]
+            diff = (hits(cols[c]) - hits(ref)).astype(np.float64)[None, :]
+            ni = non_inferiority([diff], margin=MARGIN, samples=RESAMPLES, seed=RNG_SEED)
+            streams[c[0]] = (float(100 * diff.mean()), float(ni.lower))
+        passes = next((r.get("passes_per_query") for r in cols.values() if r.get("passes_per_query") is not None), None)
+        out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes))
+    return out
+
+
+def choose_default(summaries: list[Summary]) -> tuple[Summary | None, list[str]]:
+    """The registered rule: eligible = clean and degenerate streams both *not below*; the highest pooled share; ties
+    (within :data:`TIE` share points, in %) to the safer (higher smallest bound over clean and degenerate), then fewer
+    passes, then the first listed. ``(None, why)`` when none is eligible (the current preset stays)."""
+    notes = []
+    eligible = []
+    for s in summaries:
+        missing = [st for st in ("clean", "degenerate") if st not in s.streams]
+        if missing:
+            notes.append(f"{s.label}: no {' or '.join(missing)} stream (not a candidate)")
+        elif not (s.not_below("clean") and s.not_below("degenerate")):
+            notes.append(f"{s.label}: not eligible (clean bound {s.streams['clean'][1]:+.2f}, degenerate bound "
+                         f"{s.streams['degenerate'][1]:+.2f})")
+        else:
+            eligible.append(s)
+    if not eligible:
+        return None, notes
+    best = max(100 * s.share for s in eligible)
+    tied = [s for s in eligible if 100 * s.share >= best - TIE]
+    tied.sort(key=lambda s: (-s.safety, s.passes if s.passes is not None else float("inf")))
+    return tied[0], notes
+
+
+def choose_lr(summaries: list[Summary], objective: str) -> Summary:
+    """The comparators' rule: among the ``comparators/<objective>@<lr>`` rows, the highest pooled share; ties (within
+    :data:`TIE` points) to the smaller lr."""
+    rows = [s for s in summaries if s.label.startswith(f"comparators/{objective}@")]
+    if not rows:
+        raise ValueError(f"no comparators/{objective}@<lr> rows.")
+    best = max(100 * s.share for s in rows)
+    return min((s for s in rows if 100 * s.share >= best - TIE), key=lambda s: float(s.label.rsplit("@", 1)[1]))
+
+
+def table(summaries: list[Summary]) -> str:
+    """The selection table (share and each stream's Δ [bound]); figures rounded once, here."""
+    from ..figures import figure
+
+    streams = [s for s in STREAMS if any(s in x.streams for x in summaries)]
+    head = "| candidate | share | " + " | ".join(f"{s} Δ [bound]" for s in streams) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(streams)]
+    for s in sorted(summaries, key=lambda x: -x.share):
+        cells = [f"{figure(s.streams[st][0], sign=True)} [{figure(s.streams[st][1], sign=True)}]" if st in s.streams else "–"
+                 for st in streams]
+        lines.append(f"| {s.label} | {figure(s.share, percent=True)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_tta.benchmarks.protocols.v4_choice")
+    p.add_argument("out", help="the runs' folder (hf_tta.benchmarks.protocols.v4 run --out)")
+    p.add_argument("--direction", default="i2t")
+    args = p.parse_args(argv)
+    rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
+    summaries = summarise(rows, args.direction)
+    print(table(summaries))
+    chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")])
+    for n in notes:
+        print("-", n)
+    print("chosen default:", chosen.label if chosen else "none eligible (the current preset stays)")
+    for objective in ("tcr", "rest"):
+        try:
+            print(f"best labelled {objective}:", choose_lr(summaries, objective).label)
+        except ValueError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
