@@ -156,3 +156,14 @@ def test_the_comparators_rule_breaks_ties_towards_the_smaller_lr():
         rows += [_row(f"comparators/tcr@{lr}", "blur", bits, 5)]
     summaries = v4_choice.summarise(rows, "i2t")
     assert v4_choice.choose_lr(summaries, "tcr").label == "comparators/tcr@1e-3"  # 50.0 vs 50.5 %: tied, smaller lr
+
+
+def test_run_level_feature_settings_only_in_runs_whose_rows_all_ask_for_the_feature():
+    """--shift_gate / --weight_ensemble / --safety apply to every row of a run, so a run that names one must hold only
+    rows that switch the feature on (+gate / +ens / +safe), or rows would run a feature their names do not say."""
+    for run in v4.all_runs():
+        args = list(run.args)
+        rows = args[args.index("--objectives") + 1].split(",")
+        for flag, option in (("--shift_gate", "+gate"), ("--weight_ensemble", "+ens"), ("--safety", "+safe")):
+            if flag in args:
+                assert all(option in r for r in rows), (run.name, flag, rows)

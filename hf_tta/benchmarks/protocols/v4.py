@@ -97,30 +97,67 @@ def default_study_runs() -> list[Run]:
     sel_i2t_d = split_arguments("selection", "i2t", streams=("clean", "degenerate"))
     sel_t2i = split_arguments("selection", "t2i")
     sel_t2i_d = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
+    # run-level settings apply to every row of a run (as --safety does): a run's rows share them. ShiftGateConfig's
+    # and WeightEnsembleConfig's defaults are the registered threshold 1.5 and momentum 0.99, so only the threshold-3
+    # run names its setting; ``+gate`` / ``+ens`` switch the features on per row.
     lite = ["--safety", SAFE_LITE]
-    gate = lambda t: ["--shift_gate", json.dumps({"threshold": t})]  # noqa: E731
-    ens = ["--weight_ensemble", json.dumps({"momentum": 0.99})]
+    gate3 = ["--shift_gate", json.dumps({"threshold": 3.0})]
     runs = [
         Run("sel-i2t/comparators", study, (*sel_i2t, *_objectives(
             "tcr@1e-3", "tcr@3e-3", "tcr@1e-2", "tcr@3e-2", "rest@3e-4", "rest@1e-3", "rest@3e-3", "rest@1e-2", "nnn"))),
         Run("sel-i2t/preset", study, (*sel_i2t_d, *_objectives("rest+dn+safe@1e-3"), "--safety", "{}")),
-        Run("sel-i2t/lite", study, (*sel_i2t_d, *lite, *ens, *_objectives(
+        Run("sel-i2t/lite", study, (*sel_i2t_d, *lite, *_objectives(
             "tcr+safe@3e-3", "tcr+safe@1e-2", "tcr+ens+safe@3e-3", "tcr+ens+safe@1e-2"))),
-        Run("sel-i2t/gate1.5", study, (*sel_i2t_d, *lite, *gate(1.5), *ens, *_objectives(
+        Run("sel-i2t/gate1.5", study, (*sel_i2t_d, *lite, *_objectives(
             "tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2", "tcr+gate+ens+safe@3e-3", "tcr+gate+ens+safe@1e-2"))),
-        Run("sel-i2t/gate3", study, (*sel_i2t_d, *lite, *gate(3), *_objectives("tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2"))),
+        Run("sel-i2t/gate3", study, (*sel_i2t_d, *lite, *gate3, *_objectives("tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2"))),
         Run("sel-t2i/comparators", study, (*sel_t2i, *_objectives(
             "tcr@1e-4", "tcr@3e-4", "tcr@1e-3", "rest@1e-4", "rest@3e-4", "rest@1e-3", "nnn"))),
         Run("sel-t2i/preset", study, (*sel_t2i_d, *_objectives("tcr+dn+safe@3e-4"), "--safety", "{}")),
         Run("sel-t2i/lite", study, (*sel_t2i_d, *lite, *_objectives("rest+nnn+safe@3e-4"))),
-        Run("sel-t2i/gate1.5", study, (*sel_t2i_d, *lite, *gate(1.5), *_objectives(
+        Run("sel-t2i/gate1.5", study, (*sel_t2i_d, *lite, *_objectives(
             "rest+gate+safe@3e-4", "rest+gate+safe@1e-3", "rest+gate+nnn+safe@3e-4"))),
     ]
     return runs
 
 
+CHOICES = Path("model_cards/results/protocol-v4/choices")
+
+
+def load_choice(study: str, repo: Path = REPO) -> dict | None:
+    """A study's committed choice (``choices/<study>.json``, written from selection rows by :mod:`.v4_choice`), or
+    ``None`` before it is made."""
+    path = repo / CHOICES / f"{study}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def report_runs(choice: dict) -> list[Run]:
+    """The default study's report runs, from its committed choice: per direction, the headline columns (the 15 test
+    corruptions at severities 3 and 5; the 5 word-level corruptions at 3 and 7) and the default grid with the five
+    streams, one folder per (rows, seeds) so that each finished shard is committed on its own. Rows: the default as
+    ``TTAConfig.recommended`` runs it (``recommended``), TCR and REST at their selected and paper lrs, NNN, the
+    previous preset and the ceilings."""
+    study, runs = "default-study", []
+    for d in ("i2t", "t2i"):
+        c = choice.get(d)
+        if not c:
+            continue
+        tcr, rest, previous = f"tcr@{c['tcr']}", f"rest@{c['rest']}", c["previous_preset"]
+        head = ("recommended", tcr, "nnn")
+        more = (rest, "tcr@3e-4", "rest@3e-4", previous) + (("oracle@1e-2", "oracle_all@3e-4") if d == "i2t" else ())
+        streams = ("clean", "noto", "diverse", "switch", "degenerate")
+        for seed in REPORT_SEEDS:
+            runs.append(Run(f"rep-{d}/headline-s{seed}", study, (*split_arguments("report", d, (seed,)), *_objectives(*head))))
+            runs.append(Run(f"rep-{d}/headline-more-s{seed}", study, (*split_arguments("report", d, (seed,)), *_objectives(*more))))
+        for seed in STREAM_SEEDS:
+            grid = split_arguments("report", d, (seed,), corruptions=d == "i2t", streams=streams, default_grid=d == "i2t")
+            runs.append(Run(f"rep-{d}/streams-s{seed}", study, (*grid, *_objectives("recommended", tcr, previous, "nnn"))))
+    return runs
+
+
 def all_runs() -> list[Run]:
-    return default_study_runs()
+    choice = load_choice("default-study")
+    return default_study_runs() + (report_runs(choice) if choice else [])
 
 
 # ------------------------------------------------------------------------------------------ registration
@@ -135,18 +172,28 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
 def check_registered(study: str, repo: Path = REPO) -> str:
     """The commit that registered ``study``; a ``ValueError`` in one line when its registration file is missing, not
     committed, or changed since its last commit (a run must not start before its study's rules are in git)."""
-    path = registration_path(study, repo)
+    return _committed(registration_path(study, repo), repo, f"study {study!r}", "its registration")
+
+
+def check_chosen(study: str, repo: Path = REPO) -> str:
+    """The commit of ``study``'s choice (``choices/<study>.json``), which its report runs need committed, as
+    :func:`check_registered` checks a registration."""
+    return _committed(repo / CHOICES / f"{study}.json", repo, f"the report of study {study!r}", "its choice")
+
+
+def _committed(path: Path, repo: Path, who: str, what: str) -> str:
     rel = path.relative_to(repo)
     if not path.is_file():
-        raise ValueError(f"study {study!r} has no registration ({rel}): write and commit it before its first run.")
-    json.loads(path.read_text(encoding="utf-8"))  # a registration is JSON; a broken one fails here
+        raise ValueError(f"{who} has no registration ({rel}): write and commit it before its first run."
+                         if what == "its registration" else f"{who} needs {what} ({rel}): make it from selection rows "
+                         "(hf_tta.benchmarks.protocols.v4_choice) and commit it first.")
+    json.loads(path.read_text(encoding="utf-8"))  # JSON; a broken file fails here
     commit = _git(repo, "log", "-1", "--format=%H", "--", str(rel)).stdout.strip()
     if not commit:
-        raise ValueError(f"study {study!r}: its registration {rel} is not committed: `git add {rel} && git commit` "
-                         "before its first run.")
+        raise ValueError(f"{who}: {what} {rel} is not committed: `git add {rel} && git commit` before its first run.")
     if _git(repo, "diff", "--quiet", "HEAD", "--", str(rel)).returncode != 0:
-        raise ValueError(f"study {study!r}: its registration {rel} changed since {commit[:7]}: commit the change "
-                         "(and say in the card that the study was re-registered) before running.")
+        raise ValueError(f"{who}: {what} {rel} changed since {commit[:7]}: commit the change (and say in the card that "
+                         "it changed after rows were read, if any were) before running.")
     return commit
 
 
@@ -184,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         commits = {s: check_registered(s) for s in {r.study for r in chosen}}
+        for s in {r.study for r in chosen if r.split == "report"}:
+            commits[s] += " " + check_chosen(s)
     except ValueError as err:
         print(f"v4: {err}", file=sys.stderr)
         return 2
