@@ -111,17 +111,17 @@ def test_row_names_parse_their_options():
         ("rest+b10@1e-3", RowSpec("rest", budget=0.1, lr=1e-3)),
         ("tcr+b12.5+nnn+safe", RowSpec("tcr", safe=True, score_transform="nnn", budget=0.125)),
         ("tcr+b100", RowSpec("tcr", budget=1.0)),
-        ("recommended", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3)),  # image queries' preset (v3)
-        ("recommended@3e-4", RowSpec("rest", safe=True, score_transform="dn", lr=3e-4)),  # the row's own lr wins
+        ("recommended", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),  # image queries' preset (v3)
+        ("recommended@3e-4", RowSpec("rest", safe=True, score_transform="dn", lr=3e-4, preset=True)),  # the row's own lr wins
     ],
 )
 def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
     assert row_spec(row) == spec and row_spec(row).row == row
 
 
-@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3)),
-                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn", lr=3e-4)),
-                                                 ("audio", RowSpec("tcr", safe=True, score_transform="dn"))])
+@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),
+                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn", lr=3e-4, preset=True)),
+                                                 ("audio", RowSpec("tcr", safe=True, score_transform="dn", preset=True))])
 def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
     from hf_tta import TTAConfig
 

@@ -264,6 +264,9 @@ class RowSpec:
     budget: float | None = None
     lr: float | None = None
     row: str = field(default="", compare=False)
+    #: the row ``recommended`` (or ``recommended@<lr>``) alone: its safety, shift gate and weight ensembling settings
+    #: are the preset's (:func:`hf_tta.preset.recommended_fields`), not the run's
+    preset: bool = False
 
 
 def _budget(row: str, option: str) -> float:
@@ -293,8 +296,9 @@ def row_spec(row: str, query_modality: str = "image") -> RowSpec:
     ``ValueError`` for an unknown or repeated option, two score transforms, a score transform or budget on a
     training-free objective, a budget outside (0, 100] % or an lr that is not a positive number. The row
     ``recommended`` is the preset of ``query_modality`` (:func:`hf_tta.preset.recommended_row`), at the preset's lr
-    unless the row names its own (``recommended@3e-4``)."""
+    unless the row names its own (``recommended@3e-4``), with the preset's feature settings (``preset=True``)."""
     body, at, lr_text = row.partition("@")
+    is_preset = body == RECOMMENDED  # exactly TTAConfig.recommended: its feature settings too (RowSpec.preset)
     if body.split("+")[0] == RECOMMENDED:  # the preset of TTAConfig.recommended, as a row (tests check the two agree)
         from ..preset import recommended_row
 
@@ -331,7 +335,8 @@ def row_spec(row: str, query_modality: str = "image") -> RowSpec:
         raise ValueError(f"Row {row!r}: {name} is training-free (the source model with its own scoring, nothing adapts), "
                          f"so +{option} does not apply: write {name} alone, or +{option} on a gradient objective (tcr+{option}).")
     flags = {ROW_OPTIONS[o]: True for o in options if o in ROW_OPTIONS}
-    return RowSpec(name, **flags, score_transform=transforms[0] if transforms else None, budget=budget, lr=lr, row=row)
+    return RowSpec(name, **flags, score_transform=transforms[0] if transforms else None, budget=budget, lr=lr, row=row,
+                   preset=is_preset)
 
 
 def row_objective(row: str) -> tuple[str, bool]:

@@ -197,6 +197,11 @@ class GridRunner:
         if not get_objective_class(objective).requires_grad:  # nor an update budget (nothing to update)
             off |= {"tuning", "consistency", "lr_search", "update_budget"}
         base = {k: v for k, v in base.items() if FLAT_FIELDS.get(k, (k,))[0] not in off}
+        if spec.preset:  # the row `recommended`: exactly TTAConfig.recommended's settings, whatever the run's
+            from ..preset import recommended_fields
+
+            fields = recommended_fields(modality)
+            base.update({k: fields.get(k) for k in ("safety", "shift_gate", "weight_ensemble")})
         transform = spec.score_transform or base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
@@ -212,7 +217,7 @@ class GridRunner:
             "gradient_decoupling": gd,
             "score_transform": transform,
             "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
-            "safety": {**(safety or {}), **s.safety} if spec.safe else safety,
+            "safety": {**(safety or {}), **s.safety} if spec.safe and not spec.preset else safety,
             "shift_gate": dict(base.get("shift_gate") or {}) if spec.gate else base.get("shift_gate"),
             "weight_ensemble": dict(base.get("weight_ensemble") or {}) if spec.ens else base.get("weight_ensemble"),
             "update_budget": {"fraction": spec.budget} if spec.budget is not None else base.get("update_budget"),
