@@ -167,3 +167,16 @@ def test_run_level_feature_settings_only_in_runs_whose_rows_all_ask_for_the_feat
         for flag, option in (("--shift_gate", "+gate"), ("--weight_ensemble", "+ens"), ("--safety", "+safe")):
             if flag in args:
                 assert all(option in r for r in rows), (run.name, flag, rows)
+
+
+@pytest.mark.parametrize("direction", ["i2t", "t2i"])
+def test_every_selection_candidate_maps_to_a_valid_tta_config(direction):
+    from hf_tta import TTAConfig
+
+    for run in (r for r in v4.default_study_runs() if r.name.startswith(f"sel-{direction}/")):
+        args = list(run.args)
+        for row in args[args.index("--objectives") + 1].split(","):
+            fields = v4_choice.config_of(f"{run.name.split('/')[1]}/{row}", direction)
+            cfg = TTAConfig(**fields, query_modality="image" if direction == "i2t" else "text")
+            assert ("+gate" in row) == (cfg.shift_gate is not None) and ("+ens" in row) == (cfg.weight_ensemble is not None)
+            assert ("+safe" in row) == (cfg.safety is not None)

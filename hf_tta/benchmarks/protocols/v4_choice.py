@@ -148,6 +148,29 @@ def choose_lr(summaries: list[Summary], objective: str) -> Summary:
     return min((s for s in rows if 100 * s.share >= best - TIE), key=lambda s: float(s.label.rsplit("@", 1)[1]))
 
 
+def config_of(label: str, direction: str) -> dict:
+    """The :class:`~hf_tta.TTAConfig` fields a selection row ran with (``<run>/<row>``): its row name's objective, lr,
+    score transform and switches, with its run's ``--safety`` / ``--shift_gate`` / ``--weight_ensemble`` settings."""
+    from ..grid import row_spec
+    from .v4 import default_study_runs
+
+    run_name, _, row = label.partition("/")
+    run = next((r for r in default_study_runs() if r.name == f"sel-{direction}/{run_name}"), None)
+    if run is None:
+        raise ValueError(f"{label}: no registered run sel-{direction}/{run_name}.")
+    args = list(run.args)
+    setting = lambda flag: json.loads(args[args.index(flag) + 1]) if flag in args else {}  # noqa: E731
+    spec = row_spec(row, "image" if direction == "i2t" else "text")
+    fields = {"objective": spec.objective, "lr": spec.lr}
+    if spec.score_transform:
+        fields["score_transform"] = spec.score_transform
+    for on, name, flag in ((spec.safe, "safety", "--safety"), (spec.gate, "shift_gate", "--shift_gate"),
+                           (spec.ens, "weight_ensemble", "--weight_ensemble")):
+        if on:
+            fields[name] = setting(flag)
+    return fields
+
+
 def table(summaries: list[Summary]) -> str:
     """The selection table (share and each stream's Δ [bound]); figures rounded once, here."""
     from ..figures import figure
@@ -166,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_tta.benchmarks.protocols.v4_choice")
     p.add_argument("out", help="the runs' folder (hf_tta.benchmarks.protocols.v4 run --out)")
     p.add_argument("--direction", default="i2t")
+    p.add_argument("--write", default=None, help="add this direction's choice to a choices/<study>.json file")
+    p.add_argument("--previous-preset", default=None, help="the preset row the choice replaces (recorded)")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
     summaries = summarise(rows, args.direction)
@@ -174,11 +199,25 @@ def main(argv: list[str] | None = None) -> int:
     for n in notes:
         print("-", n)
     print("chosen default:", chosen.label if chosen else "none eligible (the current preset stays)")
+    best = {}
     for objective in ("tcr", "rest"):
         try:
-            print(f"best labelled {objective}:", choose_lr(summaries, objective).label)
+            best[objective] = choose_lr(summaries, objective).label.rsplit("@", 1)[1]
+            print(f"best labelled {objective}: {objective}@{best[objective]}")
         except ValueError:
             pass
+    if args.write:
+        path = Path(args.write)
+        data = json.loads(path.read_text()) if path.is_file() else {"study": "default-study"}
+        data[args.direction] = {
+            "default": chosen.label if chosen else None,
+            "config": config_of(chosen.label, args.direction) if chosen else None,
+            "share": chosen.share if chosen else None, **best, "previous_preset": args.previous_preset,
+            "notes": notes,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print("wrote", path)
     return 0
 
 
