@@ -155,9 +155,23 @@ def report_runs(choice: dict) -> list[Run]:
     return runs
 
 
+def second_round_runs() -> list[Run]:
+    """``default-study-r2``: image candidates with a more sensitive gate (threshold 1.2) and a stronger pull to the
+    source (momentum 0.9), chosen together with ``default-study``'s by its rule."""
+    study, sel = "default-study-r2", split_arguments("selection", "i2t", streams=("clean", "degenerate"))
+    lite = ["--safety", SAFE_LITE]
+    gate = ["--shift_gate", json.dumps({"threshold": 1.2})]
+    pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
+    return [
+        Run("sel-i2t/r2-gate1.2", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@1e-2", "tcr+gate+safe@3e-2"))),
+        Run("sel-i2t/r2-gate1.2-ens", study, (*sel, *lite, *gate, *_objectives("tcr+gate+ens+safe@1e-2"))),
+        Run("sel-i2t/r2-ens0.9", study, (*sel, *lite, *pull, *_objectives("tcr+ens+safe@1e-2", "tcr+ens+safe@3e-2"))),
+    ]
+
+
 def all_runs() -> list[Run]:
     choice = load_choice("default-study")
-    return default_study_runs() + (report_runs(choice) if choice else [])
+    return default_study_runs() + second_round_runs() + (report_runs(choice) if choice else [])
 
 
 # ------------------------------------------------------------------------------------------ registration
