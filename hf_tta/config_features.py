@@ -28,6 +28,8 @@ from .configuration_utils import (
 TUNINGS = ("ln", "bias", "lora")  # hf_tta.tuning
 SCORING = ("after_update", "before_update")
 GD_WEIGHT_ON = ("step_size", "gradient")
+#: The shift gate's statistics (:class:`ShiftGateConfig`, :mod:`hf_tta.shift_gate`).
+GATE_STATISTICS = ("per_query", "batch_mean")
 #: The LoRA rank of ``TuningConfig(method="lora")`` when ``lora_rank`` is left out.
 DEFAULT_LORA_RANK = 4
 
@@ -317,6 +319,13 @@ class ShiftGateConfig(ConfigMixin):
         metadata={"help": "The gate opens (the batch adapts) when its mean squared z-score of the source model's style "
                   "statistics against the reference exceeds this (about 1 on reference-like batches)."},
     )
+    statistic: str = field(
+        default="per_query",
+        metadata={"help": "'per_query': the batch's mean over queries of each query's mean squared z-score (how far each "
+                  "query is from the reference); 'batch_mean': the mean over features of the squared z-score of the "
+                  "batch's mean, (mean_i f_id - mu_d)^2 / (var_d / B), a two-sample test of the batch against the "
+                  "reference (how sure it is that the batch as a whole moved). Both are about 1 on reference-like batches."},
+    )
     min_reference: int = field(
         default=32, metadata={"help": "fit_shift_gate refuses fewer reference queries than this (a variance of few is noise)."}
     )
@@ -324,6 +333,7 @@ class ShiftGateConfig(ConfigMixin):
     def __post_init__(self):
         check_field_types(self)
         check_positive("threshold", self.threshold, owner="ShiftGateConfig")
+        check_choice("statistic", self.statistic, GATE_STATISTICS)
         if self.min_reference < 2:
             raise ValueError(f"ShiftGateConfig `min_reference` must be at least 2 (a variance needs two queries); got {self.min_reference}.")
 

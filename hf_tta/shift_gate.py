@@ -8,7 +8,10 @@ per-feature mean :math:`\\mu_d` and variance :math:`\\sigma^2_d`:
 
 .. math::  T = \\frac{1}{B}\\sum_{i=1}^{B} \\frac{1}{D}\\sum_{d=1}^{D} \\frac{(f_{id} - \\mu_d)^2}{\\sigma_d^2}
 
-the batch's mean squared z-score (about 1 on batches drawn like the reference). ``T > threshold`` opens the gate:
+the batch's mean squared z-score (``statistic="per_query"``, how far its queries are from the reference), or with
+``statistic="batch_mean"`` the squared z-score of the batch's mean, :math:`T = \\frac{1}{D}\\sum_d (\\bar f_d -
+\\mu_d)^2 / (\\sigma_d^2 / B)`, a two-sample test of the batch against the reference that a small shift shared by
+the whole batch moves far (both are about 1 on batches drawn like the reference). ``T > threshold`` opens the gate:
 the batch adapts as without the gate and is answered as without it. Otherwise the gate is closed: the **source model**
 answers the batch (one no-grad forward of the source) and nothing adapts; what was adapted before stays for the next
 open batch. So a stream of clean queries is answered exactly as the source model answers it, whatever the objective
@@ -109,14 +112,17 @@ class ShiftGate:
         self.mean, self.var, self.count = x.mean(0), x.var(0, unbiased=True) + VARIANCE_FLOOR, int(x.shape[0])
 
     def statistic(self, features: torch.Tensor) -> float:
-        """``T``, the batch's mean over queries of the mean over features of ``(f - mean)^2 / var``; ``nan``
-        before :meth:`fit`."""
+        """``T`` of a batch's ``(B, D)`` features (``nan`` before :meth:`fit`): ``per_query``, the mean over queries and
+        features of ``(f - mean)^2 / var``; ``batch_mean``, the mean over features of ``(mean_i f_i - mean)^2 /
+        (var / B)``."""
         if self.mean is None:
             return math.nan
         x = features.to("cpu", torch.float64)
         if x.shape[-1] != self.mean.shape[0]:
             raise ValueError(f"The shift gate's reference has {self.mean.shape[0]} features, this batch {x.shape[-1]}: "
                              "was it fitted with another model? Call fit_shift_gate again.")
+        if self.config.statistic == "batch_mean":
+            return float(((x.mean(0) - self.mean) ** 2 / (self.var / x.shape[0])).mean())
         return float(((x - self.mean) ** 2 / self.var).mean())
 
     def is_open(self, statistic: float) -> bool:

@@ -173,7 +173,7 @@ def test_run_level_feature_settings_only_in_runs_whose_rows_all_ask_for_the_feat
 def test_every_selection_candidate_maps_to_a_valid_tta_config(direction):
     from hf_tta import TTAConfig
 
-    for run in (r for r in v4.default_study_runs() + v4.second_round_runs() if r.name.startswith(f"sel-{direction}/")):
+    for run in (r for r in v4.selection_runs() if r.name.startswith(f"sel-{direction}/")):
         args = list(run.args)
         for row in args[args.index("--objectives") + 1].split(","):
             fields = v4_choice.config_of(f"{run.name.split('/')[1]}/{row}", direction)

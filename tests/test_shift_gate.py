@@ -143,3 +143,23 @@ def test_fit_shift_gate_refuses_bad_queries_and_changes_nothing():
 def test_config_refusals(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TTAConfig(**kwargs)
+
+
+def test_the_batch_mean_statistic_is_the_squared_z_score_of_the_batch_mean():
+    gate = ShiftGate(ShiftGateConfig(min_reference=2, statistic="batch_mean"))
+    gate.fit(torch.tensor([[0.0, 0.0], [2.0, 4.0]]))  # means (1, 2), variances (2, 8)
+    batch = torch.tensor([[3.0, 2.0], [1.0, 6.0]])  # batch mean (2, 4), B = 2
+    # feature 0: (2 - 1)^2 / (2 / 2) = 1; feature 1: (4 - 2)^2 / (8 / 2) = 1; T = 1
+    assert gate.statistic(batch) == pytest.approx(1.0, rel=1e-9)
+    # four copies of the same queries: the same mean, B = 4: each term doubles -> T = 2
+    assert gate.statistic(batch.repeat(2, 1)) == pytest.approx(2.0, rel=1e-9)
+    # one query: batch_mean equals per_query
+    one = torch.tensor([[5.0, 2.0]])
+    per_query = ShiftGate(ShiftGateConfig(min_reference=2))
+    per_query.load_state_tensors(gate.state_tensors())
+    assert gate.statistic(one) == pytest.approx(per_query.statistic(one), rel=1e-12)
+
+
+def test_an_unknown_statistic_is_refused():
+    with pytest.raises(ValueError, match="statistic"):
+        ShiftGateConfig(statistic="max")

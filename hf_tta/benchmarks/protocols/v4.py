@@ -169,9 +169,30 @@ def second_round_runs() -> list[Run]:
     ]
 
 
+def third_round_runs() -> list[Run]:
+    """``default-study-r3``: the gate's two-sample statistic (``batch_mean``) at the selected lrs, both towers."""
+    study, lite, runs = "default-study-r3", ["--safety", SAFE_LITE], []
+    gate = lambda t: ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": t})]  # noqa: E731
+    i2t = split_arguments("selection", "i2t", streams=("clean", "degenerate"))
+    t2i = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
+    runs += [
+        Run("sel-i2t/r3-mean4", study, (*i2t, *lite, *gate(4.0), *_objectives("tcr+gate+safe@3e-2", "tcr+gate+safe@1e-2",
+                                                                                "tcr+gate+ens+safe@3e-2"))),
+        Run("sel-i2t/r3-mean8", study, (*i2t, *lite, *gate(8.0), *_objectives("tcr+gate+safe@3e-2"))),
+        Run("sel-t2i/r3-mean4", study, (*t2i, *lite, *gate(4.0), *_objectives("rest+gate+safe@1e-3", "rest+gate+nnn+safe@3e-4",
+                                                                                "tcr+gate+safe@1e-3"))),
+    ]
+    return runs
+
+
+def selection_runs() -> list[Run]:
+    """Every registered selection run, all rounds."""
+    return default_study_runs() + second_round_runs() + third_round_runs()
+
+
 def all_runs() -> list[Run]:
     choice = load_choice("default-study")
-    return default_study_runs() + second_round_runs() + (report_runs(choice) if choice else [])
+    return selection_runs() + (report_runs(choice) if choice else [])
 
 
 # ------------------------------------------------------------------------------------------ registration

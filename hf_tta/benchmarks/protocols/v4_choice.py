@@ -152,10 +152,10 @@ def config_of(label: str, direction: str) -> dict:
     """The :class:`~hf_tta.TTAConfig` fields a selection row ran with (``<run>/<row>``): its row name's objective, lr,
     score transform and switches, with its run's ``--safety`` / ``--shift_gate`` / ``--weight_ensemble`` settings."""
     from ..grid import row_spec
-    from .v4 import default_study_runs, second_round_runs
+    from .v4 import selection_runs
 
     run_name, _, row = label.partition("/")
-    run = next((r for r in default_study_runs() + second_round_runs() if r.name == f"sel-{direction}/{run_name}"), None)
+    run = next((r for r in selection_runs() if r.name == f"sel-{direction}/{run_name}"), None)
     if run is None:
         raise ValueError(f"{label}: no registered run sel-{direction}/{run_name}.")
     args = list(run.args)
