@@ -28,7 +28,7 @@ def test_every_subcommand_has_help(argv, capsys):
 
 
 def test_default_command_is_run():
-    assert cli._default_to_run([]) == ["run"]
+    assert cli._default_to_run([]) == ["run", *cli.MAIN_JOB]
     assert cli._default_to_run(["--objectives", "tcr"]) == ["run", "--objectives", "tcr"]
     assert cli._default_to_run(["list"]) == ["list"]
 

@@ -1,9 +1,10 @@
 """``hf-tta``: run test-time adaptation benchmarks for cross-modal retrieval under query shift.
 
-With no arguments it runs the offline emoji benchmark (EmojiRetrieval + the shipped source model, see
-``model_cards/``): image→text at severity 5 for one corruption per ImageNet-C category plus the unseen Noto style,
-with the source model, Tent, TCR and REST; prints a table shaped like TCR's Table 1, and writes JSON, CSV, Markdown and
-PNG plots. ``--full`` runs the whole severity-5 grid (16 image corruptions, the offline text corruptions, the
+With no arguments it runs the main job (:data:`MAIN_JOB`): the offline emoji benchmark (EmojiRetrieval + the shipped
+source model, see ``model_cards/``), image→text on protocol v4's report concepts and report seed 3, the default grid
+(one corruption per ImageNet-C category) and the clean stream, with the source model, ``TTAConfig.recommended`` and
+the best labelled fixed-lr TCR; prints a table shaped like TCR's Table 1 with each row's won-back share and verdict,
+and writes JSON, CSV, Markdown and PNG plots. ``--full`` runs the whole severity-5 grid (16 image corruptions, the offline text corruptions, the
 style and diverse shifts, every registered objective).
 
 Examples::
@@ -73,8 +74,18 @@ __all__ = [
 ]
 
 
+#: What ``hf-tta`` runs with no arguments, the main job and the README's headline (protocol v4, issue 47): on the
+#: report part of the concepts and one report seed, the default grid and the clean stream, prequential; the source
+#: model, ``TTAConfig.recommended`` (row ``recommended``) and the best labelled fixed-lr TCR, its lr chosen on the
+#: selection split (``model_cards/results/protocol-v4/choices/default-study.json``, a test checks the two agree).
+MAIN_JOB = ("--concepts", "report", "--seeds", "3", "--corruptions", "default", "--clean", "--no-style",
+            "--objectives", "recommended,tcr@3e-2")
+
+
 def _default_to_run(argv: list[str]) -> list[str]:
-    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv:
+        return ["run", *MAIN_JOB]
+    if argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         return ["run", *argv]
     return argv
 
