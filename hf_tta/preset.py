@@ -24,7 +24,7 @@ never more than 0.3 below the source model over 3 seeds and eight streams. On te
 3 seeds; the card's commits) it gained +0.9 R@1 [+0.7, +1.1] on four text corruptions, against TCR +0.6 and the LN
 oracle +0.6. Audio and video queries get the same combination with their modality's default learning rate, not
 measured under protocol v2 (the card says so). Under protocol v3 (report split, default grid, seeds 3-5,
-prequential; ``model_cards/emoji-benchmark-results.md``) it wins back 16.7 % of the lost recall, not below the
+prequential; ``model_cards/emoji-benchmark-results-v3.md``) it wins back 16.7 % of the lost recall, not below the
 source on the default grid, but below the source by v3's margin on the clean stream (−0.3 R@1, one-sided bound −0.6).
 
 **Protocol v3 (image queries; the preset now in use for them).** v3's preset phase re-ran the rule with every method
@@ -37,7 +37,7 @@ so none is eligible; REST + DN + safety at 1e-3 wins back 21.9 % (the variant wi
 the tie: the default layer is simpler), against 10.2 % at 3e-4. So ``TTAConfig.recommended("image")`` is REST + DN +
 safety at lr 1e-3. The lr is the one chosen on this benchmark's image tower (a ConvNeXt trained here): on a tower of
 your own, choose it on held-out corruptions or let ``lr="auto"`` choose. Its report-split figures are in
-``model_cards/emoji-benchmark-results.md``.
+``model_cards/emoji-benchmark-results-v3.md``.
 **Protocol v3, text queries.** The same phase on the text selection split (character-level corruptions at severity 7,
 clean and degenerate streams, seed 0, 500 concepts; TCR's and REST's chosen lrs are both the paper's 3e-4): every
 candidate is eligible and TCR + DN + safety at 3e-4 leads (2.3 % against REST's 1.7 %), so

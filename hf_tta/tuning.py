@@ -28,7 +28,7 @@ and ``p_i`` are the source's and the adapted model's softmax at ``temperature`` 
 highest source score (the top-k the safety layer compares; issue 29's "consistency with the source on the top-k").
 A query the source is sure of keeps its answer; where the source is unsure the target is flat, and the pull then also
 resists the adapted model becoming sure. On the emoji benchmark it cost TCR's gain at every weight tried (0.01 to 10;
-``model_cards/emoji-benchmark-results.md``, issue 29's round 3), so it is off by default and in no preset.
+``model_cards/emoji-benchmark-results-v3.md``, issue 29's round 3), so it is off by default and in no preset.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ SWEEP = CARDS / "results/source-severity-sweep/rows.jsonl"
 
 @pytest.mark.slow
 def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
-    text = (CARDS / "emoji-benchmark-results.md").read_text()
+    text = (CARDS / "emoji-benchmark-results-v3.md").read_text()
     assert "\n".join(sweep_table(load_rows(SWEEP))) in text
 
 
@@ -163,7 +163,7 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str 
 
 
 @pytest.mark.parametrize(
-    "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results.md", "v3")]
+    "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results-v3.md", "v3")]
 )
 def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     """Each recipe block of the card is the summary script's output on the committed rows."""
