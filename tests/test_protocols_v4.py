@@ -180,3 +180,13 @@ def test_every_selection_candidate_maps_to_a_valid_tta_config(direction):
             cfg = TTAConfig(**fields, query_modality="image" if direction == "i2t" else "text")
             assert ("+gate" in row) == (cfg.shift_gate is not None) and ("+ens" in row) == (cfg.weight_ensemble is not None)
             assert ("+safe" in row) == (cfg.safety is not None)
+
+
+def test_a_tie_between_equally_safe_candidates_goes_to_fewer_passes():
+    safe = "1" * 320 + "0" * 80
+    rows = _rows({"a/tcr+gate@1e-2": (safe, CLEAN, CLEAN), "b/tcr+gate@3e-2": (safe, CLEAN, CLEAN)})
+    for r in rows:  # a: 4 forward + 3 backward per query; b: 2 + 1 (its gate closes more often)
+        r["forward_per_query"], r["backward_per_query"] = (4.0, 3.0) if r["label"].startswith("a/") else (2.0, 1.0)
+    summaries = v4_choice.summarise(rows, "i2t")
+    assert {s.label: s.passes for s in summaries} == {"a/tcr+gate@1e-2": 7.0, "b/tcr+gate@3e-2": 3.0}
+    assert v4_choice.choose_default(summaries)[0].label == "b/tcr+gate@3e-2"

@@ -240,6 +240,9 @@ def run_folder(folder: Path, args: list[str], cache: str, registration: str, dev
            "--no-plots", "--quiet", "--threads", "1", *(["--device", device] if device != "cpu" else [])]
     (folder / "command.txt").write_text(" ".join(cmd) + "\n")
     (folder / "registration.txt").write_text(registration + "\n")
+    head = _git(REPO, "rev-parse", "HEAD").stdout.strip()
+    dirty = _git(REPO, "status", "--porcelain", "--untracked-files=no", "--", "hf_tta").stdout.strip()
+    (folder / "commit.txt").write_text(head + (" (hf_tta/ modified)" if dirty else "") + "\n")  # the library it ran
     with open(folder / "log.txt", "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 

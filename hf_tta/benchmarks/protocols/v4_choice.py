@@ -110,7 +110,9 @@ def summarise(rows: list[dict], direction: str) -> list[Summary]:
             diff = (hits(cols[c]) - hits(ref)).astype(np.float64)[None, :]
             ni = non_inferiority([diff], margin=MARGIN, samples=RESAMPLES, seed=RNG_SEED)
             streams[c[0]] = (float(100 * diff.mean()), float(ni.lower))
-        passes = next((r.get("passes_per_query") for r in cols.values() if r.get("passes_per_query") is not None), None)
+        counted = [r["forward_per_query"] + r["backward_per_query"] for r in cols.values()
+                   if r.get("forward_per_query") is not None and r.get("backward_per_query") is not None]
+        passes = float(np.mean(counted)) if counted else None  # forward + backward passes per query, over its columns
         out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes))
     return out
 

@@ -1,0 +1,258 @@
+"""Protocol v4's tables, printed from the committed rows (``model_cards/results/protocol-v4/rows.jsonl``).
+
+:func:`export` gathers the run folders of :mod:`.v4` into that one file (each row tagged with its run, its label, its
+split and the commits its run folder recorded). :func:`summarise` prints one part of the results card from it, and
+``tests/test_model_cards.py`` checks every ``<!-- v4: ... -->`` block of the card against it:
+
+* ``selection``: each candidate's pooled share on the selection split's corruption columns and its clean and
+  degenerate streams' Δ [one-sided bound] (the registered choice reads exactly these: :mod:`.v4_choice`);
+* ``headline``: per report row, over the report's corruption columns and seeds, the pooled share and the mean of
+  per-column shares (columns whose source loss is under 5 R@1 listed apart), the worst column with its bound, and the
+  verdict over all columns (:mod:`hf_tta.benchmarks.verdicts`);
+* ``streams``: the default grid's share and each stream's Δ [bound] and verdict, with the seed-level t bound where a
+  row has 5 seeds (text rows: each column's shift-specific gain, the column gain minus the row's clean gain);
+* ``main``: the main job's table (``hf-tta`` with no arguments, report seed 3): R@1 per column, share, verdict.
+
+    python -m hf_tta.benchmarks.protocols.v4_tables export runs/v4 model_cards/results/protocol-v4/rows.jsonl
+    python -m hf_tta.benchmarks.protocols.v4_tables print model_cards/results/protocol-v4/rows.jsonl headline i2t
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ..verdicts import compare, round_figure, seed_bound, shares
+from .v4_choice import STREAMS, choose_default, choose_lr, hits, load
+from .v4_choice import summarise as summarise_selection
+
+SOURCE = "source"
+PARTS = ("selection", "headline", "streams", "main")
+
+
+def export(out: Path, dest: Path) -> int:
+    """Write every finished row of the run folders under ``out`` to ``dest`` (JSON lines, sorted by run, row, column,
+    seed), each with the commits its run recorded (``registration.txt``: registration [choice]; ``commit.txt``: the
+    library). Returns the number of rows."""
+    rows = load(Path(out))
+    for r in rows:
+        folder = Path(out) / r["run"]
+        for name, key in (("registration.txt", "registration"), ("commit.txt", "commit")):
+            if (folder / name).is_file():
+                r[key] = (folder / name).read_text().strip()
+    rows.sort(key=lambda r: (r["run"], r["objective"], r["shift"], str(r.get("severity")), r["seed"]))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    return len(rows)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _col(r: dict) -> tuple:
+    return (r["shift"], r.get("severity"))
+
+
+def _name(c: tuple) -> str:
+    return c[0] if c[1] is None else f"{c[0]} {c[1]}"
+
+
+def _report(rows: list[dict], direction: str, runs: str) -> tuple[dict, dict]:
+    """Report rows of ``direction`` whose run name starts with ``rep-<direction>/<runs>``: the source's hits by
+    (column, seed) and each row name's hits by (column, seed)."""
+    src: dict = {}
+    by: dict = defaultdict(dict)
+    for r in rows:
+        if r["split"] != "report" or r["direction"] != direction or not r["run"].startswith(f"rep-{direction}/{runs}"):
+            continue
+        key = (_col(r), r["seed"])
+        if r["objective"] == SOURCE:
+            if key in src and src[key]["hits"] != r["hits"]:
+                raise ValueError(f"two source rows of {key} differ in their hits.")
+            src[key] = r
+        else:
+            by[r["objective"]][key] = r
+    return src, by
+
+
+def _diffs(row: dict, src: dict, keys: list) -> list[np.ndarray]:
+    """One ``(seeds, items)`` array per column of ``keys`` ((column, seed) pairs): row hit − source hit."""
+    cols = sorted({c for c, _ in keys}, key=str)
+    out = []
+    for c in cols:
+        seeds = sorted(s for cc, s in keys if cc == c)
+        out.append(np.stack([(hits(row[(c, s)]) - hits(_source_of(src, c, s))).astype(np.float64) for s in seeds]))
+    return out
+
+
+def _source_of(src: dict, c: tuple, s: int) -> dict:
+    # the degenerate stream's hits are its clean part: the same queries as the clean column's source row
+    return src.get((c, s)) or src[(("clean", None), s)]
+
+
+def _r1(rows_by_key: dict, keys: list, c: tuple) -> float:
+    return float(np.mean([100 * hits(rows_by_key[k]).mean() for k in keys if k[0] == c]))
+
+
+def headline(rows: list[dict], direction: str) -> str:
+    """The primary table: every report row over the headline columns (all seeds it holds)."""
+    src, by = _report(rows, direction, "headline")
+    lines = ["| row | seeds | columns | share (pooled) | share (mean of columns) | worst column: Δ [bound] | Δ [bound] | verdict |",
+             "|---|---:|---:|---:|---:|---|---:|---|"]
+    apart_note = set()
+    for name, row in sorted(by.items()):
+        keys = [k for k in row if k in src]
+        seeds = sorted({s for _, s in keys})
+        cols = sorted({c for c, _ in keys if c[0] not in STREAMS}, key=str)
+        if not cols:
+            continue
+        clean_keys = [k for k in src if k[0] == ("clean", None) and k[1] in seeds]
+        clean = float(np.mean([100 * hits(src[k]).mean() for k in clean_keys])) if clean_keys else 100.0
+        sh = shares({c: _r1(row, keys, c) for c in cols}, {c: _r1(src, keys, c) for c in cols}, clean)
+        apart_note |= set(sh.apart)
+        worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
+        allc = compare(_diffs(row, src, [k for k in keys if k[0] in cols]))
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {len(cols)} | {round_figure(sh.pooled, percent=True)} | "
+                     f"{round_figure(sh.mean_of_columns, percent=True)} | {_name(sh.worst)}: "
+                     f"{round_figure(worst.delta, sign=True)} [{round_figure(worst.lower, sign=True)}] {worst.words()} | "
+                     f"{round_figure(allc.delta, sign=True)} [{round_figure(allc.lower, sign=True)}] | {allc.words()} |")
+    if apart_note:
+        lines.append("")
+        lines.append("Columns whose source loss is under 5 R@1, listed apart (not in the shares): "
+                     + ", ".join(sorted(_name(c) for c in apart_note)) + ".")
+    return "\n".join(lines)
+
+
+def streams(rows: list[dict], direction: str) -> str:
+    """The secondary table: the default grid's share (image queries) and each stream's Δ [bound] verdict over the
+    seeds a row holds, with the seed-level t bound from 5 seeds; for text rows each corruption column's
+    shift-specific gain is in :func:`headline`'s companion line below."""
+    src, by = _report(rows, direction, "streams")
+    present = [s for s in STREAMS if any(k[0] == (s, None) for k in src)]
+    head = "| row | seeds | default grid share | " + " | ".join(present) + " |"
+    lines = [head, "|---|---:|---:|" + "---|" * len(present)]
+    for name, row in sorted(by.items()):
+        keys = [k for k in row if k in src or k[0] == ("degenerate", None)]
+        seeds = sorted({s for _, s in keys})
+        grid = sorted({c for c, _ in keys if c[0] not in STREAMS}, key=str)
+        share = "–"
+        if grid:
+            clean = float(np.mean([100 * hits(src[(("clean", None), s)]).mean() for s in seeds]))
+            share = round_figure(shares({c: _r1(row, keys, c) for c in grid}, {c: _r1(src, keys, c) for c in grid}, clean, 0.0).pooled,
+                                 percent=True)
+        cells = []
+        for st in present:
+            ks = [k for k in keys if k[0] == (st, None)]
+            if not ks:
+                cells.append("–")
+                continue
+            c = compare(_diffs(row, src, ks))
+            per_seed = [100 * float((hits(row[k]) - hits(_source_of(src, *k))).mean()) for k in ks]
+            t = seed_bound(per_seed)
+            tb = f", t {round_figure(t, sign=True)}" if t is not None else ""
+            cells.append(f"{round_figure(c.delta, sign=True)} [{round_figure(c.lower, sign=True)}{tb}] {c.words()}")
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {share} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def shift_specific(rows: list[dict], direction: str = "t2i") -> str:
+    """Text rows: each row's mean gain over the corruption columns, its clean-stream gain, and their difference (the
+    shift-specific gain), seeds 3-5 of the headline runs and the clean column of the streams runs."""
+    src, by = _report(rows, direction, "headline")
+    ssrc, sby = _report(rows, direction, "streams")
+    lines = ["| row | corruption gain (R@1) | clean gain (R@1) | shift-specific gain |", "|---|---:|---:|---:|"]
+    for name, row in sorted(by.items()):
+        keys = [k for k in row if k in src and k[0][0] not in STREAMS]
+        ck = [k for k in sby.get(name, {}) if k[0] == ("clean", None) and k in ssrc]
+        if not keys or not ck:
+            continue
+        gain = float(np.mean([100 * (hits(row[k]) - hits(src[k])).mean() for k in keys]))
+        cgain = float(np.mean([100 * (hits(sby[name][k]) - hits(ssrc[k])).mean() for k in ck]))
+        lines.append(f"| {name} | {round_figure(gain, sign=True)} | {round_figure(cgain, sign=True)} | "
+                     f"{round_figure(gain - cgain, sign=True)} |")
+    return "\n".join(lines)
+
+
+def selection(rows: list[dict], direction: str) -> str:
+    """The selection table and the registered choice it gives (every round's candidates, then the comparators)."""
+    sel = summarise_selection([r for r in rows if r["split"] == "selection"], direction)
+    lines = ["| candidate (run/row) | share | clean Δ [bound] | degenerate Δ [bound] | passes per query | eligible |",
+             "|---|---:|---:|---:|---:|---|"]
+    for s in sorted(sel, key=lambda x: (x.label.startswith("comparators/"), -x.share)):
+        cell = lambda st: (f"{round_figure(s.streams[st][0], sign=True)} [{round_figure(s.streams[st][1], sign=True)}]"  # noqa: E731
+                           if st in s.streams else "–")
+        ok = "–" if s.label.startswith("comparators/") or "degenerate" not in s.streams else (
+            "yes" if s.not_below("clean") and s.not_below("degenerate") else "no")
+        lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | {cell('clean')} | {cell('degenerate')} | "
+                     f"{round_figure(s.passes, digits=2)} | {ok} |")
+    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")])
+    lines.append("")
+    best = ", ".join(f"{o} {choose_lr(sel, o).label.split('/')[1]}" for o in ("tcr", "rest")
+                     if any(s.label.startswith(f"comparators/{o}@") for s in sel))
+    lines.append(f"Chosen by the registered rule: **{chosen.label if chosen else 'none eligible'}**; best labelled "
+                 f"fixed lr: {best}.")
+    return "\n".join(lines)
+
+
+def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
+    """The main job's rows (report seed 3, the default grid and the clean stream): R@1 per column, share, verdict."""
+    src, by = _report(rows, direction, "streams")
+    keys = sorted({k for k in src if k[1] == seed and k[0][0] not in ("noto", "diverse", "switch", "degenerate")}, key=str)
+    grid = [k for k in keys if k[0][0] != "clean"]
+    head = "| row | clean | " + " | ".join(_name(k[0]) for k in grid) + " | share | Δ [bound] | verdict |"
+    lines = [head, "|---|---:|" + "---:|" * len(grid) + "---:|---:|---|"]
+    clean = 100 * hits(src[(("clean", None), seed)]).mean()
+    lines.append(f"| source | {round_figure(clean)} | " + " | ".join(round_figure(100 * hits(src[k]).mean()) for k in grid)
+                 + " | – | – | – |")
+    for name in ("recommended", *sorted(n for n in by if n != "recommended")):
+        row = by.get(name, {})
+        if not all(k in row for k in keys):
+            continue
+        sh = shares({k[0]: 100 * hits(row[k]).mean() for k in grid}, {k[0]: 100 * hits(src[k]).mean() for k in grid}, clean, 0.0)
+        c = compare(_diffs(row, src, grid))
+        lines.append(f"| {name} | {round_figure(100 * hits(row[keys[0]]).mean())} | "
+                     + " | ".join(round_figure(100 * hits(row[k]).mean()) for k in grid)
+                     + f" | {round_figure(sh.pooled, percent=True)} | {round_figure(c.delta, sign=True)} "
+                       f"[{round_figure(c.lower, sign=True)}] | {c.words()} |")
+    return "\n".join(lines)
+
+
+def summarise(rows_path: Path, direction: str, part: str) -> str:
+    rows = read(rows_path)
+    if part == "selection":
+        return selection(rows, direction)
+    if part == "headline":
+        return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
+    if part == "streams":
+        return streams(rows, direction)
+    if part == "main":
+        return main_table(rows, direction)
+    raise ValueError(f"part must be one of {PARTS}; got {part!r}.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_tta.benchmarks.protocols.v4_tables")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("out")
+    e.add_argument("dest")
+    pr = sub.add_parser("print")
+    pr.add_argument("rows")
+    pr.add_argument("part", choices=PARTS)
+    pr.add_argument("direction", choices=("i2t", "t2i"))
+    args = p.parse_args(argv)
+    if args.command == "export":
+        print(f"wrote {export(Path(args.out), Path(args.dest))} rows to {args.dest}")
+    else:
+        print(summarise(Path(args.rows), args.direction, args.part))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
