@@ -17,8 +17,9 @@ answers the batch (one no-grad forward of the source) and nothing adapts; what w
 open batch. So a stream of clean queries is answered exactly as the source model answers it, whatever the objective
 would have done there, and a gradual shift is adapted to only once it is large enough to matter.
 
-Without reference statistics the gate cannot decide: it stays open (every batch adapts, as without it) and says so
-once in the log; ``TTAOutput.logs["shift_gate_statistic"]`` then holds ``nan``.
+Without reference statistics the gate cannot tell a shift from the source distribution, so it stays **closed**: the
+source model answers every batch, nothing adapts (never worse than the source), and the log says so once, naming the
+fix (``tta.fit_shift_gate(clean_queries)``); ``TTAOutput.logs["shift_gate_statistic"]`` then holds ``nan``.
 
 The reference (``mean``, ``var``, ``count``) is adapted state of a kind: it is saved with the wrapper's checkpoint and
 kept by :meth:`~hf_tta.TTAWrapper.reset` (it describes the source distribution, not the adaptation).
@@ -86,7 +87,8 @@ class ShiftGate:
             return None
         view = wrapper.forward.view(batch, wrapper.config.steps - 1, source=True)
         out = wrapper.forward.scored(batch, view, view.scores)
-        out.skipped = [f"shift gate: statistic {t:.4g} <= {self.config.threshold} (the source answered, nothing adapted)"]
+        why = "no reference (fit_shift_gate)" if math.isnan(t) else f"statistic {t:.4g} <= {self.config.threshold}"
+        out.skipped = [f"shift gate: {why} (the source answered, nothing adapted)"]
         out.logs = dict(logs)
         wrapper.batch_index += 1
         if wrapper.config.reset_policy == "episodic":
@@ -126,13 +128,14 @@ class ShiftGate:
         return float(((x - self.mean) ** 2 / self.var).mean())
 
     def is_open(self, statistic: float) -> bool:
-        """Whether a batch with this statistic adapts: above the threshold, or always before :meth:`fit` (logged once)."""
+        """Whether a batch with this statistic adapts: above the threshold; never before :meth:`fit` (the source
+        answers; logged once)."""
         if math.isnan(statistic):
             if not self._warned:
-                logger.warning("shift_gate has no reference statistics: every batch adapts (call "
-                               "tta.fit_shift_gate(clean_queries) with a few hundred clean, in-distribution queries).")
+                logger.warning("shift_gate has no reference statistics, so the source model answers and nothing adapts: call "
+                               "tta.fit_shift_gate(clean_queries) with a few hundred clean, in-distribution queries.")
                 self._warned = True
-            return True
+            return False
         return statistic > self.config.threshold
 
     # ---------------------------------------------------------------- state (checkpoints)

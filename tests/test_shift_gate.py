@@ -36,13 +36,24 @@ def test_the_gate_opens_strictly_above_its_threshold(statistic, open_):
     assert _gate(1.5).is_open(statistic) is open_
 
 
-def test_without_a_reference_the_gate_stays_open_and_says_so_once(caplog):
+def test_without_a_reference_the_gate_stays_closed_and_says_so_once(caplog):
     gate = ShiftGate(ShiftGateConfig())
     t = gate.statistic(torch.zeros(4, 3))
     assert math.isnan(t)
     with caplog.at_level("WARNING", logger="hf_tta.shift_gate"):
-        assert gate.is_open(t) and gate.is_open(t)
+        assert not gate.is_open(t) and not gate.is_open(t)
     assert sum("fit_shift_gate" in r.message for r in caplog.records) == 1
+
+
+def test_an_unfitted_gate_in_a_wrapper_answers_as_the_source():
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2, shift_gate={}))
+    gallery = tta.encode_gallery(text_batch(20, seed=1))
+    before = state_of(tta)
+    out = tta.adapt_step(SHIFTED[0], gallery)  # a shifted batch, but no reference to tell
+    with tta.disabled():
+        _, source_scores = tta.embed_and_score(SHIFTED[0], gallery)
+    assert torch.equal(out.scores, source_scores) and "no reference" in out.skipped[0]
+    assert all(torch.equal(v, state_of(tta)[k]) for k, v in before.items())
 
 
 @pytest.mark.parametrize("features,match", [
