@@ -57,9 +57,14 @@ from typing import Any
 #: a degenerate stream from dragging the model down: TCR 85.0 -> 96.3 on the clean part, source 96.4), at the
 #: modality's default lr.
 RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
-#: Image queries: protocol v3's preset rule (``recipes/protocol_v3_summary.py``, selection split) chose REST with DN and
-#: the default safety layer at lr 1e-3 (the lr chosen for REST on the same split).
-RECOMMENDED_IMAGE: dict[str, Any] = {"objective": "rest", "score_transform": "dn", "safety": {}, "lr": 1e-3}
+#: Image queries: protocol v4's default study (issue 48; ``model_cards/results/protocol-v4/choices/default-study.json``)
+#: chose TCR at lr 3e-2 behind the shift gate's two-sample statistic at threshold 4 (:mod:`hf_tta.shift_gate`) with the
+#: safety layer's degenerate-batch rule (no drift rollback): on the selection split it wins back as much as the best
+#: labelled fixed-lr TCR (50.3 %) with the clean and degenerate streams exactly at the source. It needs reference
+#: queries: ``tta.fit_shift_gate(clean_queries)``; until then the source answers.
+SAFETY_DEGENERATE_ONLY: dict[str, Any] = {"min_agreement": 0, "max_agreement_drop": 1}
+RECOMMENDED_IMAGE: dict[str, Any] = {"objective": "tcr", "lr": 3e-2, "safety": SAFETY_DEGENERATE_ONLY,
+                                     "shift_gate": {"statistic": "batch_mean", "threshold": 4.0}}
 #: Text queries: protocol v3's preset rule (text selection split) chose TCR with DN and the default safety layer at lr
 #: 3e-4, the lr chosen for TCR there (TCR's paper lr for CLIP text queries; the phase did not run the BERT-style 3e-5
 #: that the emoji model's adapter defaults to, so the preset names its lr as the image one does).
@@ -68,14 +73,15 @@ RECOMMENDED_TEXT: dict[str, Any] = {**RECOMMENDED, "lr": 3e-4}
 #: The same presets as benchmark rows (:func:`hf_tta.benchmarks.grid.row_spec` syntax); the row ``recommended`` runs
 #: the one of the run's query modality.
 RECOMMENDED_ROW = "tcr+dn+safe"
-RECOMMENDED_IMAGE_ROW = "rest+dn+safe@1e-3"
+RECOMMENDED_IMAGE_ROW = "tcr+gate+safe@3e-2"  # with --safety and --shift_gate as RECOMMENDED_IMAGE's (RowSpec.preset)
 RECOMMENDED_TEXT_ROW = "tcr+dn+safe@3e-4"
 
 
 def recommended_fields(query_modality: str) -> dict[str, Any]:
     """The preset's :class:`~hf_tta.TTAConfig` fields for queries of ``query_modality`` (a copy)."""
-    fields = {"image": RECOMMENDED_IMAGE, "text": RECOMMENDED_TEXT}.get(query_modality, RECOMMENDED)
-    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
+    import copy
+
+    return copy.deepcopy({"image": RECOMMENDED_IMAGE, "text": RECOMMENDED_TEXT}.get(query_modality, RECOMMENDED))
 
 
 def recommended_row(query_modality: str) -> str:
