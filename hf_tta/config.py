@@ -90,8 +90,8 @@ class TTAConfig(ConfigMixin):
     steps: int = field(default=3, metadata={"help": "Gradient steps per incoming batch (TCR code: --tta_steps 3)."})
     lr: float | None = field(
         default=None,
-        metadata={"help": "AdamW learning rate; None = the papers' default for this model and query modality; 'auto' = "
-                          "lr=None with lr_search=LRSearchConfig() (chosen online without labels, issue 37)."},
+        metadata={"help": "AdamW learning rate; None = the papers' default for this model and query modality (to choose "
+                          "it online without labels, set lr_search; 'auto' was removed by protocol v4, issue 48)."},
     )
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (TCR code: 1e-4)."})
     reset_policy: str = field(
@@ -195,7 +195,7 @@ class TTAConfig(ConfigMixin):
             "config_class": LRSearchConfig,
             "help": "Choose the lr online without labels (hf_tta.lr_search, issue 37): an LRSearchConfig (candidates, "
             "probe_batches, proxy, agreement_floor, backoff, online, hypergradient_rate) or a dict of its fields turns "
-            "it on (TTAConfig(lr='auto') = its defaults); the first probe_batches batches adapt one shadow per "
+            "it on ({} = its defaults); the first probe_batches batches adapt one shadow per "
             "candidate lr while the source answers, then the proxy's best becomes the adapted state; online="
             "'hypergradient' then moves the lr at every step. None = off: the lr is fixed.",
         },
@@ -223,9 +223,9 @@ class TTAConfig(ConfigMixin):
             self.update_budget = self.update_budget.to_dict()
         if isinstance(self.gradient_decoupling, bool):  # True: the defaults; False: off
             self.gradient_decoupling = GradientDecouplingConfig() if self.gradient_decoupling else None
-        if isinstance(self.lr, str) and self.lr == "auto":  # short for the lr search's defaults
-            self.lr, self.lr_search = None, self.lr_search if self.lr_search is not None else LRSearchConfig()
-            logger.info("TTAConfig(lr='auto'): the lr is chosen online without labels (lr_search=%s)", self.lr_search)
+        if isinstance(self.lr, str) and self.lr == "auto":  # removed by protocol v4's default study (issue 48)
+            raise ValueError("TTAConfig(lr='auto') was removed: protocol v4 found a fixed lr behind the shift gate better "
+                             "and safer than choosing it online; use TTAConfig.recommended(...), or lr_search={} to probe.")
         for name in ("tuning", "gradient_decoupling", "consistency", "lr_search", "run"):
             setattr(self, name, _nested(name, getattr(self, name)))
         check_field_types(self)

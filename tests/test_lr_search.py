@@ -396,9 +396,10 @@ def test_bad_values_are_refused_in_one_line(search, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"objective": "dn", "lr": "auto"}, "'dn' is training-free: drop lr_search"),
-        ({"lr": "auto", "reset_policy": "episodic"}, "reset_policy='episodic' resets every batch"),
-        ({"lr": "auto", "update_budget": {"fraction": 0.5}}, "drop one of them"),
+        ({"objective": "dn", "lr_search": {}}, "'dn' is training-free: drop lr_search"),
+        ({"lr_search": {}, "reset_policy": "episodic"}, "reset_policy='episodic' resets every batch"),
+        ({"lr_search": {}, "update_budget": {"fraction": 0.5}}, "drop one of them"),
+        ({"lr": "auto"}, "TTAConfig(lr='auto') was removed"),
         ({"lr_search": {"backoff": 0.5}}, "`backoff` acts on the safety layer's rollbacks: set safety={}"),
         ({"lr": "fast"}, "`lr` must be"),
         ({"candidates": [1e-3, 1e-2]}, "TTAConfig has no field 'candidates'"),  # off: its fields are not TTAConfig's
@@ -411,8 +412,8 @@ def test_refused_where_it_cannot_run(kwargs, message):
     assert message in str(info.value) and len(str(info.value).splitlines()) == 1, str(info.value)
 
 
-def test_lr_auto_is_the_defaults_and_the_config_round_trips():
-    cfg = TTAConfig(lr="auto")
+def test_an_empty_lr_search_is_the_defaults_and_the_config_round_trips():
+    cfg = TTAConfig(lr_search={})
     assert cfg == TTAConfig(lr_search=LRSearchConfig()) and cfg.lr is None
     data = json.loads(json.dumps(cfg.to_dict()))
     assert TTAConfig.from_dict(data) == cfg and data["lr_search"]["probe_batches"] == 4
@@ -425,8 +426,8 @@ def test_lr_auto_is_the_defaults_and_the_config_round_trips():
 def test_wrappers_that_cannot_probe_refuse_before_touching_the_model():
     model = make_model("clip")
     with pytest.raises(ValueError, match="RoutedTTAWrapper does not run TTAConfig.lr_search"):
-        RoutedTTAWrapper(model, TTAConfig(lr="auto"))
-    TTAWrapper(model, TTAConfig(lr="auto"))  # the model was left as it was: it can be wrapped
+        RoutedTTAWrapper(model, TTAConfig(lr_search={}))
+    TTAWrapper(model, TTAConfig(lr_search={}))  # the model was left as it was: it can be wrapped
 
 
 
