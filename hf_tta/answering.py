@@ -42,11 +42,14 @@ class AnswerMixin:
         the RNG read from a captured view. ``TTAOutput.scores`` ``(B, N)`` for a dense gallery; with a top-k backend
         ``topk`` (each query's backend-``k`` best items by gallery position, searched at one version) and ``scores``
         ``None``. Unlike ``adapt_step`` the safety layer does not judge the batch: a degenerate batch gets the current
-        model's answer, not the source model's."""
+        model's answer, not the source model's. A shift gate (``TTAConfig.shift_gate``) does: a batch it keeps closed
+        gets the source model's answer, as in ``adapt_step``."""
         batch = self.forward.answer_batch(queries, gallery)  # memoises the wrapped tensor gallery and encoder id
         reading = self.forward.reading(AdapterState.view(self, ANSWER))
+        gate = getattr(self, "shift_gate", None)  # TTAConfig.shift_gate: a batch it keeps closed gets the source's answer
+        source = gate is not None and not gate.opens(self, batch.queries)[0]
         with batching.pinned(gallery, reading.gallery_versions, answer_states(reading), warn=False):
-            return answer_with(reading, batch)
+            return answer_with(reading, batch, source=source)
 
 
 def answer_states(forward: BatchForward) -> list[tuple[Objective | None, dict]]:
@@ -57,11 +60,12 @@ def answer_states(forward: BatchForward) -> list[tuple[Objective | None, dict]]:
     return [(forward.score_transform, stream.transform_state)] + ([(obj, stream.state)] if reads else [])
 
 
-def answer_with(forward: BatchForward, batch: batching.Batch, step: int | None = None) -> TTAOutput:
+def answer_with(forward: BatchForward, batch: batching.Batch, step: int | None = None, source: bool = False) -> TTAOutput:
     """``batch`` answered as ``adapt_step`` with ``scoring="before_update"`` answers it (the view of the last step,
-    or of ``step``; a training-free objective's scores), advancing ``forward``'s stream: call it on a reading."""
+    or of ``step``; a training-free objective's scores; with ``source`` the source model's view, as a closed shift
+    gate answers), advancing ``forward``'s stream: call it on a reading."""
     if forward.objective.requires_grad:
-        inputs = forward.view(batch, forward.config.steps - 1 if step is None else step)
+        inputs = forward.view(batch, forward.config.steps - 1 if step is None else step, source=source)
         return forward.scored(batch, inputs, inputs.scores)
     inputs, _, scores = forward.training_free(batch, None)
     return forward.scored(batch, inputs, scores)

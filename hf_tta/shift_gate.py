@@ -76,12 +76,16 @@ class ShiftGate:
         logger.info("shift_gate: reference of %d queries (%d features), threshold %s", self.count, self.mean.numel(),
                     self.config.threshold)
 
+    def opens(self, wrapper: Any, queries: Mapping[str, torch.Tensor]) -> tuple[bool, float]:
+        """Whether checked ``queries`` open the gate, and their statistic (``nan`` before :meth:`fit`)."""
+        t = self.statistic(self.features(wrapper, queries)) if self.fitted else math.nan
+        return self.is_open(t), t
+
     def answer(self, wrapper: Any, batch: Any, logs: dict[str, float]) -> Any:
         """``wrapper.adapt_step``'s answer to ``batch`` when the gate is closed (the source model's no-grad view through
         the score transform; the batch counter advances, an episodic wrapper resets; nothing adapted changes), else
         ``None`` (the batch adapts). ``logs`` receives the gate's statistic either way."""
-        t = self.statistic(self.features(wrapper, batch.queries)) if self.fitted else math.nan
-        opened = self.is_open(t)
+        opened, t = self.opens(wrapper, batch.queries)
         logs.update({"shift_gate_statistic": t, "shift_gate_open": float(opened)})
         if opened:
             return None

@@ -174,3 +174,16 @@ def test_the_batch_mean_statistic_is_the_squared_z_score_of_the_batch_mean():
 def test_an_unknown_statistic_is_refused():
     with pytest.raises(ValueError, match="statistic"):
         ShiftGateConfig(statistic="max")
+
+
+def test_answer_gives_what_adapt_step_answers_on_both_sides_of_the_gate():
+    tta, gallery = _gated()
+    for x in SHIFTED[:2]:  # adapt first, so that the adapted and the source model differ
+        tta.adapt_step(x, gallery)
+    for x in (LIKE_REFERENCE[0], SHIFTED[2]):
+        answered = tta.answer(x, gallery)
+        out = tta.adapt_step(x, gallery, scoring="before_update")
+        assert torch.equal(answered.scores, out.scores)
+    with tta.disabled():
+        _, source_scores = tta.embed_and_score(LIKE_REFERENCE[1], gallery)
+    assert torch.equal(tta.answer(LIKE_REFERENCE[1], gallery).scores, source_scores)
