@@ -140,7 +140,7 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
 #:     ...the summary's output...
 #:     <!-- /study -->  or  <!-- /batch-size -->
 RECIPE_BLOCK = re.compile(
-    r"<!-- (?P<kind>study|batch-size|v3): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))?(?: (?P<part>[a-z0-9]+))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S
+    r"<!-- (?P<kind>study|batch-size|v3|v4): (?P<rows>\S+)(?: (?P<direction>i2t|t2i))?(?: (?P<part>[a-z0-9]+))? -->\n(?P<body>.*?)<!-- /(?P=kind) -->", re.S
 )
 
 
@@ -159,11 +159,16 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str 
         return _recipe("beyond_ln_summary").summarise(rows, direction or "i2t")
     if kind == "v3":
         return _recipe("protocol_v3_summary").summarise(rows, direction or "i2t", part)
+    if kind == "v4":  # protocol v4's tables (hf_tta.benchmarks.protocols.v4_tables)
+        from hf_tta.benchmarks.protocols.v4_tables import summarise
+
+        return summarise(rows, direction or "i2t", part)
     return _recipe("batch_size_recall").summary_of(rows)
 
 
 @pytest.mark.parametrize(
-    "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results-v3.md", "v3")]
+    "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results-v3.md", "v3"),
+                  ("emoji-benchmark-results.md", "v4")]
 )
 def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     """Each recipe block of the card is the summary script's output on the committed rows."""
@@ -191,3 +196,23 @@ if __name__ == "__main__" and "--write" in sys.argv:
         if marked_tables(path) or RECIPE_BLOCK.search(path.read_text()):
             write(path)
             print("rewrote", path)
+
+
+FIGURE = re.compile(r"[−+-]?\d+(?:\.\d+)? ?%?")
+
+
+@pytest.mark.slow
+def test_the_readme_headline_quotes_the_main_jobs_rows():
+    """Every figure of the README's headline (between ``<!-- main-job: <rows> -->`` and ``<!-- /main-job -->``) is
+    printed by the main job's table of those committed rows (``hf_tta.benchmarks.protocols.v4_tables``)."""
+    from hf_tta.benchmarks.protocols.v4_tables import summarise
+
+    text = (CARDS.parent / "README.md").read_text()
+    m = re.search(r"<!-- main-job: (\S+) -->\n(.*?)<!-- /main-job -->", text, re.S)
+    assert m, "README.md has no main-job block"
+    table = summarise(CARDS / m.group(1), "i2t", "main")
+    quoted = [f.strip() for f in FIGURE.findall(re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, ]+", "", m.group(2)))
+              if "." in f or "%" in f]
+    assert quoted, "the headline quotes no figure"
+    for f in quoted:
+        assert f.replace("-", "−").lstrip("+−") in table, f"README headline figure {f} is not in the main job's table"
