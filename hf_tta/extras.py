@@ -7,7 +7,7 @@ import importlib
 from types import ModuleType
 
 #: The extra that installs each optional package.
-EXTRA_OF = {"datasets": "data", "evaluate": "evaluate", "accelerate": "accelerate", "faiss": "index", "av": "audio"}
+EXTRA_OF = {"datasets": "data", "evaluate": "evaluate", "accelerate": "accelerate", "faiss": "index", "av": "audio", "fastapi": "serve"}
 
 
 class MissingExtraError(ImportError):

@@ -20,6 +20,7 @@ Examples::
     hf-tta run --model microsoft/xclip-base-patch32 --dataset ./audioset-d --direction video->text
     hf-tta build --pairs pairs.jsonl --output-dir ./my-set   # any image-text set -> a query-shift benchmark
     hf-tta list                                    # objectives, corruptions, styles, benchmarks
+    hf-tta serve --state-dir /srv/tta --port 8000  # the retrieval service that adapts while it serves
     hf-tta clean                                   # clean R@1/5/10 of the source model
 
 ``--model`` loads the class the checkpoint's config.json declares when hf_tta adapts it (``BlipForImageTextRetrieval``,
@@ -98,6 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     handlers = {"run": cmd_run, "build": cmd_build, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     try:
+        if argv[:1] == ["serve"]:  # the service's own parser (hf_tta.service.cli): exit 2 with one line on a mistake
+            from ..extras import require
+
+            require("fastapi", "hf-tta serve")
+            from ..service.cli import main as serve
+
+            return serve(argv[1:], prog="hf-tta serve") or 0
         argv = _default_to_run(argv)
         args, extra = build_parser(config_options=argv[0] == "run").parse_known_args(argv)
         if extra:  # argparse would name `hf-tta --help`, which does not list a subcommand's options

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .common import UsageError, comma_list
 
-SUBCOMMANDS = ("run", "build", "list", "clean", "plot", "merge")
+SUBCOMMANDS = ("run", "build", "list", "clean", "plot", "merge", "serve")
 
 
 
@@ -125,7 +125,7 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
         epilog="Subcommands have their own --help, e.g. `hf-tta run --help`. A mistake on the command line prints one line "
         "naming the fix (exit status 2); add --debug anywhere for the traceback.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,build,list,clean,plot,merge}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,build,list,clean,plot,merge,serve}")
 
     run = sub.add_parser("run", help="run a benchmark grid (the default)", description="Run a (shift x severity x objective) grid; "
                          "every run starts from the source model, streams the queries in a seeded order in batches, "
@@ -197,6 +197,8 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
     clean.add_argument("--direction", type=_directions, default=None, help="Directions to evaluate (default i2t,t2i; an audio/video dataset needs e.g. a2t,t2a or v2t,t2v; see `hf-tta run --help`).")
     clean.add_argument("--quiet", action="store_true", help="No progress bars (errors and the result still print).")
 
+    sub.add_parser("serve", help="the retrieval service that adapts while it serves (see `hf-tta serve --help`)",
+                   add_help=False)  # its options are hf_tta.service.cli's; hf_tta.cli.main hands it the rest of argv
     plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
     plot.add_argument("results", help="a results.json written by `hf-tta run`")
     plot.add_argument("--output-dir", default=None, help="default: the results' folder")

@@ -3,8 +3,8 @@ the model must be importable by name (``functools.partial`` of these functions p
 
 * :func:`build_wrapper`: ``TTAWrapper(model_factory(), config)``.
 * :func:`load_config`: a :class:`~hf_tta.TTAConfig` from a JSON or YAML file (``--config``), refused in one line.
-* :func:`pretrained_model` / :func:`pretrained_encoders`: a user's own dual-encoder checkpoint (a folder or Hub id
-  that ``transformers.AutoModel`` and ``AutoProcessor`` load; offline unless the environment says otherwise).
+* :func:`pretrained_model` / :func:`pretrained_encoders`: a user's own dual-encoder checkpoint (a folder or Hub id,
+  loaded as the class its config declares, and its ``AutoProcessor``; offline unless the environment says otherwise).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def load_config(path: str | Path) -> TTAConfig:
 
 
 def pretrained_model(name_or_path: str) -> torch.nn.Module:
-    """``transformers.AutoModel.from_pretrained(name_or_path)`` in eval mode."""
-    from transformers import AutoModel
+    """The checkpoint as the class its ``config.json`` declares when hf_tta adapts it (``BlipForImageTextRetrieval``,
+    ...), else ``AutoModel`` (:func:`hf_tta.models.auto.load_dual_encoder`, as ``hf-tta run --model`` loads it), in
+    eval mode."""
+    from ..models.auto import load_dual_encoder
 
-    return AutoModel.from_pretrained(name_or_path).eval()
+    return load_dual_encoder(name_or_path).eval()
 
 
 def _images(processor: Any, images: list) -> dict[str, torch.Tensor]:
