@@ -95,8 +95,13 @@ def test_every_hf_tta_option_exists(spelling):
 
     words = spelling.split()
     command = words[1] if len(words) > 1 and words[1] in SUBCOMMANDS else "run"
-    parser = build_parser(config_options=True)
-    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command]
+    if command == "serve":  # the service's own parser (hf_tta.service.cli)
+        from hf_tta.service.cli import parser as serve_parser
+
+        sub = serve_parser()
+    else:
+        parser = build_parser(config_options=True)
+        sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command]
     known = {o for a in sub._actions for o in a.option_strings}
     used = {w.split("=")[0] for w in words if w.startswith("--")}
     assert used <= known, f"`{spelling}`: hf-tta {command} has no {sorted(used - known)}"
