@@ -369,15 +369,16 @@ class TTAConfig(ConfigMixin):
         """The recommended default (:mod:`hf_tta.preset`), chosen by a registered rule on the benchmark's selection
         split: for image queries TCR at lr 3e-2 behind the shift gate (two-sample statistic, threshold 4) with the
         safety layer's degenerate-batch rule (protocol v4; call ``tta.fit_shift_gate(clean_queries)``, until then
-        the source answers); for text queries TCR, DN and the safety layer at lr 3e-4 (protocol v3); for audio and
-        video queries the same at the modality's default lr (protocol v2, unmeasured). ``overrides`` replace fields.
+        the source answers); for text queries REST at lr 3e-4 with NNN on the scores and the degenerate-batch rule
+        (protocol v4); for audio and video queries TCR, DN and the safety layer at the modality's default lr
+        (protocol v2, unmeasured). ``overrides`` replace fields.
 
         Example:
             >>> cfg = TTAConfig.recommended("image")
             >>> (cfg.objective, cfg.lr, cfg.shift_gate) == ("tcr", 3e-2, {"statistic": "batch_mean", "threshold": 4.0})
             True
             >>> TTAConfig.recommended("text").objective, TTAConfig.recommended("text").lr
-            ('tcr', 0.0003)
+            ('rest', 0.0003)
             >>> TTAConfig.from_dict(cfg.to_dict()) == cfg
             True
         """

@@ -120,7 +120,7 @@ def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
 
 
 @pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("tcr", safe=True, gate=True, lr=3e-2, preset=True)),
-                                                 ("text", RowSpec("tcr", safe=True, score_transform="dn", lr=3e-4, preset=True)),
+                                                 ("text", RowSpec("rest", safe=True, score_transform="nnn", lr=3e-4, preset=True)),
                                                  ("audio", RowSpec("tcr", safe=True, score_transform="dn", preset=True))])
 def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
     from hf_tta import TTAConfig
@@ -215,7 +215,9 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     assert other.row_config("recommended", noise, 3) == got  # the run's settings do not reach the preset's row
     typo = Condition("t2i", "char_swap", 7)  # text queries: their own preset, at its own lr
     text = runner.row_config("recommended", typo, 3)
-    assert text == runner.row_config(RECOMMENDED_TEXT_ROW, typo, 3) and (text.objective, text.lr) == ("tcr", 3e-4)
+    text_run = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, config_overrides={
+        "safety": TTAConfig.recommended("text").safety}))
+    assert text == text_run.row_config(RECOMMENDED_TEXT_ROW, typo, 3) and (text.objective, text.lr) == ("rest", 3e-4)
     assert text == TTAConfig.recommended("text", gallery_modality="image", seed=3)
     assert TTAConfig.from_dict(got.to_dict()) == got
     gated = GridRunner(_ReferenceTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12))
