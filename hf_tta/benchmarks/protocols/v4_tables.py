@@ -11,16 +11,19 @@ split and the commits its run folder recorded). :func:`summarise` prints one par
   verdict over all columns (:mod:`hf_tta.benchmarks.verdicts`);
 * ``streams``: the default grid's share and each stream's Δ [bound] and verdict, with the seed-level t bound where a
   row has 5 seeds (text rows: each column's shift-specific gain, the column gain minus the row's clean gain);
-* ``main``: the main job's table (``hf-tta`` with no arguments, report seed 3): R@1 per column, share, verdict.
+* ``main``: the main job's table (``hf-tta`` with no arguments, report seed 3): R@1 per column, share, verdict;
+* ``v3verdicts``: protocol v3's stream rows judged again in v4's three words, where the word changes.
 
     python -m hf_tta.benchmarks.protocols.v4_tables export runs/v4 model_cards/results/protocol-v4/rows.jsonl
     python -m hf_tta.benchmarks.protocols.v4_tables print model_cards/results/protocol-v4/rows.jsonl headline i2t
+    python -m hf_tta.benchmarks.protocols.v4_tables card model_cards/emoji-benchmark-results.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -32,7 +35,7 @@ from .v4_choice import STREAMS, choose_default, choose_lr, hits, load
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
-PARTS = ("selection", "headline", "streams", "main")
+PARTS = ("selection", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -223,6 +226,37 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     return "\n".join(lines)
 
 
+def v3_verdicts(rows: list[dict], direction: str) -> str:
+    """Protocol v3's report-phase stream rows (seeds 3-5) judged again with v4's three words: each (row, stream) whose
+    v3 word ("not below" when the one-sided bound is above -0.5, else "below the source") and v4 word differ."""
+    src: dict = {}
+    by: dict = defaultdict(dict)
+    for r in rows:
+        if r.get("phase") != "report" or r["direction"] != direction or r["shift"] not in STREAMS or r["seed"] not in (3, 4, 5):
+            continue
+        key = (_col(r), r["seed"])
+        if r["objective"] == SOURCE:
+            src.setdefault(key, r)
+        else:
+            by[(r["config"], r["objective"])][key] = r
+    lines = ["| v3 row | stream | Δ [bound] | v3 | v4 |", "|---|---|---:|---|---|"]
+    for (config, objective), row in sorted(by.items()):
+        for st in STREAMS:
+            ks = [k for k in row if k[0] == (st, None) and _source_key(src, k)]
+            if not ks:
+                continue
+            c = compare([np.stack([(hits(row[k]) - hits(_source_key(src, k))).astype(np.float64) for k in sorted(ks)])])
+            old = "not below" if c.lower > -0.5 else "below the source"
+            if old != c.verdict:
+                lines.append(f"| {config} | {st} | {round_figure(c.delta, sign=True)} [{round_figure(c.lower, sign=True)}] | "
+                             f"{old} | {c.words()} |")
+    return "\n".join(lines)
+
+
+def _source_key(src: dict, k: tuple) -> dict | None:
+    return src.get(k) or src.get((("clean", None), k[1]))
+
+
 def summarise(rows_path: Path, direction: str, part: str) -> str:
     rows = read(rows_path)
     if part == "selection":
@@ -233,7 +267,28 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
+    if part == "v3verdicts":
+        return v3_verdicts(rows, direction)
     raise ValueError(f"part must be one of {PARTS}; got {part!r}.")
+
+
+BLOCK = re.compile(r"(<!-- v4: (?P<rows>\S+) (?P<direction>i2t|t2i) (?P<part>[a-z0-9]+) -->\n)(?P<body>.*?)(<!-- /v4 -->)", re.S)
+
+
+def refresh_card(card: Path) -> int:
+    """Rewrite every ``<!-- v4: <rows> <direction> <part> -->`` block of ``card`` from its rows (paths relative to
+    the card's folder); returns the number of blocks. ``tests/test_model_cards.py`` checks them."""
+    text = card.read_text(encoding="utf-8")
+    n = 0
+
+    def fill(m: re.Match) -> str:
+        nonlocal n
+        n += 1
+        body = summarise(card.parent / m["rows"], m["direction"], m["part"])
+        return f"{m.group(1)}{body}\n{m.group(5)}"
+
+    card.write_text(BLOCK.sub(fill, text), encoding="utf-8")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("rows")
     pr.add_argument("part", choices=PARTS)
     pr.add_argument("direction", choices=("i2t", "t2i"))
+    card = sub.add_parser("card")
+    card.add_argument("card")
     args = p.parse_args(argv)
-    if args.command == "export":
+    if args.command == "card":
+        print(f"refreshed {refresh_card(Path(args.card))} blocks of {args.card}")
+    elif args.command == "export":
         print(f"wrote {export(Path(args.out), Path(args.dest))} rows to {args.dest}")
     else:
         print(summarise(Path(args.rows), args.direction, args.part))
