@@ -137,7 +137,7 @@ def streams(rows: list[dict], direction: str) -> str:
     seeds a row holds, with the seed-level t bound from 5 seeds; for text rows each corruption column's
     shift-specific gain is in :func:`headline`'s companion line below."""
     src, by = _report(rows, direction, "streams")
-    present = [s for s in STREAMS if any(k[0] == (s, None) for k in src)]
+    present = [s for s in STREAMS if any(k[0] == (s, None) for k in [*src, *(k for row in by.values() for k in row)])]
     head = "| row | seeds | default grid share | " + " | ".join(present) + " |"
     lines = [head, "|---|---:|---:|" + "---|" * len(present)]
     for name, row in sorted(by.items()):
@@ -285,7 +285,7 @@ def refresh_card(card: Path) -> int:
         nonlocal n
         n += 1
         body = summarise(card.parent / m["rows"], m["direction"], m["part"])
-        return f"{m.group(1)}{body}\n{m.group(5)}"
+        return f"{m.group(1)}{body}\n<!-- /v4 -->"
 
     card.write_text(BLOCK.sub(fill, text), encoding="utf-8")
     return n

@@ -1,0 +1,63 @@
+"""Protocol v4's tables from rows (hf_tta/benchmarks/protocols/v4_tables.py), on small rows with values by hand."""
+
+import json
+
+from hf_tta.benchmarks.protocols import v4_tables
+
+N = 200
+
+
+def _row(run, objective, shift, bits, severity=None, seed=3, direction="i2t"):
+    return {"run": f"rep-{direction}/{run}", "label": f"{run}/{objective}", "split": "report", "concepts": "report",
+            "direction": direction, "objective": objective, "shift": shift, "severity": severity, "seed": seed, "hits": bits}
+
+
+def _bits(ones):
+    return "1" * ones + "0" * (N - ones)
+
+
+def _rows():
+    rows = []
+    for run in ("headline-s3", "streams-s3"):
+        rows += [_row(run, "source", "clean", _bits(N))]
+    rows += [_row("headline-s3", "source", "gaussian_noise", _bits(100), 5), _row("headline-s3", "source", "fog", _bits(196), 3),
+             _row("headline-s3", "recommended", "gaussian_noise", _bits(150), 5),  # +25 points of 50 lost: 50 %
+             _row("headline-s3", "recommended", "fog", _bits(194), 3)]            # source loses 2: apart; -1 point
+    rows += [_row("streams-s3", "source", "contrast", _bits(120), 1), _row("streams-s3", "recommended", "contrast", _bits(160), 1),
+             _row("streams-s3", "recommended", "clean", _bits(N)), _row("streams-s3", "recommended", "degenerate", _bits(N))]
+    return rows
+
+
+def test_the_headline_pools_the_columns_that_lose_5_points_and_lists_the_others_apart():
+    text = v4_tables.headline(_rows(), "i2t")
+    line = next(line for line in text.splitlines() if line.startswith("| recommended |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:5] == ["3", "2", "50.0 %", "50.0 %"]  # seeds, columns, pooled, mean of columns (gaussian only)
+    assert cells[5].startswith("fog 3: −1.0 [")  # the worst column: fog 3, one point lost
+    assert "listed apart (not in the shares): fog 3." in text
+
+
+def test_the_streams_table_and_the_main_table():
+    rows = _rows()
+    streams = v4_tables.streams(rows, "i2t")
+    line = next(line for line in streams.splitlines() if line.startswith("| recommended |"))
+    assert "| 50.0 % |" in line  # contrast 1: +40 of 80 lost
+    assert line.count("+0.0 [+0.0] not below") == 2  # clean and degenerate exactly at the source
+    main = v4_tables.main_table(rows)
+    assert "| source | 100.0 | 60.0 | – | – | – |" in main and "| recommended | 100.0 | 80.0 | 50.0 % |" in main
+
+
+def test_export_and_refresh_of_a_card(tmp_path):
+    out = tmp_path / "runs" / "rep-i2t" / "streams-s3"
+    out.mkdir(parents=True)
+    rows = [r for r in _rows() if r["run"] == "rep-i2t/streams-s3"]
+    header = {"hf-tta-run": {"concepts": "report"}}
+    out.joinpath("rows.jsonl").write_text("\n".join(json.dumps(x) for x in [header, *rows]) + "\n")
+    out.joinpath("registration.txt").write_text("abc1234\n")
+    dest = tmp_path / "cards" / "results" / "rows.jsonl"
+    assert v4_tables.export(tmp_path / "runs", dest) == len(rows)
+    assert all(r["registration"] == "abc1234" for r in v4_tables.read(dest))
+    card = tmp_path / "cards" / "card.md"
+    card.write_text("# card\n<!-- v4: results/rows.jsonl i2t main -->\nstale\n<!-- /v4 -->\n")
+    assert v4_tables.refresh_card(card) == 1
+    assert "stale" not in card.read_text() and "| recommended | 100.0 | 80.0 | 50.0 % |" in card.read_text()
