@@ -73,17 +73,21 @@ class LiveGallery:
         embeddings (`torch.Tensor`): the cached, L2-normalised embeddings (as :class:`~hf_tta.GalleryCache` takes them).
         modality (`str`): the gallery modality.
         ids (*optional*): the external id of each row ``(N,)`` (distinct integers); default ``0 .. N-1``.
+        version (*optional*): the version it starts at (a gallery reloaded after a restart goes on from its saved
+            version, so one number never names two galleries); default 0.
     """
 
-    def __init__(self, embeddings: torch.Tensor, modality: str, ids=None):
+    def __init__(self, embeddings: torch.Tensor, modality: str, ids=None, version: int = 0):
         first = GalleryCache(embeddings, modality)  # every check of the dense gallery (shape, dtype, finite)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0 (the version a saved gallery had), got {version!r}.")
         ids_map = IdMap.range(len(first)) if ids is None else IdMap(ids)
         if len(ids_map) != len(first):
             raise ValueError(f"{len(ids_map)} ids for {len(first)} embeddings: pass one id per row.")
         self.modality = modality
         self._lock = threading.Lock()  # serialises changes; readers take the current version without waiting
         self._log = ChangeLog()
-        self._state = (first.embeddings, ids_map, 0, first)  # swapped as one tuple: (embeddings, ids, version, cache)
+        self._state = (first.embeddings, ids_map, version, first)  # swapped as one tuple: (embeddings, ids, version, cache)
 
     # ---------------------------------------------------------------------------------------- reading
     def __len__(self) -> int:

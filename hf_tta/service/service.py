@@ -108,6 +108,7 @@ class Service:
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         cfg = self.cfg
+        self._lock_state_dir()
         self.wrapper = cfg.build()
         if type(self.wrapper) is not TTAWrapper:
             raise TypeError(f"ServiceConfig.build must return a plain TTAWrapper (tenants are the service's), got {type(self.wrapper).__name__}.")
@@ -129,6 +130,27 @@ class Service:
             self._timer = threading.Thread(target=self._save_loop, name="hf_tta-service-save", daemon=True)
             self._timer.start()
 
+    def _lock_state_dir(self) -> None:
+        """One writer per state folder: an exclusive ``flock`` on ``<state_dir>/.lock`` for the service's life (the
+        kernel drops it when the process dies, even by ``kill -9``); a second service on the folder is refused."""
+        self._lock_fd = None
+        if self.state_dir is None:
+            return
+        import fcntl
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RuntimeError(f"the state folder {self.state_dir} is in use by another hf_tta service (pid {holder}): "
+                               "give each service its own --state-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
     def _versions(self) -> tuple[int, dict[str, int]]:
         return self.answerer.version, {t: c.version for t, c in self.answerer.states.items()}
 
@@ -139,7 +161,8 @@ class Service:
             from safetensors.torch import load_file
 
             saved = load_file(str(gallery_file))
-            self.gallery = LiveGallery(saved["embeddings"], modality, ids=saved["ids"])
+            version = int(saved["version"]) if "version" in saved else 0  # saved before versions were kept: 0
+            self.gallery = LiveGallery(saved["embeddings"], modality, ids=saved["ids"], version=version)
             logger.info("Resumed the gallery (%d items) from %s.", len(self.gallery), gallery_file)
         else:
             self.gallery = LiveGallery(self.encode_items(list(self.cfg.gallery_items)), modality)
@@ -175,6 +198,9 @@ class Service:
         self.save_gallery()
         if self.channel is not None:
             self.channel.close()
+        if getattr(self, "_lock_fd", None) is not None:  # the folder's lock goes last, after every write to it
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _save_loop(self) -> None:
         while not self._stop.wait(self.cfg.checkpoint_every):
@@ -191,7 +217,8 @@ class Service:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         snap = self.gallery.snapshot()
         tmp = self.state_dir / f".{GALLERY_FILE}.tmp"
-        save_file({"embeddings": snap.cache.embeddings.contiguous(), "ids": snap.ids.contiguous()}, str(tmp))
+        save_file({"embeddings": snap.cache.embeddings.contiguous(), "ids": snap.ids.contiguous(),
+                   "version": torch.tensor(snap.version, dtype=torch.int64)}, str(tmp))
         os.replace(tmp, self.state_dir / GALLERY_FILE)
         self.last_checkpoint = time.time()
 

@@ -164,12 +164,18 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     import torch
 
     torch.set_num_threads(max(1, spec.threads))
+    parent = os.getppid()  # the answering process: when it dies (even by kill -9) this process must not outlive it
     channel = open_channel(spec.channel)
     worker = Worker(spec, channel)
     worker.publish()
     results.put(("started", worker.adapters.version))
+    orphaned = False
     try:
         while not stop["flag"]:
+            if os.getppid() != parent:  # re-parented: the answering process is gone; a restarted service owns the folder
+                logger.warning("The answering process %d is gone: the adapting process exits without saving.", parent)
+                orphaned = True
+                break
             try:
                 msg = tasks.get(timeout=0.25)
             except queue_mod.Empty:
@@ -180,9 +186,14 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
                 reply = worker.handle(msg)
                 if reply is not None:
                     results.put(reply)
+            if os.getppid() != parent:  # it may have died during the batch: no interval checkpoint either
+                orphaned = True
+                logger.warning("The answering process %d is gone: the adapting process exits without saving.", parent)
+                break
             worker.tick()
     finally:
-        worker.save()
+        if not orphaned:  # an orphan never writes the state folder (a restarted service may be using it)
+            worker.save()
         channel.close()
 
 
