@@ -106,3 +106,40 @@ def test_the_gallery_version_goes_on_across_a_restart(tmp_path):
         assert added["gallery_version"] == version + 1
     finally:
         again.close()
+
+
+def test_every_acknowledged_add_survives_a_kill_9(tmp_path):
+    import threading
+
+    server = _Server(tmp_path)
+    acknowledged, stop = [], threading.Event()
+
+    def add_many():
+        for i in range(2000, 2400):
+            if stop.is_set():
+                return
+            try:
+                r = server.http.post("/items", json={"id": i, "text": f"item {i}"}, headers=AUTH)
+            except httpx.TransportError:
+                return
+            if r.status_code == 201:
+                acknowledged.append((i, r.json().get("durable")))
+
+    try:
+        writer = threading.Thread(target=add_many)
+        writer.start()
+        assert wait_for(lambda: len(acknowledged) >= 10, 120)
+        server.proc.send_signal(signal.SIGKILL)  # in the middle of the burst
+        server.proc.wait(30)
+        stop.set()
+        writer.join(30)
+    finally:
+        server.close()
+    assert all(durable is True for _, durable in acknowledged)  # a 201 says the add is on disk
+    again = _Server(tmp_path)
+    try:
+        for i, _ in acknowledged:
+            r = again.http.delete(f"/items/{i}", headers=AUTH)  # 404 if the add was lost
+            assert r.status_code == 200, (i, r.text)
+    finally:
+        again.close()

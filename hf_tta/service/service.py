@@ -98,6 +98,7 @@ class Service:
         self.last_checkpoint: float | None = None
         self.started_at = time.time()
         self._items_lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -209,18 +210,32 @@ class Service:
             except Exception:  # noqa: BLE001 - a failed save is logged; the service goes on and retries next time
                 logger.exception("Saving the gallery failed")
 
-    def save_gallery(self) -> None:
+    def save_gallery(self) -> bool:
+        """Write the gallery (embeddings, ids, version) to the state folder durably: a temporary file, fsync'd, renamed
+        over the last one, the folder fsync'd; ``False`` without a state folder (nothing is durable then)."""
         if self.state_dir is None or self.gallery is None:
-            return
+            return False
         from safetensors.torch import save_file
 
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        snap = self.gallery.snapshot()
-        tmp = self.state_dir / f".{GALLERY_FILE}.tmp"
-        save_file({"embeddings": snap.cache.embeddings.contiguous(), "ids": snap.ids.contiguous(),
-                   "version": torch.tensor(snap.version, dtype=torch.int64)}, str(tmp))
-        os.replace(tmp, self.state_dir / GALLERY_FILE)
+        with self._save_lock:  # the periodic save and the edits' saves share the temporary file
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            snap = self.gallery.snapshot()
+            tmp = self.state_dir / f".{GALLERY_FILE}.tmp"
+            save_file({"embeddings": snap.cache.embeddings.contiguous(), "ids": snap.ids.contiguous(),
+                       "version": torch.tensor(snap.version, dtype=torch.int64)}, str(tmp))
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.state_dir / GALLERY_FILE)
+            fd = os.open(self.state_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         self.last_checkpoint = time.time()
+        return True
 
     # ------------------------------------------------------------------------------------------ requests
     def encode_items(self, items: list) -> torch.Tensor:
@@ -282,7 +297,8 @@ class Service:
             emb = self.encode_items([decoded.value])  # the gallery tower never adapts: the source's
             self.gallery.add([item_id], emb)
             self._send_gallery()
-        return {"id": item_id, "gallery_size": len(self.gallery), "gallery_version": self.gallery.version}
+            durable = self.save_gallery()  # before the 201: an acknowledged edit survives a crash
+        return {"id": item_id, "gallery_size": len(self.gallery), "gallery_version": self.gallery.version, "durable": durable}
 
     def delete_item(self, item_id: int) -> dict[str, Any]:
         with self._items_lock:
@@ -292,7 +308,8 @@ class Service:
                 raise InputError("the gallery's last item cannot be removed", 409)
             self.gallery.remove([item_id])
             self._send_gallery()
-        return {"id": item_id, "gallery_size": len(self.gallery), "gallery_version": self.gallery.version}
+            durable = self.save_gallery()
+        return {"id": item_id, "gallery_size": len(self.gallery), "gallery_version": self.gallery.version, "durable": durable}
 
     def _send_gallery(self) -> None:
         if self.supervisor is not None:
