@@ -255,6 +255,24 @@ uvicorn.run(create_app(service_config(sys.argv[1])), host="127.0.0.1", port=int(
 """
 
 
+def test_a_chunked_body_over_the_limit_is_413_and_counted(client):
+    """A body without Content-Length (chunked) over the limit is refused as it streams in, with 413, not a parser's 400,
+    and the refusal is counted in hf_tta_inputs_refused_total."""
+
+    def refused():
+        text = client.get("/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('hf_tta_inputs_refused_total{status="413"}'))
+
+    before = refused()
+    chunks = (b"x" * 50_000 for _ in range(8))  # 400 kB against the limit of 200 kB, no Content-Length
+    r = client.post("/search", content=chunks, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+    assert refused() == before + 1
+    body = json.dumps({"image": png(7), "k": 3}).encode()
+    small = (part for part in (body[:100], body[100:]))  # a chunked body under the limit is answered as before
+    assert client.post("/search", content=small, headers={"Content-Type": "application/json"}).status_code == 200
+
+
 def test_sigterm_saves_and_a_real_server_resumes_versions(client, state_dir):
     import socket
     import subprocess
@@ -323,3 +341,4 @@ def test_redis_replica_answers_from_the_store_and_says_when_it_is_down(redis_ser
         assert "state store unreachable" in replica.get("/readyz").json()["problems"][0]
         r = replica.post("/search", json={"image": png(3)})
         assert r.status_code == 200 and r.json()["version"] == 1  # answers go on from the last state
+

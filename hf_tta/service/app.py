@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,15 +49,18 @@ class AdminRequest(BaseModel):
     tenant: str | None = Field(None, max_length=64)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` (413), by the declared length or while the body streams in."""
+    """Refuse request bodies over ``max_bytes`` (413), by the declared length or, for a body without one (chunked),
+    by counting its bytes as they stream in: the body is read up to the limit before the app sees it, so FastAPI's
+    parser never turns the refusal into a 400. ``on_refuse(status)`` counts each refusal (the metrics)."""
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, on_refuse: Callable[[str], None] | None = None):
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+
+    async def _refuse(self, send: Any) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse("413")
+        await _reply(send, 413, f"request body over the limit of {self.max_bytes} bytes")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -65,30 +68,27 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _reply(send, 413, f"request body over the limit of {self.max_bytes} bytes")
+            await self._refuse(send)
             return
-        seen = 0
-        started = False
-
-        async def limited() -> dict:
-            nonlocal seen
+        chunks, seen, last = [], 0, None
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away: the app sees that as it arrived
+                last = message
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}] if last is None else [last]
 
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replayed() -> dict:
+            return replay.pop(0) if replay else await receive()
 
-        try:
-            await self.app(scope, limited, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _reply(send, 413, f"request body over the limit of {self.max_bytes} bytes")
+        await self.app(scope, replayed, send)
 
 
 async def _reply(send: Any, status: int, detail: str) -> None:
@@ -130,7 +130,8 @@ def create_app(cfg: ServiceConfig):
 
     app = FastAPI(title="hf_tta online retrieval", lifespan=lifespan)
     app.state.service = service
-    app.add_middleware(BodyLimit, max_bytes=cfg.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.limits.max_body_bytes,
+                       on_refuse=lambda status: service.metrics.refused.labels(status).inc())
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
