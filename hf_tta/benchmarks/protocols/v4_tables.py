@@ -166,17 +166,18 @@ def streams(rows: list[dict], direction: str) -> str:
 
 def shift_specific(rows: list[dict], direction: str = "t2i") -> str:
     """Text rows: each row's mean gain over the corruption columns, its clean-stream gain, and their difference (the
-    shift-specific gain), seeds 3-5 of the headline runs and the clean column of the streams runs."""
+    shift-specific gain), from the headline runs (their clean column; else the streams runs')."""
     src, by = _report(rows, direction, "headline")
     ssrc, sby = _report(rows, direction, "streams")
     lines = ["| row | corruption gain (R@1) | clean gain (R@1) | shift-specific gain |", "|---|---:|---:|---:|"]
     for name, row in sorted(by.items()):
         keys = [k for k in row if k in src and k[0][0] not in STREAMS]
-        ck = [k for k in sby.get(name, {}) if k[0] == ("clean", None) and k in ssrc]
+        clean_rows, clean_src = (row, src) if any(k[0] == ("clean", None) for k in row) else (sby.get(name, {}), ssrc)
+        ck = [k for k in clean_rows if k[0] == ("clean", None) and k in clean_src]  # the headline's own clean column first
         if not keys or not ck:
             continue
         gain = float(np.mean([100 * (hits(row[k]) - hits(src[k])).mean() for k in keys]))
-        cgain = float(np.mean([100 * (hits(sby[name][k]) - hits(ssrc[k])).mean() for k in ck]))
+        cgain = float(np.mean([100 * (hits(clean_rows[k]) - hits(clean_src[k])).mean() for k in ck]))
         lines.append(f"| {name} | {round_figure(gain, sign=True)} | {round_figure(cgain, sign=True)} | "
                      f"{round_figure(gain - cgain, sign=True)} |")
     return "\n".join(lines)
