@@ -95,8 +95,8 @@ def test_every_hf_tta_option_exists(spelling):
 
     words = spelling.split()
     command = words[1] if len(words) > 1 and words[1] in SUBCOMMANDS else "run"
-    if command == "serve":  # the service's own parser (hf_tta.service.cli)
-        from hf_tta.service.cli import parser as serve_parser
+    if command == "serve":  # the service's own parser (hf_tta.cli.serve)
+        from hf_tta.cli.serve import parser as serve_parser
 
         sub = serve_parser()
     else:

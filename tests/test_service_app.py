@@ -273,6 +273,21 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted(client):
     assert client.post("/search", content=small, headers={"Content-Type": "application/json"}).status_code == 200
 
 
+def test_a_long_id_is_not_echoed(client):
+    r = client.delete(f"/items/{'9' * 400}", headers=AUTH)
+    assert 400 <= r.status_code < 500 and "9" * 20 not in r.json()["detail"] and "\n" not in r.json()["detail"]
+
+
+def test_openapi_documents_the_one_line_error_body(client):
+    schema = client.get("/openapi.json").json()
+    for path, method in (("/search", "post"), ("/items", "post"), ("/items/{item_id}", "delete"), ("/admin/{op}", "post")):
+        responses = schema["paths"][path][method]["responses"]
+        for status in ("400", "413", "422"):
+            assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody"), (path, status)
+    assert "HTTPValidationError" not in json.dumps(schema)
+    assert schema["components"]["schemas"]["ErrorBody"]["properties"]["detail"]["type"] == "string"
+
+
 def test_sigterm_saves_and_a_real_server_resumes_versions(client, state_dir):
     import socket
     import subprocess

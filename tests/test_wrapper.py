@@ -267,16 +267,17 @@ def test_inference_mode_is_refused(clip_tta):
 
 
 def test_recommended_preset_round_trips_and_builds_a_wrapper(tmp_path):
-    from hf_tta.preset import RECOMMENDED
+    from hf_tta.preset import RECOMMENDED_IMAGE, RECOMMENDED_TEXT
 
     cfg = TTAConfig.recommended("text", lr=1e-4)
-    assert (cfg.objective, cfg.query_modality, cfg.lr) == (RECOMMENDED["objective"], "text", 1e-4)
-    assert cfg.safety == RECOMMENDED.get("safety") and cfg == TTAConfig(**{**RECOMMENDED, "query_modality": "text", "lr": 1e-4})
+    assert (cfg.objective, cfg.query_modality, cfg.lr) == (RECOMMENDED_TEXT["objective"], "text", 1e-4)
+    assert cfg.safety == RECOMMENDED_TEXT.get("safety") and cfg == TTAConfig(**{**RECOMMENDED_TEXT, "query_modality": "text", "lr": 1e-4})
     cfg.save_pretrained(tmp_path)
     assert TTAConfig.from_pretrained(tmp_path) == cfg
     assert TTAConfig.recommended("image", safety={"min_agreement": 0.3}).safety == {"min_agreement": 0.3}
     tta = TTAWrapper(make_model("clip"), TTAConfig.recommended("image"))
-    assert tta.safety.active == (RECOMMENDED.get("safety") is not None)
+    assert tta.safety.active == (RECOMMENDED_IMAGE.get("safety") is not None)
+    tta.fit_shift_gate(batch("image", 40, seed=5))  # the image default's gate needs its reference
     out = tta.adapt_step(batch("image", 8, seed=2), tta.encode_gallery(batch("text", 10, seed=1)))
     assert torch.isfinite(out.scores).all()
     tta.save_pretrained(tmp_path / "ckpt")

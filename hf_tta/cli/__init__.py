@@ -99,11 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     handlers = {"run": cmd_run, "build": cmd_build, "list": cmd_list, "clean": cmd_clean, "plot": cmd_plot, "merge": cmd_merge}
     try:
-        if argv[:1] == ["serve"]:  # the service's own parser (hf_tta.service.cli): exit 2 with one line on a mistake
+        if argv[:1] == ["serve"]:  # the service's own parser (hf_tta.cli.serve): exit 2 with one line on a mistake
             from ..extras import require
 
             require("fastapi", "hf-tta serve")
-            from ..service.cli import main as serve
+            from .serve import main as serve
 
             return serve(argv[1:], prog="hf-tta serve") or 0
         argv = _default_to_run(argv)

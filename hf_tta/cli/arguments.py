@@ -198,7 +198,7 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
     clean.add_argument("--quiet", action="store_true", help="No progress bars (errors and the result still print).")
 
     sub.add_parser("serve", help="the retrieval service that adapts while it serves (see `hf-tta serve --help`)",
-                   add_help=False)  # its options are hf_tta.service.cli's; hf_tta.cli.main hands it the rest of argv
+                   add_help=False)  # its options are hf_tta.cli.serve's; hf_tta.cli.main hands it the rest of argv
     plot = sub.add_parser("plot", help="redraw the plots of a results.json", description="Redraw the PNG plots and tables from a results.json.")
     plot.add_argument("results", help="a results.json written by `hf-tta run`")
     plot.add_argument("--output-dir", default=None, help="default: the results' folder")

@@ -49,6 +49,20 @@ class AdminRequest(BaseModel):
     tenant: str | None = Field(None, max_length=64)
 
 
+class ErrorBody(BaseModel):
+    """The body of every refusal: one line, never the input."""
+
+    detail: str = Field(description="what was wrong and how to fix it, in one line")
+
+
+#: The responses the OpenAPI document gives every operation's refusals: the one-line :class:`ErrorBody` the service
+#: sends (instead of FastAPI's list-shaped 422, which a schema-aware client would expect and never get).
+ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
+    (400, "a bad input"), (401, "no or a wrong token"), (403, "refused (tenant limit, token)"), (404, "no such item"),
+    (409, "conflicts with the gallery or the worker's state"), (413, "body, text or image over the limit"),
+    (422, "a field breaks its rule"), (503, "not now: timeout, worker down, state folder not writable"))}
+
+
 class BodyLimit:
     """Refuse request bodies over ``max_bytes`` (413), by the declared length or, for a body without one (chunked),
     by counting its bytes as they stream in: the body is read up to the limit before the app sees it, so FastAPI's
@@ -111,7 +125,7 @@ def _one_line(errors: list[dict]) -> str:
 
 def create_app(cfg: ServiceConfig):
     """The FastAPI app; the service starts with the app's lifespan and stops (saving its state) on shutdown."""
-    from fastapi import FastAPI, Header, Request
+    from fastapi import FastAPI, Header, Path, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -151,6 +165,8 @@ def create_app(cfg: ServiceConfig):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if 400 <= exc.status_code < 500:  # a body that does not parse, an unknown route or method
+            service.metrics.refused.labels(str(exc.status_code)).inc()
         return JSONResponse({"detail": str(exc.detail).splitlines()[0]}, status_code=exc.status_code)
 
     @app.middleware("http")
@@ -173,23 +189,23 @@ def create_app(cfg: ServiceConfig):
         except asyncio.TimeoutError:
             raise InputError(f"the answer took longer than {cfg.limits.timeout:g} s: retry later", 503) from None
 
-    @app.post("/search")
+    @app.post("/search", responses=ERRORS)
     async def search(req: SearchRequest, x_tenant: str | None = Header(None), authorization: str | None = Header(None)) -> dict[str, Any]:
         if cfg.search_needs_token:
             auth.check(cfg.token, authorization, "search")
         return await run(service.search, req.image, req.text, req.k, x_tenant)
 
-    @app.post("/items", status_code=201)
+    @app.post("/items", status_code=201, responses=ERRORS)
     async def add_item(req: ItemRequest, authorization: str | None = Header(None)) -> dict[str, Any]:
         auth.check(cfg.token, authorization, "editing the gallery")
         return await run(service.add_item, req.id, req.image, req.text)
 
-    @app.delete("/items/{item_id}")
-    async def delete_item(item_id: int, authorization: str | None = Header(None)) -> dict[str, Any]:
+    @app.delete("/items/{item_id}", responses=ERRORS)
+    async def delete_item(item_id: int = Path(ge=0, le=2**53), authorization: str | None = Header(None)) -> dict[str, Any]:
         auth.check(cfg.token, authorization, "editing the gallery")
         return await run(service.delete_item, item_id)
 
-    @app.post("/admin/{op}")
+    @app.post("/admin/{op}", responses=ERRORS)
     async def admin(op: str, req: AdminRequest | None = None, authorization: str | None = Header(None)) -> dict[str, Any]:
         auth.check(cfg.token, authorization, "the admin API")
         if op not in ("pause", "resume", "reset", "rollback", "checkpoint"):
@@ -218,4 +234,4 @@ def create_app(cfg: ServiceConfig):
     return app
 
 
-__all__ = ["create_app"]
+__all__ = ["ERRORS", "ErrorBody", "create_app"]

@@ -1,4 +1,4 @@
-"""``hf-tta serve`` (hf_tta/service/cli.py) as a user runs it: the console script in a subprocess, a BLIP folder saved
+"""``hf-tta serve`` (hf_tta/cli/serve.py) as a user runs it: the console script in a subprocess, a BLIP folder saved
 with its processor and loaded by path, a real uvicorn on 127.0.0.1; a mistake exits 2 with one line."""
 
 from __future__ import annotations
