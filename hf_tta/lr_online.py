@@ -153,7 +153,7 @@ class OnlineMixin:
     _state: dict[str, torch.Tensor]
 
     @property
-    def step_rule(self) -> HypergradientRule | None:
+    def online_rule(self) -> HypergradientRule | None:
         """The step hook the served stream's loop runs (``None``: no online rule, or the probe runs)."""
         if self.config.online is None or self.probing:
             return None
@@ -162,8 +162,8 @@ class OnlineMixin:
         return self._rule
 
     def batch_rule(self) -> HypergradientRule | None:
-        """:attr:`step_rule` for the batch about to run (its logged cosines start afresh)."""
-        rule = self.step_rule
+        """:attr:`online_rule` for the batch about to run (its logged cosines start afresh)."""
+        rule = self.online_rule
         if rule is not None:
             rule.cosines = []
         return rule

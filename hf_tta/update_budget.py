@@ -37,14 +37,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import partial
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .configuration_utils import ConfigMixin, check_field_types, check_positive
 from .objectives.base import ObjectiveInputs, softmax_entropy
-from .outputs import TTAOutput
+from .policies import Answer, BatchContext, BatchPolicy
 
 DEFAULT_TEMPERATURE = 0.01
 
@@ -125,8 +124,11 @@ def mean_normalised_entropy(scores: torch.Tensor, temperature: float, columns: i
     return (softmax_entropy(s.detach().double() / temperature) / math.log(c)).mean()
 
 
-class UpdateBudget:
-    """The budget's decision per batch (the wrapper asks before anything else runs on the batch)."""
+class UpdateBudget(BatchPolicy):
+    """The budget's decision per batch, a :class:`~hf_tta.policies.BatchPolicy` (the wrapper asks it before anything
+    else runs on the batch)."""
+
+    name = "update_budget"
 
     def __init__(self, config: UpdateBudgetConfig):
         self.config = config
@@ -151,17 +153,12 @@ class UpdateBudget:
         reason = f"update budget: mean normalised entropy {value:.4g} <= {cfg.entropy_threshold} (answered, not adapted)"
         return reason, logs, view
 
-    def answer(self, wrapper: Any, batch: Any) -> TTAOutput | None:
-        """``wrapper.adapt_step``'s answer to ``batch`` when the budget skips it, else ``None`` (the batch adapts as
-        usual). A skipped batch is answered from the current model's one no-grad forward through the score transform
-        (the wrapper's forward ``view`` and ``scored``, as :mod:`hf_tta.answering` answers); the batch counter advances and,
-        with ``reset_policy="episodic"``, the wrapper resets as after any batch. Nothing adapted changes."""
-        reason, logs, view = self.decide(wrapper.batch_index, partial(wrapper.forward.view, batch, wrapper.config.steps - 1))
+    def begin(self, ctx: BatchContext) -> Answer | None:
+        """The batch's answer when the budget skips it, else ``None`` (the batch adapts as usual). A skipped batch is
+        answered from the current model's one no-grad forward (``ctx.view``); the wrapper's ``_finish`` puts it through
+        the score transform, advances the batch counter and, with ``reset_policy="episodic"``, resets as after any
+        batch. Nothing adapted changes; the safety layer did not judge the batch (``report_safety=False``)."""
+        reason, logs, view = self.decide(ctx.batch_index, ctx.view)
         if reason is None:
             return None
-        out = wrapper.forward.scored(batch, view, view.scores)
-        out.skipped, out.logs = [reason], logs
-        wrapper.batch_index += 1
-        if wrapper.config.reset_policy == "episodic":
-            wrapper.restore_source()
-        return out
+        return Answer(view, view.scores, skipped=[reason], logs=logs, report_safety=False)
