@@ -68,6 +68,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     #: whether this wrapper runs ``TTAConfig.lr_search`` (one stream in one process: not routed, not distributed)
     runs_lr_search = True
 
+    #: whether the one-sync fast path may run (``TTAConfig.fast_step``); a subclass whose every update takes the loop's
+    #: gradient reduction sets it ``False`` (:class:`~hf_tta.DistributedTTAWrapper`)
+    allows_fast_step = True
+    #: called on the adapted parameters after each backward (``None``: nothing; the distributed all-reduce)
+    reduce_gradients = None
+
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None):
         self.config = cfg = config if config is not None else TTAConfig()
         if cfg.lr_search is not None and not self.runs_lr_search:
@@ -95,7 +101,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.forward = BatchForward(self.adapter, cfg, self.objective, self.score_transform, self.query_modality,
                                     self.gallery_modality, self, lambda: self.disabled(), self.params, self.passes)
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
-        self.fast_step = cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda"
+        self.fast_step = self.allows_fast_step and (cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda")
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state = self.objective.init_state(self.device)
@@ -107,7 +113,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.budget, self.lr_search = self.policy("update_budget"), self.policy("lr_search")
         self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, passes=self.passes)
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, passes=self.passes,
+                             reduce_gradients=self.reduce_gradients)
         self.capture_source()
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
