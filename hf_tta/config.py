@@ -26,9 +26,11 @@ from .config_features import (
     SafetyConfig,
     ShiftGateConfig,
     TuningConfig,
+    UpdateBudgetConfig,
     WeightEnsembleConfig,
     build_feature_config,
     build_safety_config,
+    build_update_budget_config,
 )
 from .config_flat import FLAT_FIELDS, flat_keys, nest
 from .configuration_utils import (
@@ -43,7 +45,6 @@ from .lr_search_config import LRSearchConfig
 from .models.base import MODALITIES
 from .objectives.base import ObjectiveConfig, get_objective_class
 from .preset import recommended_fields
-from .update_budget import UpdateBudgetConfig, build_update_budget_config
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The optional features of a :class:`~hf_tta.TTAConfig`, each a dataclass of its own fields, grouped the way
 ``peft`` groups a tuner's fields in its ``LoraConfig``: what adapts (:class:`TuningConfig`), REST's gradient decoupling
 (:class:`GradientDecouplingConfig`), the pull towards the source's predictions (:class:`ConsistencyConfig`), the safety
-layer (:class:`SafetyConfig`), the shift gate (:class:`ShiftGateConfig`), weight ensembling with the source
-(:class:`WeightEnsembleConfig`) and how a wrapper runs (:class:`RunConfig`).
+layer (:class:`SafetyConfig`), the update budget (:class:`UpdateBudgetConfig`), the shift gate (:class:`ShiftGateConfig`),
+weight ensembling with the source (:class:`WeightEnsembleConfig`) and how a wrapper runs (:class:`RunConfig`).
 
 A feature is on when its config is present (``TTAConfig(consistency=ConsistencyConfig(weight=1.0))``), so a field of
 a feature that is off cannot be set; within :class:`TuningConfig` the LoRA rank is refused unless the method is
@@ -12,8 +12,11 @@ to run, not what the adapted state means: a checkpoint loads across them.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar, Mapping
 
 from .configuration_utils import (
@@ -366,3 +369,72 @@ def build_feature_config(name: str, cls: type, value: Any) -> Any:
         raise TypeError(f"`{name}` must be None, a dict of {cls.__name__} fields or a {cls.__name__}, got {value!r}.")
     check_known_keys(cls, value, where=f"`{name}`: ")
     return cls(**value)
+
+
+DEFAULT_TEMPERATURE = 0.01
+
+
+@dataclass
+class UpdateBudgetConfig(ConfigMixin):
+    """Which batches are adapted on (see :mod:`hf_tta.update_budget`): set exactly one of ``fraction`` and
+    ``entropy_threshold``.
+
+    Example:
+        >>> cfg = UpdateBudgetConfig(fraction=0.25)
+        >>> [i for i in range(10) if cfg.adapts_on(i)]
+        [0, 4, 8]
+        >>> UpdateBudgetConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    fraction: float | None = field(
+        default=None,
+        metadata={"help": "Adapt on this share of the batches, in (0, 1], evenly spaced by the batch counter (batch 0 first)."},
+    )
+    entropy_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Adapt only on batches whose mean normalised prediction entropy H(softmax(s / T)) / ln C, from "
+            "the current model's one no-grad forward, exceeds this value in [0, 1)."
+        },
+    )
+    entropy_temperature: float = field(
+        default=DEFAULT_TEMPERATURE,
+        metadata={"help": "T of the entropy trigger's softmax over the gallery (0.01: TCR's gallery softmax)."},
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        if (self.fraction is None) == (self.entropy_threshold is None):
+            raise ValueError(
+                "UpdateBudgetConfig needs exactly one rule: `fraction` (a share of the batches) or `entropy_threshold` "
+                f"(a label-free trigger); got fraction={self.fraction!r}, entropy_threshold={self.entropy_threshold!r}."
+            )
+        if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"UpdateBudgetConfig `fraction` must be in (0, 1], got {self.fraction!r}.")
+        if self.entropy_threshold is not None and not 0.0 <= self.entropy_threshold < 1.0:
+            raise ValueError(f"UpdateBudgetConfig `entropy_threshold` must be in [0, 1), got {self.entropy_threshold!r}.")
+        check_positive("entropy_temperature", self.entropy_temperature)
+        if self.entropy_threshold is None and self.entropy_temperature != DEFAULT_TEMPERATURE:
+            raise ValueError("UpdateBudgetConfig `entropy_temperature` applies to the entropy trigger: set "
+                             "`entropy_threshold` or drop `entropy_temperature`.")
+
+    def adapts_on(self, batch_index: int) -> bool:
+        """The ``fraction`` rule: whether batch ``batch_index`` (0-based, since the last reset) is adapted on."""
+        if self.fraction is None:
+            raise ValueError("adapts_on is the fraction rule; this budget has an entropy trigger.")
+        f = Fraction(self.fraction).limit_denominator(10**9)  # exact: 0.1 * 30 is not 3 in floating point
+        return math.ceil((batch_index + 1) * f) > math.ceil(batch_index * f)
+
+
+def build_update_budget_config(value: UpdateBudgetConfig | Mapping[str, Any] | None) -> UpdateBudgetConfig | None:
+    """``TTAConfig.update_budget`` (``None``, a dict or an :class:`UpdateBudgetConfig`) as an :class:`UpdateBudgetConfig`."""
+    if value is None or isinstance(value, UpdateBudgetConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`update_budget` must be None, a dict of UpdateBudgetConfig fields or an UpdateBudgetConfig, got {value!r}.")
+    known = {f.name for f in dataclasses.fields(UpdateBudgetConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"`update_budget` has keys {unknown} that UpdateBudgetConfig does not define; valid keys: {sorted(known)}.")
+    return UpdateBudgetConfig(**value)

@@ -87,6 +87,9 @@ class DistributedTTAWrapper(TTAWrapper):
     """
 
     runs_lr_search = False  # TTAConfig.lr_search probes one stream in one process
+    # every update goes through the loop's gradient all-reduce, so no fast path and an unfused AdamW from the start (the
+    # optimiser a reset, the safety layer's reset or SAR's recovery rebuilds: the update rule never changes mid-stream)
+    allows_fast_step = False
 
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -99,13 +102,8 @@ class DistributedTTAWrapper(TTAWrapper):
             )
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        super().__init__(model, config)
-        self.fast_step = self.loop.fast = False  # every update goes through the loop's gradient all-reduce
-        self.loop.reduce_gradients = self._all_reduce_gradients
+        super().__init__(model, config)  # the loop: no fast path, the gradient all-reduce (allows_fast_step, reduce_gradients)
         self.forward.embed = self._embed_shard  # every forward embeds this process's shard and all-gathers
-        # and the optimiser is the one a reset (TTAWrapper.reset, the safety layer's reset, SAR's recovery) rebuilds:
-        # not the fused AdamW that fast_step made above, so the update rule does not change mid-stream
-        self.rebuild_optimizer()
         with torch.no_grad():  # identical starting point everywhere
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for t in list(self.model.parameters()) + list(self.model.buffers()):
@@ -129,7 +127,7 @@ class DistributedTTAWrapper(TTAWrapper):
         q = self.forward.encode(local)
         return all_gather_with_grad(q, [e - s for s, e in bounds], self.group)
 
-    def _all_reduce_gradients(self, params: list[nn.Parameter]) -> None:
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """The loop's gradient-reduce hook: the mean over processes of each adapted tensor's gradient, in one collective."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])

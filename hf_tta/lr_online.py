@@ -51,24 +51,9 @@ from typing import Any
 
 import torch
 
+from .lr_search_config import DEFAULT_HYPERGRADIENT_RATE, ONLINE_RULES, check_online  # noqa: F401 (their old home)
+
 logger = logging.getLogger(__name__)
-
-ONLINE_RULES = ("hypergradient",)
-#: beta of the multiplicative rule, set a priori (before any measurement): at most a 2 % change of the lr per step.
-DEFAULT_HYPERGRADIENT_RATE = 0.02
-
-
-def check_online(online: str | None, rate: float | None) -> None:
-    """Refuse a bad ``LRSearchConfig.online`` / ``hypergradient_rate`` in one line naming the fix."""
-    if online is not None and online not in ONLINE_RULES:
-        raise ValueError(f"LRSearchConfig `online` must be None or one of {list(ONLINE_RULES)}, got {online!r}.")
-    if rate is None:
-        return
-    if online != "hypergradient":
-        raise ValueError(f"LRSearchConfig `hypergradient_rate` applies to online='hypergradient' only (here online="
-                         f"{online!r}): drop it or set online='hypergradient'.")
-    if isinstance(rate, bool) or not 0 < rate < 1:
-        raise ValueError(f"LRSearchConfig `hypergradient_rate` must be in (0, 1), got {rate!r}.")
 
 
 def cosine(grad: torch.Tensor, update: torch.Tensor) -> float:
@@ -153,7 +138,7 @@ class OnlineMixin:
     _state: dict[str, torch.Tensor]
 
     @property
-    def step_rule(self) -> HypergradientRule | None:
+    def online_rule(self) -> HypergradientRule | None:
         """The step hook the served stream's loop runs (``None``: no online rule, or the probe runs)."""
         if self.config.online is None or self.probing:
             return None
@@ -162,8 +147,8 @@ class OnlineMixin:
         return self._rule
 
     def batch_rule(self) -> HypergradientRule | None:
-        """:attr:`step_rule` for the batch about to run (its logged cosines start afresh)."""
-        rule = self.step_rule
+        """:attr:`online_rule` for the batch about to run (its logged cosines start afresh)."""
+        rule = self.online_rule
         if rule is not None:
             rule.cosines = []
         return rule

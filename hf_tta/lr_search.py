@@ -100,8 +100,8 @@ import torch
 from . import tuning, window
 from .lr_online import OnlineMixin
 from .lr_search_config import PROXIES, LRSearchConfig, choose
-from .outputs import TTAOutput
-from .state import SHADOW, AdapterState
+from .policies import Answer, BatchContext, BatchPolicy
+from .state import SELECTOR, SHADOW, AdapterState
 
 __all__ = ["LRSearch", "LRSearchConfig", "PROXIES", "choose", "proxy_value", "proxy_values"]
 logger = logging.getLogger(__name__)
@@ -129,15 +129,50 @@ def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -
 
 
 # ------------------------------------------------------------------------------------------------- the selector
-class LRSearch(OnlineMixin):
-    """The learning-rate search of one wrapper; its state is the wrapper's ``selector_state`` (see
-    :mod:`hf_tta.lr_search`), so this object holds only settings and reads the state through the wrapper."""
+class LRSearch(OnlineMixin, BatchPolicy):
+    """The learning-rate search of one wrapper, a :class:`~hf_tta.policies.BatchPolicy`: its probe answers a probe
+    batch (:meth:`begin`), then its online rule (:meth:`step_rule`) and back-off (:meth:`after`) act on the served
+    stream. Its state is the wrapper's ``selector_state`` (see :mod:`hf_tta.lr_search`), so this object holds only
+    settings and reads the state through the wrapper's public names."""
+
+    name = "lr_search"
+    keeps_on_reset = frozenset({SELECTOR})  # a safety reset keeps the choice
 
     def __init__(self, config: LRSearchConfig, wrapper: Any):
         self.config, self.wrapper = config, wrapper
         self.base_lr = float(wrapper.lr)
         self.candidates = config.resolved_candidates(self.base_lr)
         self.active: float | None = None  # the lr last put into the optimiser
+        self._lr_start: float | None = None  # the lr in use when the batch's steps started (what a back-off scales)
+
+    # ---------------------------------------------------------------------------------------- the policy's hooks
+    def begin(self, ctx: BatchContext) -> Answer | None:
+        """A probe batch's answer (:meth:`probe`); ``None`` once the lr is chosen."""
+        return self.probe(ctx) if self.probing else None
+
+    def step_rule(self, ctx: BatchContext) -> Any:
+        """The lr in use into the optimiser (:meth:`before_steps`) and the online rule's hook for the batch."""
+        self.before_steps()
+        self._lr_start = self.lr
+        return self.batch_rule()
+
+    def after(self, ctx: BatchContext, decision: Any) -> None:
+        """The back-off after a safety rollback or reset (:meth:`back_off`)."""
+        self.back_off(self._lr_start, decision.action)
+
+    def logs(self) -> dict[str, float]:
+        return self.batch_logs()
+
+    def recovered(self) -> None:  # the online rule's last step led elsewhere
+        self.forget_update()
+
+    def optimizer_rebuilt(self) -> None:  # a rebuilt optimiser gets the lr in use
+        if self.active is not None:
+            self.set_lr(self.active)
+
+    @property
+    def needs_checked_loop(self) -> bool:
+        return self.online_rule is not None
 
     # ---------------------------------------------------------------------------------------- what it exposes
     @property
@@ -256,33 +291,33 @@ class LRSearch(OnlineMixin):
         return {**self._fresh(), "chosen": torch.tensor(self.start_index()), "lr": torch.tensor(lr, dtype=torch.float64)}
 
     # ---------------------------------------------------------------------------------------- the probe
-    def probe(self, batch: Any) -> TTAOutput:
+    def probe(self, ctx: BatchContext) -> Answer:
         """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts. An
         error on the way leaves the wrapper as the batch found it."""
         w = self.wrapper
         before, rng = dict(self._state), w.generator.get_state()
         try:
-            return self._probe(batch, before, rng)
+            return self._probe(ctx, before, rng)
         except BaseException:
-            w._source_state.only(SHADOW).apply(w)  # the served state during the probe
+            ctx.load_source(SHADOW)  # the served state during the probe
             w.selector_state = before
             w.generator.set_state(rng)
             raise
 
-    def _probe(self, batch: Any, before: dict[str, torch.Tensor], rng: torch.Tensor) -> TTAOutput:
-        w, cfg = self.wrapper, self.config
+    def _probe(self, ctx: BatchContext, before: dict[str, torch.Tensor], rng: torch.Tensor) -> Answer:
+        w, cfg, batch = self.wrapper, self.config, ctx.batch
         start = w.passes.copy()  # the query tower's passes the probe runs (TTAWrapper.passes, hf_tta.outputs.PassCounts)
-        source = w.forward.view(batch, w.config.steps - 1, source=True)  # the answer, rule 1, agreement
+        source = ctx.source_view()  # the answer, rule 1, agreement
         decision = w.safety.before(source)
         if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
-            return self._answer(batch, (source, 0.0), decision.action, {})
+            return self._answer((source, 0.0), decision.action, {})
         state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
         cache = [source.scores] if source.candidate_ids is None else []
         dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
         values, losses, logs = [], [], {}
         lead, served = self.leader, (source, 0.0)  # serve="leader": the leader by the scores before this batch
         for k, lr in enumerate(self.candidates):
-            self._load(before, k)
+            self._load(ctx, before, k)
             self.set_lr(lr)
             first: list[Any] = []
 
@@ -292,9 +327,8 @@ class LRSearch(OnlineMixin):
                     _first[:] = [inputs]
                 return inputs
 
-            with torch.enable_grad():
-                result = w.loop.run(w, w.params, make, w._recover)
-            window.record(w.state, w.config.window, *w._reported_view(batch, result), source)
+            result = ctx.run_steps(make)
+            window.record(w.state, w.config.window, *ctx.reported_view(result), source)
             values.append(proxy_values(first[0], result.first_loss, source, dense_mean))
             if lr == lead:  # its view before adapting on the batch (prequential), already computed
                 served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
@@ -306,12 +340,12 @@ class LRSearch(OnlineMixin):
                                  "has other state: drop lr_search.")
             state.update(tensors)
             logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
-        w._source_state.only(SHADOW).apply(w)  # the served state: the source, until the commit
+        ctx.load_source(SHADOW)  # the served state: the source, until the commit
         if all(v is not None and not math.isfinite(v) for v in losses):  # garbage in: nothing changes
             w.selector_state = before
             w.generator.set_state(rng)
             logger.warning("lr_search: every candidate's loss is not finite on this batch: not probed")
-            return self._answer(batch, served, None, logs)
+            return self._answer(served, None, logs)
         vals = torch.stack(values, dim=1)  # (proxies, candidates)
         finite = torch.isfinite(vals)
         # no loss (the objective selected no query) leaves next_loss unscored; a non-finite value puts the candidate out
@@ -330,8 +364,8 @@ class LRSearch(OnlineMixin):
         w.selector_state = state
         logs["lr_search.probe"] = float(state["probed"])
         if int(state["probed"]) >= cfg.probe_batches:
-            self._commit()
-        return self._answer(batch, served, decision.action, logs)
+            self._commit(ctx)
+        return self._answer(served, decision.action, logs)
 
     def _fresh(self) -> dict[str, torch.Tensor]:
         k = len(self.candidates)
@@ -343,24 +377,21 @@ class LRSearch(OnlineMixin):
                 "valid": torch.ones(len(PROXIES), k, dtype=torch.bool), **counters,
                 "chosen": torch.tensor(-1), "lr": torch.tensor(self.base_lr, dtype=torch.float64)}
 
-    def _load(self, state: dict[str, torch.Tensor], k: int) -> None:
+    def _load(self, ctx: BatchContext, state: dict[str, torch.Tensor], k: int) -> None:
         """Shadow ``k`` into the wrapper (the source before its first probe batch)."""
-        w = self.wrapper
         prefix = f"shadow.{k}."
         if not any(key.startswith(prefix) for key in state):
-            w._source_state.only(SHADOW).apply(w)
+            ctx.load_source(SHADOW)
             return
-        names = [n for n, _ in w.named_optimized_parameters()]
-        shadow = AdapterState.from_tensors({key[len(prefix):]: v for key, v in state.items() if key.startswith(prefix)},
-                                           {}, SHADOW, names, optimizer_keys="name", step_on_cpu=w._step_on_cpu())
-        shadow.apply(w)
+        tensors = {key[len(prefix):]: v for key, v in state.items() if key.startswith(prefix)}
+        ctx.load(ctx.state_from_tensors(tensors, SHADOW, optimizer_keys="name"))
 
-    def _commit(self) -> None:
+    def _commit(self, ctx: BatchContext) -> None:
         """The proxy's choice becomes the adapted state; the other shadows are dropped (logged)."""
         w, st = self.wrapper, self._state
         means = self._means()[PROXIES.index(self.config.proxy)]
         k = choose(self.config.proxy, self.candidates, means, [True] * len(means), self.base_lr, self.config.floor)
-        self._load(st, k)
+        self._load(ctx, st, k)
         lr = self.candidates[k]
         self.set_lr(lr)
         w.selector_state = {**{key: v for key, v in st.items() if not key.startswith("shadow.")},
@@ -374,17 +405,11 @@ class LRSearch(OnlineMixin):
                     lr, self.config.proxy, int(st["probed"]), table, others)
         w.safety.remember(w)
 
-    def _answer(self, batch: Any, served: tuple[Any, float], action: str | None, logs: dict[str, float]) -> TTAOutput:
+    def _answer(self, served: tuple[Any, float], action: str | None, logs: dict[str, float]) -> Answer:
         """The answer to a probe batch: ``served`` is the view that answers and its lr (0: the source model's), through
         the score transform (unless degenerate); with ``serve="leader"`` that lr is logged (``lr_search.served``)."""
-        w, (view, lr) = self.wrapper, served
-        out = w.forward.scored(batch, view, view.scores, update_state=action != "skip_degenerate")
+        view, lr = served
         if self.config.serve == "leader":
             logs = {**logs, "lr_search.served": lr}
         skipped = [] if action is None else ["safety: degenerate batch: not probed"]
-        out = dataclasses.replace(out, skipped=skipped, logs=logs, safety_action=w.safety.action,
-                                  safety_logs=dict(w.safety.logs))
-        w.batch_index += 1
-        return out
-
-
+        return Answer(view, view.scores, skipped=skipped, logs=logs, update_state=action != "skip_degenerate")

@@ -7,7 +7,24 @@ import math
 from dataclasses import dataclass, field
 
 from .configuration_utils import ConfigMixin, check_choice, check_field_types
-from .lr_online import DEFAULT_HYPERGRADIENT_RATE, check_online
+
+ONLINE_RULES = ("hypergradient",)
+#: beta of the multiplicative rule, set a priori (before any measurement): at most a 2 % change of the lr per step.
+DEFAULT_HYPERGRADIENT_RATE = 0.02
+
+
+def check_online(online: str | None, rate: float | None) -> None:
+    """Refuse a bad ``LRSearchConfig.online`` / ``hypergradient_rate`` in one line naming the fix."""
+    if online is not None and online not in ONLINE_RULES:
+        raise ValueError(f"LRSearchConfig `online` must be None or one of {list(ONLINE_RULES)}, got {online!r}.")
+    if rate is None:
+        return
+    if online != "hypergradient":
+        raise ValueError(f"LRSearchConfig `hypergradient_rate` applies to online='hypergradient' only (here online="
+                         f"{online!r}): drop it or set online='hypergradient'.")
+    if isinstance(rate, bool) or not 0 < rate < 1:
+        raise ValueError(f"LRSearchConfig `hypergradient_rate` must be in (0, 1), got {rate!r}.")
+
 
 PROXIES = ("next_loss", "agreement", "uniformity", "gap")
 #: The default candidates, relative to the base lr: a half-decade grid (1-3-10 steps) from a third of it to 33 times it,

@@ -398,7 +398,7 @@ class RoutedTTAWrapper(TTAWrapper):
         if missing:
             raise ValueError(f"The checkpoint lacks the state of domain(s) {missing[:3]}: it is incomplete.")
         tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
-        names, on_cpu = [n for n, _ in self.named_optimized_parameters()], self._step_on_cpu()
+        names, on_cpu = [n for n, _ in self.named_optimized_parameters()], self.step_on_cpu()
         states = [
             AdapterState.from_tensors(tensors, {"optimizer": routed["optimizers"][i]}, ALL, names, f"domain.{i}.", step_on_cpu=on_cpu)
             for i in range(len(keys))

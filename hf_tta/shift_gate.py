@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .config_features import ShiftGateConfig
+from .policies.base import Answer, BatchPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,16 @@ logger = logging.getLogger(__name__)
 VARIANCE_FLOOR = 1e-12
 
 
-class ShiftGate:
-    """The gate's reference and rule. ``fit`` takes ``(N, D)`` features of reference queries; ``statistic`` and
-    ``is_open`` judge a batch's ``(B, D)`` features; ``fit_queries`` and ``answer`` do both for a wrapper."""
+class ShiftGate(BatchPolicy):
+    """The gate's reference and rule, a batch policy (:mod:`hf_tta.policies`). ``fit`` takes ``(N, D)`` features of
+    reference queries; ``statistic`` and ``is_open`` judge a batch's ``(B, D)`` features; ``fit_queries`` and
+    :meth:`begin` do both for a wrapper, and :meth:`finish` adds the batch's statistic to its logs."""
+
+    name = "shift_gate"
 
     def __init__(self, config: ShiftGateConfig):
         self.config = config
+        self._judged: tuple[Any, dict[str, float]] | None = None  # (the batch's context, its gate logs)
         self.mean: torch.Tensor | None = None
         self.var: torch.Tensor | None = None
         self.count = 0
@@ -81,23 +86,26 @@ class ShiftGate:
         t = self.statistic(self.features(wrapper, queries)) if self.fitted else math.nan
         return self.is_open(t), t
 
-    def answer(self, wrapper: Any, batch: Any, logs: dict[str, float]) -> Any:
-        """``wrapper.adapt_step``'s answer to ``batch`` when the gate is closed (the source model's no-grad view through
-        the score transform; the batch counter advances, an episodic wrapper resets; nothing adapted changes), else
-        ``None`` (the batch adapts). ``logs`` receives the gate's statistic either way."""
-        opened, t = self.opens(wrapper, batch.queries)
-        logs.update({"shift_gate_statistic": t, "shift_gate_open": float(opened)})
+    def begin(self, ctx: Any) -> Answer | None:
+        """The batch's answer when the gate is closed: the source model's no-grad view (through the score transform in
+        the wrapper's ``_finish``, which counts the batch and resets an episodic wrapper); nothing adapted changes.
+        ``None`` when the gate is open (the batch adapts)."""
+        opened, t = self.opens(ctx.wrapper, ctx.batch.queries)
+        logs = {"shift_gate_statistic": t, "shift_gate_open": float(opened)}
+        self._judged = (ctx, logs)
         if opened:
             return None
-        view = wrapper.forward.view(batch, wrapper.config.steps - 1, source=True)
-        out = wrapper.forward.scored(batch, view, view.scores)
+        view = ctx.source_view()
         why = "no reference (fit_shift_gate)" if math.isnan(t) else f"statistic {t:.4g} <= {self.config.threshold}"
-        out.skipped = [f"shift gate: {why} (the source answered, nothing adapted)"]
-        out.logs = dict(logs)
-        wrapper.batch_index += 1
-        if wrapper.config.reset_policy == "episodic":
-            wrapper.restore_source()
-        return out
+        return Answer(view, view.scores, skipped=[f"shift gate: {why} (the source answered, nothing adapted)"],
+                      report_safety=False)
+
+    def finish(self, ctx: Any, answer: Answer) -> Answer:
+        """Every answer of a batch the gate judged carries its statistic (``shift_gate_statistic``, ``_open``)."""
+        if self._judged is not None and self._judged[0] is ctx:
+            answer.logs = {**answer.logs, **self._judged[1]}
+        self._judged = None
+        return answer
 
     @property
     def fitted(self) -> bool:

@@ -33,86 +33,14 @@ alike.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from fractions import Fraction
-from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import torch
 
-from .configuration_utils import ConfigMixin, check_field_types, check_positive
+from .config_features import DEFAULT_TEMPERATURE, UpdateBudgetConfig, build_update_budget_config  # noqa: F401 (their old home)
 from .objectives.base import ObjectiveInputs, softmax_entropy
-from .outputs import TTAOutput
-
-DEFAULT_TEMPERATURE = 0.01
-
-
-@dataclass
-class UpdateBudgetConfig(ConfigMixin):
-    """Which batches are adapted on (see :mod:`hf_tta.update_budget`): set exactly one of ``fraction`` and
-    ``entropy_threshold``.
-
-    Example:
-        >>> cfg = UpdateBudgetConfig(fraction=0.25)
-        >>> [i for i in range(10) if cfg.adapts_on(i)]
-        [0, 4, 8]
-        >>> UpdateBudgetConfig.from_dict(cfg.to_dict()) == cfg
-        True
-    """
-
-    fraction: float | None = field(
-        default=None,
-        metadata={"help": "Adapt on this share of the batches, in (0, 1], evenly spaced by the batch counter (batch 0 first)."},
-    )
-    entropy_threshold: float | None = field(
-        default=None,
-        metadata={
-            "help": "Adapt only on batches whose mean normalised prediction entropy H(softmax(s / T)) / ln C, from "
-            "the current model's one no-grad forward, exceeds this value in [0, 1)."
-        },
-    )
-    entropy_temperature: float = field(
-        default=DEFAULT_TEMPERATURE,
-        metadata={"help": "T of the entropy trigger's softmax over the gallery (0.01: TCR's gallery softmax)."},
-    )
-
-    def __post_init__(self):
-        check_field_types(self)
-        if (self.fraction is None) == (self.entropy_threshold is None):
-            raise ValueError(
-                "UpdateBudgetConfig needs exactly one rule: `fraction` (a share of the batches) or `entropy_threshold` "
-                f"(a label-free trigger); got fraction={self.fraction!r}, entropy_threshold={self.entropy_threshold!r}."
-            )
-        if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"UpdateBudgetConfig `fraction` must be in (0, 1], got {self.fraction!r}.")
-        if self.entropy_threshold is not None and not 0.0 <= self.entropy_threshold < 1.0:
-            raise ValueError(f"UpdateBudgetConfig `entropy_threshold` must be in [0, 1), got {self.entropy_threshold!r}.")
-        check_positive("entropy_temperature", self.entropy_temperature)
-        if self.entropy_threshold is None and self.entropy_temperature != DEFAULT_TEMPERATURE:
-            raise ValueError("UpdateBudgetConfig `entropy_temperature` applies to the entropy trigger: set "
-                             "`entropy_threshold` or drop `entropy_temperature`.")
-
-    def adapts_on(self, batch_index: int) -> bool:
-        """The ``fraction`` rule: whether batch ``batch_index`` (0-based, since the last reset) is adapted on."""
-        if self.fraction is None:
-            raise ValueError("adapts_on is the fraction rule; this budget has an entropy trigger.")
-        f = Fraction(self.fraction).limit_denominator(10**9)  # exact: 0.1 * 30 is not 3 in floating point
-        return math.ceil((batch_index + 1) * f) > math.ceil(batch_index * f)
-
-
-def build_update_budget_config(value: UpdateBudgetConfig | Mapping[str, Any] | None) -> UpdateBudgetConfig | None:
-    """``TTAConfig.update_budget`` (``None``, a dict or an :class:`UpdateBudgetConfig`) as an :class:`UpdateBudgetConfig`."""
-    if value is None or isinstance(value, UpdateBudgetConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise TypeError(f"`update_budget` must be None, a dict of UpdateBudgetConfig fields or an UpdateBudgetConfig, got {value!r}.")
-    known = {f.name for f in dataclasses.fields(UpdateBudgetConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"`update_budget` has keys {unknown} that UpdateBudgetConfig does not define; valid keys: {sorted(known)}.")
-    return UpdateBudgetConfig(**value)
+from .policies import Answer, BatchContext, BatchPolicy
 
 
 def mean_normalised_entropy(scores: torch.Tensor, temperature: float, columns: int | None = None) -> torch.Tensor:
@@ -125,8 +53,11 @@ def mean_normalised_entropy(scores: torch.Tensor, temperature: float, columns: i
     return (softmax_entropy(s.detach().double() / temperature) / math.log(c)).mean()
 
 
-class UpdateBudget:
-    """The budget's decision per batch (the wrapper asks before anything else runs on the batch)."""
+class UpdateBudget(BatchPolicy):
+    """The budget's decision per batch, a :class:`~hf_tta.policies.BatchPolicy` (the wrapper asks it before anything
+    else runs on the batch)."""
+
+    name = "update_budget"
 
     def __init__(self, config: UpdateBudgetConfig):
         self.config = config
@@ -151,17 +82,12 @@ class UpdateBudget:
         reason = f"update budget: mean normalised entropy {value:.4g} <= {cfg.entropy_threshold} (answered, not adapted)"
         return reason, logs, view
 
-    def answer(self, wrapper: Any, batch: Any) -> TTAOutput | None:
-        """``wrapper.adapt_step``'s answer to ``batch`` when the budget skips it, else ``None`` (the batch adapts as
-        usual). A skipped batch is answered from the current model's one no-grad forward through the score transform
-        (the wrapper's forward ``view`` and ``scored``, as :mod:`hf_tta.answering` answers); the batch counter advances and,
-        with ``reset_policy="episodic"``, the wrapper resets as after any batch. Nothing adapted changes."""
-        reason, logs, view = self.decide(wrapper.batch_index, partial(wrapper.forward.view, batch, wrapper.config.steps - 1))
+    def begin(self, ctx: BatchContext) -> Answer | None:
+        """The batch's answer when the budget skips it, else ``None`` (the batch adapts as usual). A skipped batch is
+        answered from the current model's one no-grad forward (``ctx.view``); the wrapper's ``_finish`` puts it through
+        the score transform, advances the batch counter and, with ``reset_policy="episodic"``, resets as after any
+        batch. Nothing adapted changes; the safety layer did not judge the batch (``report_safety=False``)."""
+        reason, logs, view = self.decide(ctx.batch_index, ctx.view)
         if reason is None:
             return None
-        out = wrapper.forward.scored(batch, view, view.scores)
-        out.skipped, out.logs = [reason], logs
-        wrapper.batch_index += 1
-        if wrapper.config.reset_policy == "episodic":
-            wrapper.restore_source()
-        return out
+        return Answer(view, view.scores, skipped=[reason], logs=logs, report_safety=False)

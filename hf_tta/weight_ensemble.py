@@ -17,9 +17,12 @@ not pulled: the pull follows the update, as in ROID.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
+
+from .config_features import WeightEnsembleConfig
+from .policies.base import BatchPolicy
 
 
 @torch.no_grad()
@@ -28,3 +31,18 @@ def ensemble_with_source(params: Mapping[str, torch.Tensor], source: Mapping[str
     ``lerp_`` per tensor: ``p + (1 - m)(s - p)``)."""
     for name, p in params.items():
         p.lerp_(source[name].to(dtype=p.dtype, device=p.device), 1.0 - momentum)
+
+
+class WeightEnsemble(BatchPolicy):
+    """``TTAConfig.weight_ensemble`` as a batch policy (:mod:`hf_tta.policies`): after a batch whose steps updated the
+    parameters and that the safety layer kept, :func:`ensemble_with_source` towards the wrapper's source state (before
+    the safety layer's last-good snapshot is refreshed, so a later rollback returns to the pulled weights)."""
+
+    name = "weight_ensemble"
+
+    def __init__(self, config: WeightEnsembleConfig):
+        self.config = config
+
+    def after(self, ctx: Any, decision: Any) -> None:
+        if ctx.result is not None and ctx.result.num_updates and decision.action is None:
+            ensemble_with_source(ctx.params, ctx.source_state.params, self.config.momentum)

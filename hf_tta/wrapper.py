@@ -28,16 +28,14 @@ from .gallery.base import GalleryBackend, TopKScores
 from .gallery.cache import GalleryCache
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
-from .lr_search import LRSearch
 from .models.base import ModelAdapter, get_adapter
 from .models.peft_interop import PeftExportMixin, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import PassCounts, TTAOutput, float_logs
+from .policies import Answer, BatchContext, BatchPolicy
+from .policies.build import build_policies
 from .safety import SafetyDecision, build_monitor
-from .shift_gate import ShiftGate
-from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, SHADOW, AdapterState
-from .update_budget import UpdateBudget
-from .weight_ensemble import ensemble_with_source
+from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +68,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     #: whether this wrapper runs ``TTAConfig.lr_search`` (one stream in one process: not routed, not distributed)
     runs_lr_search = True
 
+    #: whether the one-sync fast path may run (``TTAConfig.fast_step``); a subclass whose every update takes the loop's
+    #: gradient reduction sets it ``False`` (:class:`~hf_tta.DistributedTTAWrapper`)
+    allows_fast_step = True
+    #: called on the adapted parameters after each backward (``None``: nothing; the distributed all-reduce)
+    reduce_gradients = None
+
     def __init__(self, model: nn.Module | ModelAdapter, config: TTAConfig | None = None):
         self.config = cfg = config if config is not None else TTAConfig()
         if cfg.lr_search is not None and not self.runs_lr_search:
@@ -86,9 +90,6 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         # a training-free objective applied to the output scores of any objective (e.g. Distribution Normalization)
         self.score_transform = build_objective(cfg.score_transform, cfg.build_score_transform_config()) if cfg.score_transform else None
         batching.check_query_vectors(self.adapter, self.query_modality, (self.objective, self.score_transform))
-        self.budget = UpdateBudget(cfg.build_update_budget_config()) if cfg.update_budget is not None else None
-        self.shift_gate = ShiftGate(cfg.build_shift_gate_config()) if cfg.shift_gate is not None else None
-        self.weight_ensemble = cfg.build_weight_ensemble_config()
         self.model.eval()  # dropout off; TTA toggles requires_grad only (LayerNorm has no train-mode behaviour)
         self.peft_model: nn.Module | None = None  # a peft.PeftModel (LoRA only)
         self.params: dict[str, nn.Parameter] = {}
@@ -100,17 +101,21 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self.forward = BatchForward(self.adapter, cfg, self.objective, self.score_transform, self.query_modality,
                                     self.gallery_modality, self, lambda: self.disabled(), self.params, self.passes)
         # TTAConfig.fast_step: one host sync per adapt_step (fused AdamW skips bad steps on the device)
-        self.fast_step = cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda"
+        self.fast_step = self.allows_fast_step and (cfg.run.fast_step if cfg.run.fast_step is not None else self.device.type == "cuda")
         self.optimizer = self._make_optimizer()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state = self.objective.init_state(self.device)
         self.transform_state = self.score_transform.init_state(self.device) if self.score_transform else {}
         self.batch_index = 0
         self.selector_state: dict[str, torch.Tensor] = {}  # TTAConfig.lr_search's (hf_tta.lr_search); empty when off
-        self.lr_search = LRSearch(cfg.lr_search, self) if cfg.lr_search is not None else None
+        #: the batch-level features (hf_tta.policies), in the order they act; empty when none is on
+        self.policies: list[BatchPolicy] = build_policies(self)
+        self.budget, self.lr_search = self.policy("update_budget"), self.policy("lr_search")
+        self.shift_gate = self.policy("shift_gate")  # TTAConfig.shift_gate (hf_tta.shift_gate); None when off
         self.safety = build_monitor(cfg.build_safety_config())  # a NullSafetyMonitor when the layer is off
         gd = GradientDecoupling(cfg.objective, g.per_tensor, g.weight_on) if (g := cfg.gradient_decoupling) else None
-        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, passes=self.passes)
+        self.loop = StepLoop(self.objective, cfg.steps, fast=self.fast_step, gradient_decoupling=gd, passes=self.passes,
+                             reduce_gradients=self.reduce_gradients)
         self.capture_source()
 
     def _wrap_targets(self) -> None:  # what adapts (hf_tta.tuning: LN tuning, BitFit or LoRA)
@@ -152,9 +157,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """A fresh optimiser over the adapted parameters (what a reset and SAR's recovery start from), at the lr in
         use (the lr search's, :mod:`hf_tta.lr_search`)."""
         self.optimizer = self._make_optimizer()
-        search = getattr(self, "lr_search", None)
-        if search is not None and search.active is not None:
-            search.set_lr(search.active)
+        for policy in getattr(self, "policies", ()):  # (the lr search's lr in use)
+            policy.optimizer_rebuilt()
+
+    def policy(self, name: str) -> BatchPolicy | None:
+        """The batch policy called ``name`` (``"update_budget"``, ``"lr_search"``; :mod:`hf_tta.policies`), or ``None``."""
+        return next((p for p in self.policies if p.name == name), None)
 
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The optimised tensors in the optimiser's order (its groups: ``lr_multipliers``): the adapted parameters by
@@ -169,7 +177,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     @property
     def fast_path_active(self) -> bool:
         """Whether the next batch takes the one-sync fast path (:mod:`hf_tta.loop`; ``TTAConfig.fast_step``)."""
-        return self.loop.fast_applies(self.optimizer) and (self.lr_search is None or self.lr_search.step_rule is None)
+        return self.loop.fast_applies(self.optimizer) and not any(p.needs_checked_loop for p in self.policies)
 
     def source_parameters(self) -> dict[str, torch.Tensor]:  # copies of the source values :meth:`reset` restores
         return {n: t for n, t in self._source_state.only({PARAMS}).copy().params.items() if n in self.params}
@@ -245,50 +253,57 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
 
     def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
         batch = self._prepare(queries, gallery, labels)
-        if self.budget is not None and (skipped := self.budget.answer(self, batch)) is not None:
-            return skipped  # TTAConfig.update_budget: one no-grad forward answered the batch, nothing adapted changed
-        gate_logs: dict[str, float] = {}
-        if self.shift_gate is not None and (closed := self.shift_gate.answer(self, batch, gate_logs)) is not None:
-            return closed  # TTAConfig.shift_gate: the source answered, nothing adapted (hf_tta.shift_gate)
-        if self.safety.last_good is None:
+        ctx = BatchContext(self, batch, scoring, self._recover, partial(self._reported_view, batch))
+        if self.safety.last_good is None:  # (what it snapshots, ROLLBACK, no policy's answer changes)
             self.safety.remember(self)
-        if self.lr_search is not None and self.lr_search.probing:
-            return self.lr_search.probe(batch)  # TTAConfig.lr_search: the source (or the leader) answers, the shadows adapt
-        source = self.forward.view(batch, self.config.steps - 1, source=True) if self.safety.active else None
+        for policy in self.policies:  # TTAConfig.update_budget's skip, TTAConfig.lr_search's probe (hf_tta.policies)
+            if (answer := policy.begin(ctx)) is not None:
+                return self._finish(ctx, answer)
+        source = ctx.source_view() if self.safety.active else ctx.source
         decision = self.safety.before(source)
-        result = None
         if decision.action == "skip_degenerate":  # the source answers; the batch leaves no trace, not even in DN
-            inputs, scores = source, source.scores
+            answer = Answer(source, source.scores, skipped=[decision.reason], update_state=False)
         elif not self.objective.requires_grad:
             inputs, result = self._score_only(batch, source)
-            scores = result.scores
+            answer = Answer.from_result(inputs, result.scores, result)
         else:
-            answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
-            cache = [source.scores] if source is not None and source.candidate_ids is None else []
-            rule = lr_start = None
-            if self.lr_search is not None:
-                self.lr_search.before_steps()
-                rule, lr_start = self.lr_search.batch_rule(), self.lr_search.lr  # LRSearchConfig.online (hf_tta.lr_online)
-            with torch.enable_grad():
-                make = partial(self.forward.inputs, batch, source_cache=cache)
-                result = self.loop.run(self, self.params, make, self._recover, rule)
-            if result.skipped:
-                logger.info("adapt_step skipped %s", "; ".join(result.skipped))
-            inputs, scores = self._reported_view(batch, result)
-            window.record(self.state, self.config.window, inputs, scores, source)
-            decision = self.safety.after(inputs, scores)
-            self._apply(decision, lr_start)
-            if self.weight_ensemble is not None and result.num_updates and decision.action is None:
-                ensemble_with_source(self.params, self._source_params, self.weight_ensemble.momentum)
-            if self.lr_search is not None:  # the lr in use after the batch (and the online rule's trace)
-                result.logs.update(self.lr_search.batch_logs())
-            if decision.action is not None:  # a flagged batch returns the source model's scores
-                inputs, scores = source, source.scores
-            if answer is not None:
-                inputs, scores = answer, answer.scores
-        out = self._report(batch, inputs, scores, result, decision)
-        if gate_logs:
-            out.logs = {**out.logs, **gate_logs}
+            answer = self._steps(ctx, source, scoring)
+        return self._finish(ctx, answer)
+
+    def _steps(self, ctx: BatchContext, source: ObjectiveInputs | None, scoring: str | None) -> Answer:
+        """The batch's steps (:mod:`hf_tta.loop`), the safety layer's verdict carried out, and the answer."""
+        batch = ctx.batch
+        answer = self.forward.view(batch, self.config.steps - 1) if (scoring or self.config.run.scoring) == "before_update" else None
+        cache = [source.scores] if source is not None and source.candidate_ids is None else []
+        rules = [r for p in self.policies if (r := p.step_rule(ctx)) is not None]  # LRSearchConfig.online (hf_tta.lr_online)
+        if len(rules) > 1:
+            raise ValueError("Two batch policies set a step rule; the loop runs one: drop one of them.")
+        result = ctx.result = ctx.run_steps(partial(self.forward.inputs, batch, source_cache=cache), rules[0] if rules else None)
+        if result.skipped:
+            logger.info("adapt_step skipped %s", "; ".join(result.skipped))
+        inputs, scores = self._reported_view(batch, result)
+        window.record(self.state, self.config.window, inputs, scores, source)
+        decision = self.safety.after(inputs, scores)
+        self._apply(ctx, decision)
+        for policy in self.policies:  # e.g. the lr in use after the batch (and the online rule's trace)
+            result.logs.update(policy.logs())
+        if decision.action is not None:  # a flagged batch returns the source model's scores
+            inputs, scores = source, source.scores
+        if answer is not None:
+            inputs, scores = answer, answer.scores
+        return Answer.from_result(inputs, scores, result)
+
+    def _finish(self, ctx: BatchContext, answer: Answer) -> TTAOutput:
+        """The one place a batch's :class:`~hf_tta.TTAOutput` is built: each policy's last word on the answer, the
+        scores through the score transform (a degenerate batch leaves its state untouched), the batch's record; then
+        the batch is counted and, with ``reset_policy="episodic"``, the source state restored."""
+        for policy in self.policies:
+            answer = policy.finish(ctx, answer)
+        out = self.forward.scored(ctx.batch, answer.inputs, answer.scores, update_state=answer.update_state)
+        out = dataclasses.replace(out, loss=answer.loss, num_updates=answer.num_updates, n_selected=answer.n_selected,
+                                  skipped=answer.skipped, logs=answer.logs)
+        if answer.report_safety:
+            out = dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
         self.batch_index += 1
         if self.config.reset_policy == "episodic":
             self.restore_source()
@@ -325,33 +340,22 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
 
     def _recover(self) -> None:  # an objective's model recovery (SAR): source parameters, fresh optimiser
         self._source_state.only({PARAMS, OPTIMIZER}).apply(self)
-        if self.lr_search is not None:  # the online rule's last step led elsewhere
-            self.lr_search.forget_update()
+        for policy in self.policies:  # (the online rule's last step led elsewhere)
+            policy.recovered()
 
-    def _apply(self, decision: SafetyDecision, lr_before: float | None = None) -> None:
+    def _apply(self, ctx: BatchContext, decision: SafetyDecision) -> None:
         """Carry out the safety monitor's decision: roll back to its last-good state, or reset to the source model
-        (batch counter, RNG and score transform go on), or refresh the last-good state after a kept batch.
-        ``lr_before``: the lr search's lr when the batch started (what the back-off scales)."""
+        (batch counter, RNG and score transform go on; what a policy keeps, e.g. the lr search's choice, too), or
+        refresh the last-good state after a kept batch; each policy acts after it (the lr search's back-off)."""
         if decision.action == "rollback":
             self.safety.last_good.apply(self)
-        elif decision.action == "reset":  # the lr search's choice is kept (hf_tta.lr_search)
-            self._source_state.only(ROLLBACK if self.lr_search is None else SHADOW).apply(self)
-        if self.lr_search is not None:  # LRSearchConfig.backoff, after a rollback or reset
-            self.lr_search.back_off(lr_before, decision.action)
+        elif decision.action == "reset":
+            kept = frozenset().union(*(p.keeps_on_reset for p in self.policies))
+            self._source_state.only(ROLLBACK - kept).apply(self)
+        for policy in self.policies:
+            policy.after(ctx, decision)
         if decision.action == "reset" or decision.refresh:
             self.safety.remember(self)
-
-    def _report(
-        self, batch: batching.Batch, inputs: ObjectiveInputs, scores: torch.Tensor, result: LoopResult | None, decision: SafetyDecision
-    ) -> TTAOutput:
-        """Scores through the score transform (a degenerate batch leaves its state untouched), and the batch's record."""
-        out = self.forward.scored(batch, inputs, scores, update_state=decision.action != "skip_degenerate")
-        if result is not None:
-            out = dataclasses.replace(out, loss=result.loss, num_updates=result.num_updates, n_selected=result.n_selected,
-                                      skipped=result.skipped, logs=result.logs)
-        else:
-            out.skipped = [decision.reason]
-        return dataclasses.replace(out, safety_action=self.safety.action, safety_logs=dict(self.safety.logs))
 
     def adapt_stream(
         self, batches: Iterable[Mapping[str, torch.Tensor]], gallery: GalleryCache | GalleryBackend, show_progress: bool = True
@@ -394,7 +398,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     def fingerprint(self) -> dict[str, Any]:  # the source model: class, config hash, adapted names, shapes and values
         return checkpoint.model_fingerprint(self.model, self.params, self._source_params)
 
-    def _step_on_cpu(self) -> bool:
+    def step_on_cpu(self) -> bool:
         """AdamW keeps ``step`` on the CPU unless fused or capturable (then on the parameters' device)."""
         opt = self.optimizer
         return opt is None or not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
@@ -420,12 +424,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         self._check_checkpoint(ckpt, meta["param_names"])
         tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
         names = [n for n, _ in self.named_optimized_parameters()]
-        state = AdapterState.from_tensors(tensors, meta, ALL, names, step_on_cpu=self._step_on_cpu())
+        state = AdapterState.from_tensors(tensors, meta, ALL, names, step_on_cpu=self.step_on_cpu())
         self.rebuild_optimizer()
         state.apply(self)
-        self.safety.load_state_tensors(tensors, meta.get("safety"), names, self._step_on_cpu())
-        if self.shift_gate is not None:
-            self.shift_gate.load_state_tensors(tensors)
+        self.safety.load_state_tensors(tensors, meta.get("safety"), names, self.step_on_cpu())
+        if (gate := self.shift_gate) is not None:
+            gate.load_state_tensors(tensors)
 
     def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""
