@@ -44,10 +44,10 @@ proxy's rule would choose, ``wrapper.lr_search.choices``; per batch in ``TTAOutp
   (``hf_tta.metrics.recall.uniformity``, TCR Eq. 14, the benchmark's ``uniformity_after`` column); higher is better;
 * ``"gap"``: TCR's query-gallery gap, the distance between the batch's query centre and the gallery's centre (the
   candidates' with a top-k backend; ``hf_tta.metrics.recall.modality_gap``, TCR Eq. 15, ``gap_after``); lower is
-  better. ``recipes/protocol_v3_summary.py``'s ``proxy_study`` ranks the lrs by the same two on whole streams.
+  better. ``hf_tta.benchmarks.protocols.v3_summary.proxy_study`` ranks the lrs by the same two on whole streams.
 
 The default proxy, ``next_loss``, and the default grid and ``probe_batches`` are set a priori, before any
-measurement; issue 37's study on the protocol-v3 selection split (:mod:`hf_tta.benchmarks.splits`) is to choose them.
+measurement; issue 37's study on the protocol-v3 selection split (:mod:`hf_tta.benchmarks.protocols.v3_splits`) is to choose them.
 
 Ties go to the candidate nearest the wrapper's base lr (``TTAConfig.lr`` or the model's default), then the lower. A
 candidate whose proxy value is not finite on a scored batch (its steps diverged) is out of the choice; a batch whose

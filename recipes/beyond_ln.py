@@ -53,8 +53,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # protocol_v3, beside this file
-from protocol_v3 import run_folder  # noqa: E402  (its runner: one thread, offline, command and log in the folder)
+from hf_tta.benchmarks.protocols.v3 import (
+    run_folder,  # (its runner: one thread, offline, command and log in the folder)
+)
 
 NORMS = r"vision_model\.(embeddings\.layernorm|encoder\.stages\.\d+\.(layers\.\d+\.layernorm|downsampling_layer\.0)|layernorm)"
 STEM = r"vision_model\.embeddings\.(patch_embeddings|layernorm)"

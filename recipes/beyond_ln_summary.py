@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 MAX_DROP = 1.0  # the candidates' rule: no selection column more than this many R@1 points below the source
 STREAMS = ("clean", "diverse", "switch", "noto", "degenerate")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -28,8 +27,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from hf_tta.benchmarks.emoji import load_emoji_benchmark, query_images, render_side  # noqa: E402
 from hf_tta.data.corruptions import IMAGE_CORRUPTION_CATEGORIES, IMAGE_CORRUPTIONS  # noqa: E402

@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -52,8 +51,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DEFAULT_OUT = REPO / "hf_tta" / "benchmarks" / "weights" / "emoji-convnext-minilm"
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # = hf_tta.benchmarks.source_model.PIXEL_MEAN / PIXEL_STD

@@ -4,6 +4,7 @@ never-rules of the README's Layout section, checked on the source with ``ast``."
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import hf_tta
 
 ROOT = Path(hf_tta.__file__).parent
+REPO = ROOT.parent
 
 
 def _module_name(path: Path) -> str:
@@ -204,3 +206,11 @@ def test_one_function_builds_an_adapted_batchs_output():
     counting = {f"{p.relative_to(ROOT)}" for p in ROOT.rglob("*.py") for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
                 if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Attribute) and n.target.attr == "batch_index"}
     assert counting == {"wrapper.py"}
+
+
+def test_no_module_or_recipe_edits_sys_path():
+    """Protocol and other recipes import the installed package and each other as modules (issue 46): no file of
+    ``hf_tta/`` or ``recipes/`` inserts into ``sys.path``."""
+    edits = [str(p.relative_to(REPO)) for folder in ("hf_tta", "recipes") for p in sorted((REPO / folder).rglob("*.py"))
+             if re.search(r"sys\.path\.(insert|append)", p.read_text(encoding="utf-8"))]
+    assert edits == []

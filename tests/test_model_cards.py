@@ -136,7 +136,7 @@ def test_the_cards_severity_sweep_table_is_recomputed_from_its_rows():
 #:
 #:     <!-- study: results/beyond-ln/rows.jsonl [t2i] -->  (recipes/beyond_ln_summary.py: issue 29's study, i2t or t2i)
 #:     <!-- batch-size: results/batch-size-recall -->      (recipes/batch_size_recall.py: its bs<B>/rows.jsonl)
-#:     <!-- v3: results/protocol-v3/rows.jsonl i2t report -->  (recipes/protocol_v3_summary.py: one part of protocol v3's tables)
+#:     <!-- v3: results/protocol-v3/rows.jsonl i2t report -->  (hf_tta.benchmarks.protocols.v3_summary: one part of protocol v3's tables)
 #:     ...the summary's output...
 #:     <!-- /study -->  or  <!-- /batch-size -->
 RECIPE_BLOCK = re.compile(
@@ -158,7 +158,9 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str 
     if kind == "study":
         return _recipe("beyond_ln_summary").summarise(rows, direction or "i2t")
     if kind == "v3":
-        return _recipe("protocol_v3_summary").summarise(rows, direction or "i2t", part)
+        from hf_tta.benchmarks.protocols import v3_summary
+
+        return v3_summary.summarise(rows, direction or "i2t", part)
     if kind == "v4":  # protocol v4's tables (hf_tta.benchmarks.protocols.v4_tables)
         from hf_tta.benchmarks.protocols.v4_tables import summarise
 

@@ -1,20 +1,15 @@
 #!/usr/bin/env python
-"""Protocol v3's report-split tables (``recipes/protocol_v3_summary.py`` prints them under their topics): the default
+"""Protocol v3's report-split tables (:mod:`hf_tta.benchmarks.protocols.v3_summary` prints them under their topics): the default
 grid, the 15 test corruptions, the streams and the papers' after-update column, each row against the source of the
 same columns and seeds (share of lost recall won back, Δ R@1 with its one-sided 95 % bound, the verdict)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "recipes"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+from hf_tta.benchmarks.figures import figure
 
-import numpy as np  # noqa: E402
-from protocol_v3_rows import (  # noqa: E402
+from .v3_rows import (
     STREAMS,
     complete,
     corruption_columns,
@@ -25,8 +20,6 @@ from protocol_v3_rows import (  # noqa: E402
     share,
     verdict,
 )
-
-from hf_tta.benchmarks.figures import figure  # noqa: E402
 
 
 def report_lines(rows: list[dict], direction: str, seeds: tuple[int, ...] = (3, 4, 5)) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_tta.benchmarks.grid import DEFAULT_IMAGE_CONDITIONS
-from hf_tta.benchmarks.splits import (
+from hf_tta.benchmarks.protocols.v3_splits import (
     REPORT,
     SELECTION,
     check_report_rows,

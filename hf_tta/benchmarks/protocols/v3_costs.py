@@ -1,22 +1,15 @@
 #!/usr/bin/env python
 """Protocol v3's "cheaper alternatives" table (issue 39): the training-free re-scorers alone and under TCR and REST,
 and TCR and REST on an update budget, with their passes per query and time against the source row of the same run
-(``recipes/protocol_v3.py cheaper``; printed by ``recipes/protocol_v3_summary.py --part cheaper``)."""
+(``python -m hf_tta.benchmarks.protocols.v3 cheaper``; printed by ``python -m hf_tta.benchmarks.protocols.v3_summary --part cheaper``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "recipes"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+from hf_tta.benchmarks.figures import figure
 
-import numpy as np  # noqa: E402
-from protocol_v3_rows import SOURCE, column, complete, corruption_columns, hits, report_cells, share, verdict  # noqa: E402
-
-from hf_tta.benchmarks.figures import figure  # noqa: E402
+from .v3_rows import SOURCE, column, complete, corruption_columns, hits, report_cells, share, verdict
 
 
 def _cheaper_order(name: str) -> tuple:

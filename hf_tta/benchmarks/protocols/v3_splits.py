@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..data.corruptions import CHAR_CORRUPTIONS, TEST_IMAGE_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
-from .grid import DEFAULT_IMAGE_CONDITIONS
+from ...data.corruptions import CHAR_CORRUPTIONS, TEST_IMAGE_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
+from ..grid import DEFAULT_IMAGE_CONDITIONS
 
 SELECTION_SEED = 0
 REPORT_SEEDS = (3, 4, 5)
@@ -101,7 +101,7 @@ def _refuse(rows: Iterable[dict], wanted: str) -> list[dict]:
         where = f"{r.get('objective')} on {r.get('direction')}/{r.get('shift')}/{r.get('severity')} seed {r.get('seed')}"
         raise ValueError(
             f"{len(wrong)} of {len(rows)} rows are not on the {wanted} split (first: {where}, on the {split_of(r)} split); "
-            f"pass only {wanted} rows (hf_tta.benchmarks.splits.{wanted.upper()})."
+            f"pass only {wanted} rows (hf_tta.benchmarks.protocols.v3_splits.{wanted.upper()})."
         )
     return rows
 

@@ -1,22 +1,17 @@
 #!/usr/bin/env python
-"""Protocol v3's rows and their arithmetic (``recipes/protocol_v3_summary.py`` makes the choices and the tables):
+"""Protocol v3's rows and their arithmetic (:mod:`hf_tta.benchmarks.protocols.v3_summary` makes the choices and the tables):
 loading a run folder or an exported ``rows.jsonl``, per-query hits, the columns and labels of the tables, the share of
 lost recall won back (a ratio of sums) and the verdict against the source (:func:`hf_tta.benchmarks.intervals.non_inferiority`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from hf_tta.benchmarks.intervals import non_inferiority  # noqa: E402
+from hf_tta.benchmarks.intervals import non_inferiority
 
 SOURCE = "source"
 
@@ -77,7 +72,7 @@ def column(row: dict) -> tuple:
 def selector(row: dict) -> str:
     """The lr selector of a phase-``auto`` run (issue 37), from its folder
     ``<objective>-<selector>[-degenerate|-report|-report45|-streams][~<columns added>]``
-    (``recipes/protocol_v3.py``'s :data:`SELECTORS`: ``auto`` the probe, ``hg…`` the hypergradient rule)."""
+    (:mod:`hf_tta.benchmarks.protocols.v3`'s :data:`SELECTORS`: ``auto`` the probe, ``hg…`` the hypergradient rule)."""
     name = row["config"].split("~")[0].removeprefix(f"{row['objective']}-")  # ``~``: columns added by another run
     for suffix in ("-degenerate", "-report45", "-report", "-streams"):
         name = name.removesuffix(suffix)
@@ -118,8 +113,8 @@ def corruption_columns(cells: dict) -> list[tuple]:
 
 
 def selection_columns(direction: str) -> list[tuple]:
-    """The selection split's corruption columns in a direction (:data:`hf_tta.benchmarks.splits.SELECTION`)."""
-    from hf_tta.benchmarks.splits import SELECTION
+    """The selection split's corruption columns in a direction (:data:`hf_tta.benchmarks.protocols.v3_splits.SELECTION`)."""
+    from .v3_splits import SELECTION
 
     if direction == "i2t":
         return list(SELECTION.image_conditions)
@@ -164,7 +159,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def report_cells(rows: list[dict], direction: str, seeds: tuple[int, ...], phase: str = "report"):
     """The report split's rows of a phase (refusing selection rows), its source rows and its labelled cells."""
-    from hf_tta.benchmarks.splits import check_report_rows
+    from .v3_splits import check_report_rows
 
     rows = check_report_rows([r for r in rows if r["direction"] == direction and r["phase"] == phase and r["seed"] in seeds])
     return sources(rows), by_label(rows, (phase,))
