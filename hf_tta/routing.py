@@ -22,9 +22,7 @@ runner can construct rows with per-domain adapters.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -49,7 +47,8 @@ from .router import (  # noqa: F401
     style_statistics,
 )
 from .safety import SAFETY_ACTIONS, NullSafetyMonitor, SafetyMonitor
-from .state import ALL, ANSWER, PARAMS, AdapterState
+from .slots import SlotBank
+from .state import ALL, AdapterState
 from .wrapper import TTAWrapper
 
 
@@ -64,16 +63,6 @@ def _as_routing_config(routing: RoutingConfig | Mapping[str, Any] | None) -> Rou
 
 
 # ---------------------------------------------------------------------------------------------------- wrapper
-@dataclass
-class _Domain:
-    """One domain: its adapted state while it is not in the model (``None`` = the source state, never adapted) and its
-    own safety monitor."""
-
-    key: DomainKey
-    state: AdapterState | None = None
-    safety: SafetyMonitor | NullSafetyMonitor = field(default_factory=NullSafetyMonitor)
-
-
 class RoutedTTAWrapper(TTAWrapper):
     """A :class:`~hf_tta.TTAWrapper` with one adapted state per query domain (see :mod:`hf_tta.routing`).
 
@@ -107,41 +96,30 @@ class RoutedTTAWrapper(TTAWrapper):
         super().__init__(model, config)
         self.routing = _as_routing_config(routing)
         self.router = DomainRouter(self.routing)
-        self._domains: list[_Domain] = []
-        self._slots: dict[DomainKey, int] = {}
-        self._router_slots: list[int] = []  # router domain k -> slot
-        self._live: _Domain | None = None  # the domain whose state is in the model (and whose stored copy may be stale)
+        #: the domains' states and monitors over the one model (hf_tta.slots; its active key is the loaded domain)
+        self.bank = SlotBank(self, ALL, reuse_buffers=True)
+        self._slots: dict[DomainKey, int] = {}  # key -> domain id (the bank's order)
+        self._router_slots: list[int] = []  # router domain k -> domain id
         self._features = QueryFeatures(self.adapter, self.query_modality, self.routing.features)
 
     # ------------------------------------------------------------------------------------------ domains
     @property
     def domain_keys(self) -> list[DomainKey]:
         """The domains' keys, by domain id (creation order)."""
-        return [d.key for d in self._domains]
+        return self.bank.keys
 
     @property
     def num_domains(self) -> int:
-        return len(self._domains)
+        return len(self.bank)
 
     def _new_domain(self, key: DomainKey) -> int:
-        self._domains.append(_Domain(key, safety=self.safety.fresh()))
-        self._slots[key] = len(self._domains) - 1
-        return len(self._domains) - 1
+        self.bank.add(key)
+        self._slots[key] = len(self.bank) - 1
+        return self._slots[key]
 
     def _activate(self, slot: int) -> None:
-        """Put domain ``slot``'s state into the model (exact copies; no-op when it is already there)."""
-        d = self._domains[slot]
-        if self._live is d:
-            return
-        self._sync()
-        (d.state or self.source_state).apply(self)
-        self.safety = d.safety
-        self._live = d
-
-    def _sync(self) -> None:
-        """Store the live domain's state from the model (before another domain's state replaces it)."""
-        if self._live is not None:
-            self._live.state = AdapterState.capture(self, ALL, into=self._live.state)
+        """Put domain ``slot``'s state into the model (:meth:`hf_tta.slots.SlotBank.set_active`)."""
+        self.bank.set_active(self.bank.keys[slot])
 
     def domain_parameters(self, key: DomainKey) -> dict[str, torch.Tensor]:
         """Copies of domain ``key``'s adapted parameter values, by name."""
@@ -153,14 +131,13 @@ class RoutedTTAWrapper(TTAWrapper):
         """An exact copy of domain ``key``'s :data:`~hf_tta.state.ALL` state (reading it changes nothing)."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
-        self._sync()
-        return (self._domains[self._slots[key]].state or self.source_state).copy()
+        return self.bank.state(key)
 
     def domain_monitor(self, key: DomainKey) -> SafetyMonitor | NullSafetyMonitor:
         """Domain ``key``'s safety monitor (a :class:`~hf_tta.safety.NullSafetyMonitor` when the safety layer is off)."""
         if key not in self._slots:
             raise ValueError(f"No domain {key!r}: the domains are {self.domain_keys}.")
-        return self._domains[self._slots[key]].safety
+        return self.bank.slot(key).safety
 
     @property
     def safety_counts(self) -> dict[str, int]:
@@ -168,27 +145,13 @@ class RoutedTTAWrapper(TTAWrapper):
         domains (empty when off); :attr:`domain_safety_counts` has them per domain."""
         if not self.safety.active:
             return {}
-        return {a: sum(d.safety.counts[a] for d in self._domains) for a in SAFETY_ACTIONS}
+        monitors = [self.bank.slot(key).safety for key in self.bank.keys]
+        return {a: sum(m.counts[a] for m in monitors) for a in SAFETY_ACTIONS}
 
     @property
     def domain_safety_counts(self) -> dict[DomainKey, dict[str, int]]:
         """Each domain's safety counts, by key (empty when the safety layer is off)."""
-        return {d.key: dict(d.safety.counts) for d in self._domains if d.safety.active}
-
-    @contextlib.contextmanager
-    def _computing_as(self, d: _Domain | None) -> Iterator[AdapterState]:
-        """The model computes with domain ``d``'s parameters (a new domain's: the source's) and yields the domain's
-        :data:`~hf_tta.state.ANSWER` state to read; the loaded domain's parameters are back afterwards, exactly."""
-        if d is not None and d is self._live:
-            yield AdapterState.view(self, ANSWER)
-            return
-        state = (d.state if d is not None else None) or self.source_state
-        loaded = AdapterState.capture(self, {PARAMS})
-        state.only({PARAMS}).apply(self)
-        try:
-            yield state.only(ANSWER)
-        finally:
-            loaded.apply(self)
+        return {key: dict(m.counts) for key in self.bank.keys if (m := self.bank.slot(key).safety).active}
 
     @staticmethod
     def _per_domain(groups: torch.Tensor, batch: Batch, run: Callable[[int, Batch], Any]) -> list[tuple[int, torch.Tensor, Any]]:
@@ -285,7 +248,8 @@ class RoutedTTAWrapper(TTAWrapper):
                 return self._score_frozen(sub)
             return self._adapt_step(sub.queries, sub.gallery, sub.labels, scoring)
 
-        outputs = [(self._domains[s].key, idx, out) for s, idx, out in self._per_domain(slots, batch, run)]
+        keys = self.domain_keys
+        outputs = [(keys[s], idx, out) for s, idx, out in self._per_domain(slots, batch, run)]
         return assemble(outputs, slots, batch.size, self.domain_keys, new_keys, self.safety.active)
 
     def _score_frozen(self, batch: Batch) -> TTAOutput:
@@ -314,10 +278,10 @@ class RoutedTTAWrapper(TTAWrapper):
             def run(group: int, sub: Batch) -> TTAOutput:
                 slot = firsts[group] = int(slots[(groups == group).nonzero()[0, 0]])
                 small = self.objective.requires_grad and sub.size < self.routing.min_domain_batch  # _score_frozen's view
-                with self._computing_as(self._domains[slot] if slot >= 0 else None) as state:
+                with self.bank.computing_as(self.domain_keys[slot] if slot >= 0 else None) as state:
                     return answer_with(self.forward.reading(state), sub, step=0 if small else None)
 
-            outputs = [(self._domains[firsts[g]].key if firsts[g] >= 0 else keys[g] if keys else "(new)", idx, out)
+            outputs = [(self.domain_keys[firsts[g]] if firsts[g] >= 0 else keys[g] if keys else "(new)", idx, out)
                        for g, idx, out in self._per_domain(groups, batch, run)]
             return assemble(outputs, slots, batch.size, self.domain_keys, [], self.safety.active)
 
@@ -335,7 +299,7 @@ class RoutedTTAWrapper(TTAWrapper):
         slots = self._route(batch.queries, domain, update=False)[0]
 
         def run(slot: int, sub: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-            with self.disabled() if slot < 0 else self._computing_as(self._domains[slot]):
+            with self.disabled() if slot < 0 else self.bank.computing_as(self.domain_keys[slot]):
                 return self.forward.embed_and_score(sub.queries, gallery)
 
         parts = self._per_domain(slots, batch, run)
@@ -350,20 +314,20 @@ class RoutedTTAWrapper(TTAWrapper):
     def reset(self) -> None:
         """Drop every domain and the router's statistics and return exactly to the source model. (``reset_policy=
         "episodic"`` restores the loaded domain only: :meth:`~hf_tta.TTAWrapper.restore_source`.)"""
-        self._live = None
-        self.safety = self.safety.fresh()  # the dropped domains keep theirs
+        self.bank.clear()  # the dropped domains keep their monitors; the wrapper gets a fresh one
         super().reset()
-        self._domains, self._slots, self._router_slots = [], {}, []
+        self._slots, self._router_slots = {}, []
         self.router.reset()
 
     def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
         """Every domain's :data:`~hf_tta.state.ALL` state and safety monitor under ``domain.<id>.`` (one wrapper's
         layout each) and the router's statistics (``router.*``); the routing config goes in ``tta_config.json`` under
         ``"routing"``."""
-        self._sync()
+        self.bank.store()
         tensors: dict[str, torch.Tensor] = {}
         optimizers, safety = [], []
-        for i, d in enumerate(self._domains):
+        for i, key in enumerate(self.bank.keys):
+            d = self.bank.slot(key)
             part, part_meta = (d.state or self.source_state).to_tensors(f"domain.{i}.")
             tensors.update(part)
             optimizers.append(part_meta.get("optimizer"))
@@ -406,8 +370,9 @@ class RoutedTTAWrapper(TTAWrapper):
         # validated: now replace everything
         self.reset()
         for i, (key, state) in enumerate(zip(keys, states)):
-            d = self._domains[self._new_domain(key)]
-            d.state = state
+            self._new_domain(key)
+            self.bank.put(key, state)
+            d = self.bank.slot(key)
             if routed.get("safety"):  # saved without the safety layer: fresh monitors
                 d.safety.load_state_tensors(tensors, routed["safety"][i], names, on_cpu, prefix=f"domain.{i}.safety.")
         self._router_slots = list(routed["router_slots"])

@@ -1,10 +1,11 @@
-"""Per-tenant adapted states in the adapting process: one :class:`~hf_tta.TTAWrapper`, one
-:class:`~hf_tta.state.AdapterState` and safety monitor per tenant, swapped in around each tenant's batch.
+"""Per-tenant adapted states in the adapting process: one :class:`~hf_tta.TTAWrapper` and one slot per tenant in a
+:class:`~hf_tta.slots.SlotBank` (its :class:`~hf_tta.state.AdapterState` and safety monitor), switched in around each
+tenant's batch.
 
 Why not :class:`~hf_tta.routing.RoutedTTAWrapper`: the service needs, per tenant, a version counter that survives
-restarts, a reset and a rollback of that tenant alone, and a checkpoint that holds those; all of that is written here
-on the wrapper's public state API (``AdapterState.capture`` / ``apply``, ``SafetyMonitor.state_tensors``) rather than
-through the router's private slots. A service without tenants is this with the one tenant ``"default"``.
+restarts, a reset and a rollback of that tenant alone, and a checkpoint that holds those; the versions and histories
+are kept here, the states in the same bank of slots the router's domains use. A service without tenants is this with
+the one tenant ``"default"``.
 
 Checkpoint (:meth:`TenantAdapters.save`): one safetensors file (written beside and renamed: atomic) holding each
 tenant's :data:`~hf_tta.state.ALL` state and safety monitor under ``tenant.<i>.``, with the tenants' keys, versions,
@@ -15,7 +16,6 @@ with another config or another set of adapted parameters, in one line, before ch
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import logging
 import os
@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..safety import NullSafetyMonitor, SafetyMonitor
+from ..slots import SlotBank
 from ..state import ALL, AdapterState
 from ..wrapper import TTAWrapper
 from .codec import Snapshot, TenantState
@@ -42,10 +42,9 @@ class TenantLimit(ValueError):
 
 @dataclass
 class Tenant:
-    """One tenant's stored state (``None``: the source), monitor, version and recent states (for rollback)."""
+    """One tenant's version, when it was last published and its recent states (for rollback); its state and monitor
+    are its slot in :attr:`TenantAdapters.bank`."""
 
-    state: AdapterState | None
-    safety: SafetyMonitor | NullSafetyMonitor
     version: int = 0
     published: float = field(default_factory=time.time)
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))
@@ -66,14 +65,16 @@ class TenantAdapters:
         if not isinstance(max_tenants, int) or max_tenants < 1:
             raise ValueError(f"max_tenants={max_tenants!r}: pass a positive integer.")
         self.wrapper, self.max_tenants, self.history = wrapper, max_tenants, int(history)
-        self.source = AdapterState.capture(wrapper, ALL)
+        self.source = AdapterState.capture(wrapper, ALL)  # the state a new tenant starts from
+        self.bank = SlotBank(wrapper, source=self.source)  # the tenants' states and monitors (its active key: whose state is in the wrapper)
         self.tenants: dict[str, Tenant] = {}
-        self.live: str | None = None  # whose state is in the wrapper now
         self.version = 0  # +1 per publish, all tenants together
         self.counters: dict[str, Any] = {"batches": 0, "queries": 0, "actions": {}, "errors": 0}
 
-    def _monitor(self) -> SafetyMonitor | NullSafetyMonitor:
-        return self.wrapper.safety.fresh()  # the wrapper's thresholds (a NullSafetyMonitor without TTAConfig.safety)
+    @property
+    def live(self) -> str | None:
+        """The tenant whose state is in the wrapper now (``None``: none since the last reset, rollback or load)."""
+        return self.bank.active
 
     def check(self, key: str) -> None:
         """Raise :class:`TenantLimit` if ``key`` would be a tenant past the limit."""
@@ -85,19 +86,10 @@ class TenantAdapters:
         """Put tenant ``key``'s state into the wrapper (creating the tenant at the source state)."""
         self.check(key)
         if key not in self.tenants:
-            self.tenants[key] = Tenant(None, self._monitor(), history=collections.deque(maxlen=self.history))
-        tenant = self.tenants[key]
-        if self.live != key:
-            self._store()
-            (tenant.state or self.source).apply(self.wrapper)
-            self.wrapper.safety = tenant.safety
-            self.live = key
-        return tenant
-
-    def _store(self) -> None:
-        if self.live is not None and self.live in self.tenants:
-            live = self.tenants[self.live]
-            live.state = AdapterState.capture(self.wrapper, ALL)
+            self.tenants[key] = Tenant(history=collections.deque(maxlen=self.history))
+            self.bank.add(key)
+        self.bank.set_active(key)
+        return self.tenants[key]
 
     def adapt(self, key: str, queries: Mapping[str, torch.Tensor], gallery: Any, **kwargs: Any) -> Any:
         """One ``adapt_step`` of tenant ``key`` on ``queries``; its version goes up by one."""
@@ -125,13 +117,12 @@ class TenantAdapters:
         for k in keys:
             if k not in self.tenants:
                 raise KeyError(f"no tenant {k!r}: the tenants are {sorted(self.tenants)}")
-        self._store()
+        self.bank.deactivate()
         for k in keys:
             tenant = self.tenants[k]
-            tenant.history.append(tenant.state or self.source)
-            tenant.state, tenant.safety = None, self._monitor()
+            tenant.history.append(self.bank.slot(k).state or self.source)
+            self.bank.put(k, None, self.wrapper.safety.fresh())
             self._bump(tenant)
-        self.live = None
         return keys
 
     def rollback(self, key: str) -> int:
@@ -141,25 +132,22 @@ class TenantAdapters:
         tenant = self.tenants[key]
         if not tenant.history:
             raise LookupError(f"tenant {key!r} has no earlier state to roll back to (kept: {self.history})")
-        self._store()
-        tenant.state = tenant.history.pop()
+        self.bank.deactivate()
+        self.bank.put(key, tenant.history.pop())
         self._bump(tenant)
-        self.live = None
         return len(tenant.history)
 
     # ------------------------------------------------------------------------------------------ publish / save
     def state(self, key: str) -> AdapterState:
         """An exact copy of tenant ``key``'s :data:`~hf_tta.state.ALL` state."""
-        if key == self.live:
-            return AdapterState.capture(self.wrapper, ALL)
-        return copy.deepcopy(self.tenants[key].state or self.source)
+        return self.bank.state(key)
 
     def snapshot(self, keys: list[str] | None = None) -> Snapshot:
         """Every tenant's published parts, versions and counts (what the channel carries)."""
         out = {}
         for key in keys or list(self.tenants):
             t = self.tenants[key]
-            counts = dict(t.safety.counts)
+            counts = dict(self.bank.slot(key).safety.counts)
             out[key] = TenantState(t.version, t.published, self.state(key), counts)
         return Snapshot(out, {**self.counters, "version": self.version, "tenants": len(self.tenants)})
 
@@ -173,7 +161,7 @@ class TenantAdapters:
         for i, (key, t) in enumerate(self.tenants.items()):
             part, part_meta = self.state(key).to_tensors(f"tenant.{i}.", optimizer_keys="name")
             tensors.update(part)
-            s_tensors, safety_meta = t.safety.state_tensors(f"tenant.{i}.safety.")
+            s_tensors, safety_meta = self.bank.slot(key).safety.state_tensors(f"tenant.{i}.safety.")
             tensors.update(s_tensors)
             meta["keys"].append(key)
             meta["tenants"].append({"version": t.version, "published": t.published, "optim": part_meta, "safety": safety_meta})
@@ -199,15 +187,15 @@ class TenantAdapters:
         if len(meta["keys"]) > self.max_tenants:
             raise ValueError(f"{path} holds {len(meta['keys'])} tenants, more than --max-tenants {self.max_tenants}")
         tensors = load_file(str(path), device=str(self.wrapper.device))
-        names, loaded = self._names(), {}
+        names, loaded, bank = self._names(), {}, SlotBank(self.wrapper, source=self.source)
         for i, (key, info) in enumerate(zip(meta["keys"], meta["tenants"])):
             state = AdapterState.from_tensors(tensors, info["optim"], ALL, names, f"tenant.{i}.", optimizer_keys="name")
-            monitor = self._monitor()
+            bank.add(key)
             if info["safety"] is not None:
-                monitor.load_state_tensors(tensors, info["safety"], names, True, prefix=f"tenant.{i}.safety.")
-            loaded[key] = Tenant(state, monitor, int(info["version"]), float(info["published"]),
-                                 collections.deque(maxlen=self.history))
-        self.tenants, self.live, self.version = loaded, None, int(meta["version"])
+                bank.slot(key).safety.load_state_tensors(tensors, info["safety"], names, True, prefix=f"tenant.{i}.safety.")
+            bank.put(key, state)
+            loaded[key] = Tenant(int(info["version"]), float(info["published"]), collections.deque(maxlen=self.history))
+        self.tenants, self.bank, self.version = loaded, bank, int(meta["version"])
         self.source.apply(self.wrapper)
 
     def _names(self) -> list[str]:

@@ -1,0 +1,87 @@
+"""hf_tta.slots: one bank of keyed adapted states over one model; a key's stream is bit-identical to a wrapper that saw
+only its batches, the switch stores and restores exactly, reading never changes a state."""
+
+import pytest
+import torch
+
+from hf_tta import TTAConfig, TTAWrapper
+from hf_tta.slots import SlotBank
+from hf_tta.state import ALL, AdapterState
+from support import QUIET, assert_bit_equal, dense_gallery, image_stream, state_of
+from tiny_models import make_model
+
+CONFIG = dict(objective="tcr", lr=1e-2, query_modality="image", safety=QUIET)
+
+
+def _wrapper() -> TTAWrapper:
+    return TTAWrapper(make_model("clip"), TTAConfig(**CONFIG))
+
+
+@pytest.mark.parametrize("reuse_buffers", [False, True])
+def test_interleaved_keys_equal_one_wrapper_per_key(reuse_buffers):
+    """Keys "a" and "b" adapt on interleaved batches of one bank; each ends bit-identical (state and scores) to a
+    wrapper of its own that saw only its batches."""
+    gallery, batches = dense_gallery(), image_stream(6)
+    tta = _wrapper()
+    bank = SlotBank(tta, reuse_buffers=reuse_buffers)
+    bank.add("a"), bank.add("b")
+    alone = {"a": _wrapper(), "b": _wrapper()}
+    for i, batch in enumerate(batches):
+        key = "ab"[i % 2]
+        bank.set_active(key)
+        assert bank.active == key and tta.safety is bank.slot(key).safety
+        got, want = tta.adapt_step(batch, gallery), alone[key].adapt_step(batch, gallery)
+        assert torch.equal(got.scores, want.scores)
+    for key in "ab":
+        assert_bit_equal(state_of(bank.state(key)), state_of(AdapterState.capture(alone[key], ALL)))
+
+
+def test_a_new_key_starts_at_the_source_and_reading_changes_nothing():
+    gallery = dense_gallery()
+    tta = _wrapper()
+    bank = SlotBank(tta)
+    bank.add("a")
+    bank.set_active("a")
+    tta.adapt_step(image_stream(1)[0], gallery)
+    bank.add("b")
+    assert_bit_equal(state_of(bank.state("b")), state_of(tta.source_state))
+    before = state_of(AdapterState.capture(tta, ALL))
+    with bank.computing_as("b"):  # the source's parameters, for one forward
+        assert_bit_equal({n: p.detach() for n, p in tta.params.items()}, {n: tta.source_state.params[n] for n in tta.params})
+    assert_bit_equal(state_of(AdapterState.capture(tta, ALL)), before)
+    assert bank.active == "a"
+    assert_bit_equal(state_of(bank.state("a")), before)
+
+
+def test_put_replaces_a_keys_state_and_an_active_key_is_applied_again():
+    gallery = dense_gallery()
+    tta = _wrapper()
+    bank = SlotBank(tta)
+    bank.add("a")
+    bank.set_active("a")
+    saved = bank.state("a")
+    tta.adapt_step(image_stream(1)[0], gallery)
+    bank.put("a", saved)  # a rollback
+    assert bank.active is None
+    bank.set_active("a")
+    assert_bit_equal(state_of(AdapterState.capture(tta, ALL)), state_of(saved))
+
+
+def test_unknown_and_duplicate_keys_are_refused_in_one_line():
+    bank = SlotBank(_wrapper())
+    bank.add("a")
+    with pytest.raises(ValueError, match="slot 'a' exists already"):
+        bank.add("a")
+    with pytest.raises(KeyError, match=r"no slot 'z': the keys are \['a'\]"):
+        bank.set_active("z")
+    assert bank.active is None and bank.keys == ["a"]
+
+
+def test_clear_drops_every_slot_and_gives_the_wrapper_a_fresh_monitor():
+    tta = _wrapper()
+    bank = SlotBank(tta)
+    bank.add("a")
+    bank.set_active("a")
+    monitor = tta.safety
+    bank.clear()
+    assert len(bank) == 0 and bank.active is None and tta.safety is not monitor
