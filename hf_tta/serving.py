@@ -15,15 +15,17 @@ with their external ids. When ``batch_size`` queries have arrived, or the oldest
 it, as ``adapt_step`` with that setting does (the answers' copies of its state are dropped).
 
 Consistency (no torn reads), by construction rather than by locking the answer path: the wrapper the user passed is
-adapted only by the worker; after each adapted batch the worker publishes a *frozen copy* of it (``copy.deepcopy``
-with every frozen tensor shared, so only the adapted parameters and the small objective/optimiser state are copied:
-for the tiny CLIP 12 of 90 tensors) and swaps the reference in one assignment. An answer reads the reference once and
-runs its whole forward on that copy, which nobody writes afterwards; so every answer is the scores of exactly one
-published version (:attr:`SearchResult.version`), answering never waits for a backward pass, and the adapting thread
-never waits for an answer. A copy that answers with per-domain parameters (a routed wrapper swaps a domain's
-parameters into its model) is used by one answer at a time (its own lock). Chosen over a readers-writer lock on one
-model: that would make answers wait for the whole ``adapt_step`` (3 forward+backward passes) or need a second copy
-anyway.
+adapted only by the worker; after each adapted batch the worker publishes the state's served parts (an
+:class:`~hf_tta.state.AdapterState` of :data:`~hf_tta.state.SERVED`: the adapted parameters, the objective's and score
+transform's state, RNG and counter; not the optimiser or the safety snapshots) and swaps the reference in one
+assignment. An answer reads the reference once and runs its whole forward on a *reader* that holds that state
+(:mod:`hf_tta.readers`: a copy of the wrapper sharing every frozen tensor, made once and reused across versions; the
+state is copied into an idle one), which nobody writes while the answer runs; so every answer is the scores of
+exactly one published version (:attr:`SearchResult.version`), answering never waits for a backward pass, and the
+adapting thread never waits for an answer. A routed wrapper publishes a frozen copy of itself per version (its
+domains' states and router are not served parts), used by one answer at a time (its own lock). Chosen over a
+readers-writer lock on one model: that would make answers wait for the whole ``adapt_step`` (3 forward+backward
+passes) or need a second copy anyway.
 
 ``mode="sync"`` (tests, benchmarks): no thread; the batch adapts inline in the ``search`` call that fills it, so a
 stream searched in batches of ``batch_size`` gets exactly ``adapt_step``'s answers with
@@ -49,7 +51,6 @@ batches; queries still buffered are not in it (logged). A restarted process resu
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import logging
 import os
@@ -64,7 +65,9 @@ from .gallery.base import GalleryBackend
 from .gallery.cache import GalleryCache
 from .gallery.live import LiveGallery
 from .gallery.sharded import ShardedGallery
+from .readers import ReaderPool, frozen_copy
 from .routing import RoutedTTAWrapper
+from .state import AdapterState
 from .wrapper import TTAWrapper
 
 logger = logging.getLogger(__name__)
@@ -74,14 +77,17 @@ MODES = ("background", "sync")
 
 @dataclass(frozen=True)
 class Published:
-    """One published state: ``version`` (0 = the state the retriever started from, +1 per adapted batch), the frozen
-    ``wrapper`` copy that answers with it, its ``fingerprint`` (sha256 of the adapted tensors, 16 hex digits) and the
-    lock of a copy that a routed answer writes (``None``: any number of answers at once)."""
+    """One published state: ``version`` (0 = the state the retriever started from, +1 per adapted batch), its served
+    parts (``state``, :mod:`hf_tta.readers`; ``None`` for a routed wrapper, published as a frozen ``wrapper`` copy with
+    the ``lock`` its answers take), its ``fingerprint`` (sha256 of the adapted tensors, 16 hex digits) and the safety
+    layer's counts when it was published. Answer with it through :meth:`OnlineRetriever.reading`."""
 
     version: int
-    wrapper: TTAWrapper
+    state: AdapterState | None
     fingerprint: str
-    lock: threading.Lock | None
+    safety_counts: dict[str, int]
+    wrapper: TTAWrapper | None = None
+    lock: threading.Lock | None = None
 
 
 @dataclass(frozen=True)
@@ -98,10 +104,11 @@ class SearchResult:
     gallery_version: int | None
 
 
-def state_fingerprint(wrapper: TTAWrapper) -> str:
-    """A short sha256 of the adapted tensors (for a routed wrapper, every domain's), to tell states apart in logs."""
+def state_fingerprint(wrapper: TTAWrapper | AdapterState) -> str:
+    """A short sha256 of the adapted tensors (of a wrapper, for a routed one every domain's; or of a captured state),
+    to tell states apart in logs."""
     h = hashlib.sha256()
-    groups = [("", dict(wrapper.named_optimized_parameters()))]
+    groups = [("", dict(wrapper.params) if isinstance(wrapper, AdapterState) else dict(wrapper.named_optimized_parameters()))]
     if isinstance(wrapper, RoutedTTAWrapper):
         groups += [(str(key), wrapper.domain_parameters(key)) for key in wrapper.domain_keys]
     for prefix, tensors in groups:
@@ -109,13 +116,6 @@ def state_fingerprint(wrapper: TTAWrapper) -> str:
             h.update(f"{prefix}/{name}".encode())
             h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def frozen_copy(wrapper: TTAWrapper) -> TTAWrapper:
-    """A copy of ``wrapper`` that shares every tensor that adaptation never changes (``requires_grad=False``
-    parameters and buffers) and owns the rest."""
-    shared = [t for t in (*wrapper.model.parameters(), *wrapper.model.buffers()) if not t.requires_grad]
-    return copy.deepcopy(wrapper, memo={id(t): t for t in shared})
 
 
 class OnlineRetriever:
@@ -184,7 +184,8 @@ class OnlineRetriever:
         self.batches_adapted = self.queries_adapted = self.queries_answered = 0
         self.last_action: str | None = None
         self.last_skipped: list[str] = []
-        self._published = self._publish_copy(0)
+        self._readers = None if self.routed else ReaderPool(wrapper)  # (made before anything adapts the wrapper)
+        self._published = self._publish(0)
         self._worker: threading.Thread | None = None
         if mode == "background" and self.adapt:
             self._worker = threading.Thread(target=self._run, name="hf_tta-online-adapt", daemon=True)
@@ -213,13 +214,13 @@ class OnlineRetriever:
         state = self._published  # one read: the whole answer uses this state
         snap = self.gallery.snapshot() if isinstance(self.gallery, LiveGallery) else None
         kwargs = {"domain": tenants} if self.routed else {}
-        with state.lock if state.lock is not None else contextlib.nullcontext():
+        with self.reading(state) as reader:
             if backend is not None:
                 with backend.reading():  # one version for the search, its ids and its number
-                    top = state.wrapper.answer(queries, backend, **kwargs).topk
+                    top = reader.answer(queries, backend, **kwargs).topk
                     values, ids, gallery_version = top.values[:, :k], backend.to_ids(top.indices[:, :k]), backend.version
             else:
-                scores = state.wrapper.answer(queries, snap.cache if snap is not None else self.gallery, **kwargs).scores
+                scores = reader.answer(queries, snap.cache if snap is not None else self.gallery, **kwargs).scores
         if backend is not None:
             result = SearchResult(values, ids, None, state.version, gallery_version)
         elif snap is not None:
@@ -239,6 +240,18 @@ class OnlineRetriever:
             while self._adapt_next(full=True):
                 pass
         return result
+
+    @contextlib.contextmanager
+    def reading(self, published: Published | None = None) -> Any:
+        """A wrapper that answers with ``published`` (default: the current state) for the ``with`` block: a reader of
+        :mod:`hf_tta.readers` (a routed wrapper's published copy, under its lock). Nothing writes it meanwhile."""
+        published = self._published if published is None else published
+        if published.wrapper is not None:
+            with published.lock:
+                yield published.wrapper
+        else:
+            with self._readers.reading(published.state) as reader:
+                yield reader
 
     def _check_queries(self, queries: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         if not isinstance(queries, Mapping) or not queries or not all(torch.is_tensor(v) for v in queries.values()):
@@ -309,7 +322,7 @@ class OnlineRetriever:
             try:
                 queries, keys = self._take(n)
                 out = self._adapt_batch(queries, keys)
-                published = self._publish_copy(self._published.version + 1)
+                published = self._publish(self._published.version + 1)
                 with self._cond:  # the counters and the state they describe change together (stats())
                     self._published = published
                     self.batches_adapted += 1
@@ -329,9 +342,13 @@ class OnlineRetriever:
             kwargs["scoring"] = "before_update"
         return self.wrapper.adapt_step(queries, gallery, **kwargs)
 
-    def _publish_copy(self, version: int) -> Published:
-        reader = frozen_copy(self.wrapper)
-        return Published(version, reader, state_fingerprint(reader), threading.Lock() if self.routed else None)
+    def _publish(self, version: int) -> Published:
+        counts = dict(self.wrapper.safety_counts)
+        if self.routed:  # the domains' states and the router are not served parts: a frozen copy answers
+            reader = frozen_copy(self.wrapper)
+            return Published(version, None, state_fingerprint(reader), counts, reader, threading.Lock())
+        state = ReaderPool.capture(self.wrapper)
+        return Published(version, state, state_fingerprint(state), counts)
 
     def _run(self) -> None:
         if self.worker_nice:
@@ -396,7 +413,7 @@ class OnlineRetriever:
             }
         return {
             **out, "version": state.version, "fingerprint": state.fingerprint,
-            "safety_counts": state.wrapper.safety_counts, "last_action": self.last_action,
+            "safety_counts": state.safety_counts, "last_action": self.last_action,
             "last_skipped": self.last_skipped, "worker_error": None if self.error is None else repr(self.error),
         }
 

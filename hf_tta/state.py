@@ -29,8 +29,9 @@ State is copied only here, and every copy takes one of the named subsets (the on
 * :data:`SHADOW`: one candidate of the learning-rate search (:mod:`hf_tta.lr_search`): what a candidate lr adapts;
 * :data:`ANSWER`: what an answer reads besides the model (:mod:`hf_tta.answering`: objective and score-transform state,
   RNG; a :meth:`~AdapterState.view`), also the score transform's state that a degenerate batch must not change;
-* :data:`SERVED`: an answering copy of the adapted state (:data:`ANSWER` and the adapted parameters), which a service
-  captures after an adapted batch and applies to the copy it answers from (instead of a deep copy of the wrapper);
+* :data:`SERVED`: what a published version is (:data:`ANSWER`, the adapted parameters and the batch counter), captured
+  after an adapted batch and applied to the reader that answers with it (:mod:`hf_tta.readers`; the service's channel
+  carries the same parts);
 * :data:`ALL`: a routed domain, a checkpoint, the source state that :meth:`~hf_tta.TTAWrapper.reset` applies.
 
 The safety monitor's own tensors are the monitor's (:meth:`hf_tta.safety.SafetyMonitor.state_tensors`).
@@ -63,7 +64,7 @@ STEP_OBJECTIVE = frozenset({OBJECTIVE})
 SHADOW = frozenset({PARAMS, OPTIMIZER, OBJECTIVE})
 ROLLBACK = SHADOW | {SELECTOR}
 ANSWER = frozenset({OBJECTIVE, TRANSFORM, RNG})
-SERVED = ANSWER | {PARAMS}
+SERVED = ANSWER | {PARAMS, COUNTER}
 VIEWABLE = frozenset({OBJECTIVE, TRANSFORM, RNG, COUNTER})  # the parts that are replaced, never written in place
 EXTRA_PREFIX = "optimizer.extra."
 

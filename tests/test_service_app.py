@@ -25,7 +25,6 @@ from hf_tta.service.codec import PUBLISHED
 from hf_tta.service.limits import Limits
 from hf_tta.service.service import CHECKPOINT_FILE, ServiceConfig
 from hf_tta.service.tenants import TenantAdapters
-from hf_tta.state import AdapterState
 from support import word_level_clip_tokenizer
 from tiny_models import make_model
 
@@ -120,7 +119,7 @@ def test_answers_versions_and_published_state(client, state_dir):
     saved.load(state_dir / CHECKPOINT_FILE)
     current = service.answerer.current("acme")
     assert saved.tenants["acme"].version == current.version
-    assert AdapterState.capture(current.wrapper, PUBLISHED).equals(saved.state("acme").only(PUBLISHED))
+    assert current.state.equals(saved.state("acme").only(PUBLISHED))
 
 
 def test_tenant_limit_is_a_4xx_and_the_worker_lives(client):
@@ -192,12 +191,12 @@ def test_admin_pause_reset_rollback_and_metrics(client):
     r = client.post("/admin/reset", json={"tenant": "acme"}, headers=AUTH)
     assert r.status_code == 200
     reset = service.answerer.current("acme")
-    source = AdapterState.capture(service.answerer.source.wrapper, PUBLISHED)
-    assert reset.version > version and AdapterState.capture(reset.wrapper, PUBLISHED).equals(source)
+    source = service.answerer.source.state
+    assert reset.version > version and reset.state.equals(source)
     r = client.post("/admin/rollback", json={"tenant": "acme"}, headers=AUTH)
     back = service.answerer.current("acme")
     assert r.status_code == 200 and back.version == reset.version + 1
-    assert not AdapterState.capture(back.wrapper, PUBLISHED).equals(source)  # the adapted state before the reset
+    assert not back.state.equals(source)  # the adapted state before the reset
     assert client.post("/admin/rollback", json={"tenant": "nobody"}, headers=AUTH).status_code == 409
     text = client.get("/metrics").text
     for name in ("hf_tta_request_seconds_bucket", "hf_tta_queue_depth", "hf_tta_state_age_seconds{tenant=\"acme\"}",
@@ -300,7 +299,7 @@ def test_sigterm_saves_and_a_real_server_resumes_versions(client, state_dir):
         search(client, i, tenant="beta")
     assert wait_for(lambda: service.answerer.current("beta").version >= 1) and wait_for(service.drained)
     versions = {t: c.version for t, c in service.answerer.states.items()}
-    states = {t: AdapterState.capture(c.wrapper, PUBLISHED) for t, c in service.answerer.states.items()}
+    states = {t: c.state for t, c in service.answerer.states.items()}
     client.__exit__(None, None, None)  # the app's shutdown: the worker checkpoints
     saved = TenantAdapters(build_wrapper(partial(make_model, "clip"), TTA))
     saved.load(state_dir / CHECKPOINT_FILE)

@@ -123,9 +123,8 @@ def test_redis_channel_and_store_down(redis_server, gallery):
     replica = Answerer(build(), RedisChannel(url, key="t", timeout=0.2))  # another host's answerer
     assert replica.refresh() and replica.version == 1 and replica.store_error is None
     expected = dataclasses.replace(worker.adapters.state("default").only(PUBLISHED), optimizer=None)
-    from hf_tta.state import AdapterState
 
-    assert AdapterState.capture(replica.current("default").wrapper, PUBLISHED).equals(expected)
+    assert replica.current("default").state.equals(expected)
     proc.kill()
     proc.wait(5)
     assert not replica.refresh() and replica.store_error is not None  # store down: the last state stays

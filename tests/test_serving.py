@@ -112,14 +112,20 @@ def test_frozen_copy_shares_frozen_tensors_and_answers_alike():
     assert state_fingerprint(copy_) == before != state_fingerprint(tta)
 
 
+def _scores(online, published, queries, gallery):
+    """The scores the state ``published`` gives ``queries`` (a reader holding it)."""
+    with online.reading(published) as reader:
+        return reader.embed_and_score(queries, gallery)[1]
+
+
 def test_background_answers_are_each_one_published_state():
     gallery = dense_gallery()
     published = {}
     online = OnlineRetriever(
         TTAWrapper(make_model("clip"), config(lr=5e-2)), gallery, batch_size=4, max_wait=0.01,
-        on_publish=lambda p: published.setdefault(p.version, p.wrapper),
+        on_publish=lambda p: published.setdefault(p.version, p),
     )
-    published[0] = online.published.wrapper
+    published[0] = online.published
     answers, errors = [], []
 
     def client(seed: int) -> None:
@@ -141,10 +147,10 @@ def test_background_answers_are_each_one_published_state():
     assert not errors and online.error is None
     assert len(published) >= 3, "the worker published too few states for the test to mean anything"
     probe = batch("image", 2, 77)
-    probes = {v: w.embed_and_score(probe, gallery)[1] for v, w in published.items()}
+    probes = {v: _scores(online, p, probe, gallery) for v, p in published.items()}
     assert len({tuple(p.flatten().tolist()) for p in probes.values()}) == len(probes)  # the versions differ
     for q, res in answers:
-        matches = [v for v, w in published.items() if torch.allclose(res.scores, w.embed_and_score(q, gallery)[1], rtol=0, atol=1e-6)]
+        matches = [v for v, p in published.items() if torch.allclose(res.scores, _scores(online, p, q, gallery), rtol=0, atol=1e-6)]
         assert res.version in matches, (res.version, matches)
     assert len({res.version for _, res in answers}) >= 2  # answers really were served from several states
 
@@ -156,9 +162,9 @@ def test_background_topk_answers_are_each_one_published_state_and_gallery_versio
     published = {}
     online = OnlineRetriever(
         TTAWrapper(make_model("clip"), config(lr=5e-2, score_transform="dn")), backend, batch_size=4, max_wait=0.01,
-        on_publish=lambda p: published.setdefault(p.version, p.wrapper),
+        on_publish=lambda p: published.setdefault(p.version, p),
     )
-    published[0] = online.published.wrapper
+    published[0] = online.published
     answers, errors, done = [], [], threading.Event()
 
     def client(seed: int) -> None:
@@ -197,7 +203,8 @@ def test_background_topk_answers_are_each_one_published_state_and_gallery_versio
     assert len(published) >= 3, "the worker published too few states for the test to mean anything"
     for q, res in answers:  # the dense answer of the state and gallery version it names, in that version's ids
         ids, rows = contents[res.gallery_version]
-        scores = published[res.version].answer(q, GalleryCache(rows, "text")).scores
+        with online.reading(published[res.version]) as reader:
+            scores = reader.answer(q, GalleryCache(rows, "text")).scores
         match = res.ids[..., None] == ids  # (B, k, N): where each answered id is in that version
         assert res.scores is None and bool(match.any(-1).all()), (res.version, res.gallery_version)
         torch.testing.assert_close(res.values, scores.topk(3, dim=1).values, rtol=0, atol=1e-5)  # the best 3 scores
@@ -209,9 +216,9 @@ def test_answers_leave_the_published_state_unchanged():
     gallery = dense_gallery()  # DN's gallery mean of 10 sampled items: each answer draws them with a copy of the RNG
     tta = TTAWrapper(make_model("clip"), config(score_transform="dn", score_transform_config={"num_samples": 10}))
     online = OnlineRetriever(tta, gallery, batch_size=B, mode="sync")
-    before = AdapterState.capture(online.published.wrapper, ALL)
+    published, before = online.published, online.published.state.copy()
     first = [online.search(q, k=3) for q in image_stream(3, size=2)]
-    assert {a.version for a in first} == {0} and before.equals(AdapterState.capture(online.published.wrapper, ALL))
+    assert {a.version for a in first} == {0} and online.published is published and before.equals(published.state)
     again = online.search(image_stream(1, size=2)[0], k=3)  # the same queries, the same state: the same answer
     assert torch.equal(again.scores, first[0].scores)
     with pytest.raises(TypeError, match="use answer"):
@@ -382,8 +389,8 @@ def test_a_closed_retriever_refuses_to_answer_or_buffer_in_one_line(mode):
     online = OnlineRetriever(TTAWrapper(make_model("clip"), config()), dense_gallery(), batch_size=B, mode=mode)
     online.search(batch("image", 2, 1))
     online.close()
-    before, stats = AdapterState.capture(online.published.wrapper, ALL), online.stats()
+    before, stats = online.published.state.copy(), online.stats()
     with pytest.raises(ValueError, match="closed: build a new OnlineRetriever") as err:
         online.search(batch("image", 2, 2))
-    assert "\n" not in str(err.value) and before.equals(AdapterState.capture(online.published.wrapper, ALL))
+    assert "\n" not in str(err.value) and before.equals(online.published.state)
     assert online.stats()["pending"] == stats["pending"] == 2 and online.stats()["queries_answered"] == 2

@@ -1,12 +1,13 @@
 """The answering side: the current published state of every tenant, read from the channel, and no-grad answers.
 
 A polling thread reads the channel's version (a few bytes) every ``poll`` seconds; when it changed it copies the
-whole blob (a lock-free seqlock read: :mod:`hf_tta.service.channel`), decodes it and, for each tenant whose version
-changed, builds a frozen copy of the source wrapper (:func:`hf_tta.serving.frozen_copy`: the frozen tensors shared)
-with that tenant's published :class:`~hf_tta.state.AdapterState` applied. Then it replaces the dict of answering
+whole blob (a lock-free seqlock read: :mod:`hf_tta.service.channel`), decodes it into each tenant's published
+:class:`~hf_tta.state.AdapterState` (its :data:`~hf_tta.state.SERVED` parts) and replaces the dict of answering
 states in one assignment. An answer reads that dict once and runs its whole forward (``TTAWrapper.answer``, no grad)
-on one tenant's copy, which nothing writes afterwards: every answer is one published version's, and answers never
-wait for adaptation. A tenant with no state yet is answered by the source model (version 0).
+on a reader holding that tenant's state (:class:`hf_tta.readers.ReaderPool`: copies of the source wrapper sharing
+every frozen tensor, made once and reused across versions and tenants), which nothing writes while it answers: every
+answer is one published version's, and answers never wait for adaptation. A tenant with no state yet is answered by
+the source model (version 0).
 
 When the channel cannot be read (a Redis store down) the answers go on from the last state read and
 :attr:`Answerer.store_error` says why (readiness reports it).
@@ -23,7 +24,8 @@ from typing import Any, Mapping
 import torch
 
 from ..gallery.live import LiveGallery
-from ..serving import frozen_copy
+from ..readers import ReaderPool
+from ..state import AdapterState
 from ..wrapper import TTAWrapper
 from .codec import decode
 
@@ -32,12 +34,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Current:
-    """A tenant's answering state: its ``version``, when it was ``published`` (wall time; 0: the source) and the
-    frozen ``wrapper`` copy that answers with it."""
+    """A tenant's answering state: its ``version``, when it was ``published`` (wall time; 0: the source) and its
+    served parts (``state``, which a reader of :mod:`hf_tta.readers` answers with)."""
 
     version: int
     published: float
-    wrapper: TTAWrapper
+    state: AdapterState
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class Answerer:
     process's copy of the model); ``channel``: a reader's end (``None``: answer from the source only)."""
 
     def __init__(self, wrapper: TTAWrapper, channel: Any | None, poll: float = 0.01):
-        self.source = Current(0, 0.0, frozen_copy(wrapper))
-        self.base = wrapper
+        self.readers = ReaderPool(wrapper)
+        self.source = Current(0, 0.0, ReaderPool.capture(wrapper))
         self.channel, self.poll = channel, float(poll)
         self.states: dict[str, Current] = {}
         self.version = 0  # the channel's version last read
@@ -109,9 +111,7 @@ class Answerer:
             old = states.get(key)
             if old is not None and old.version == tenant.version:
                 continue
-            copy = frozen_copy(self.base)
-            tenant.state.apply(copy)
-            states[key] = Current(tenant.version, tenant.published, copy)
+            states[key] = Current(tenant.version, tenant.published, tenant.state)
         for key in set(states) - set(snap.tenants):
             states.pop(key)
         self.states = states  # one assignment: answers see the old dict or the new one
@@ -133,7 +133,8 @@ class Answerer:
         """Answer ``queries`` with ``tenant``'s current state against one snapshot of ``gallery``."""
         state = self.current(tenant)  # one read: the whole answer uses this state
         snap = gallery.snapshot()
-        scores = state.wrapper.answer(queries, snap.cache).scores
+        with self.readers.reading(state.state) as reader:
+            scores = reader.answer(queries, snap.cache).scores
         values, ids = snap.topk_ids(scores, k)
         age = time.time() - state.published if state.version else None
         return Answer(ids, values, state.version, age, snap.version)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..state import COUNTER, OBJECTIVE, PARAMS, RNG, TRANSFORM, AdapterState
+from ..state import SERVED, AdapterState
 
-PUBLISHED = frozenset({PARAMS, OBJECTIVE, TRANSFORM, RNG, COUNTER})
+PUBLISHED = SERVED  # (hf_tta.readers: what a reader answers with)
 
 
 @dataclass
