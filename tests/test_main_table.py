@@ -60,16 +60,26 @@ def test_one_table_with_the_clean_reference_every_corruption_and_the_won_back_sh
     assert "| Source model | 80.0 | 60.0 | 20.0 | 40.0 | 30.0 | – | – | – |" in lines
     bound = figure(tcr["grid"]["lower"], sign=True)
     assert (f"| • tcr | – | 58.0 | 50.0 | 54.0 | 30.0 | 35.0 % | +14.0 [{figure(lo, sign=True)}, {figure(hi, sign=True)}] | "
-            f"not below the source (bound {bound} > −0.5) |") in lines
-    assert "- Noto: tcr +0.0 [+0.0, +0.0], not below the source (bound +0.0 > −0.5)" in lines
+            f"not below (bound {bound} > −0.5) |") in lines
+    assert "- Noto: tcr +0.0 [+0.0, +0.0], not below (bound +0.0 > −0.5)" in lines
 
 
-def test_a_row_below_the_source_says_so_with_its_bound():
+def test_a_row_below_the_source_says_harm_with_its_bound():
     rows = [_row("clean", SOURCE, _hits(90)), _row("fog", SOURCE, _hits(60), 5), _row("fog", "tent", _hits(40, start=20), 5)]
     (table,) = main_tables(rows)
     tent = table["rows"][1]
-    assert tent["grid"]["below"] and tent["won_back"] == pytest.approx(-20 / 30)
-    assert f"below the source (bound {figure(tent['grid']['lower'], sign=True)} ≤ −0.5)" in format_main_table(table)
+    assert tent["grid"]["below"] and tent["grid"]["ci"][1] < 0 and tent["won_back"] == pytest.approx(-20 / 30)
+    assert f"| harm (bound {figure(tent['grid']['lower'], sign=True)} ≤ −0.5) |" in format_main_table(table)
+
+
+def test_a_row_whose_interval_spans_zero_but_whose_bound_misses_the_margin_is_inconclusive():
+    """Protocol v4's third word: 2 of 100 queries lost and 1 gained (Δ −1.0, interval across 0, bound below −0.5) is
+    not harm (before: "below the source")."""
+    rows = [_row("clean", SOURCE, _hits(90)), _row("fog", SOURCE, _hits(60), 5), _row("fog", "tent", "00" + "1" * 59 + "0" * (Q - 61), 5)]
+    (table,) = main_tables(rows)
+    g = table["rows"][1]["grid"]
+    assert g["ci"][0] < 0 < g["ci"][1] and g["lower"] <= -0.5 and g["word"] == "inconclusive"
+    assert f"| inconclusive (bound {figure(g['lower'], sign=True)} ≤ −0.5) |" in format_main_table(table)
     assert "scored" not in table["title"]  # no scoring rule given: none claimed
 
 

@@ -123,9 +123,11 @@ def test_answers_versions_and_published_state(client, state_dir):
 
 
 def test_tenant_limit_is_a_4xx_and_the_worker_lives(client):
-    assert search(client, 1, tenant="beta").status_code == 200  # the second of max_tenants=2
+    assert search(client, 0).status_code == 200  # "acme" (the fixture's), the first of max_tenants=2
+    assert search(client, 1, tenant="beta").status_code == 200  # the second, counted from its first query
     r = search(client, 2, tenant="gamma")
     assert r.status_code == 403 and "--max-tenants" in r.json()["detail"]
+    assert "counting 'default' once a request without X-Tenant used it" in r.json()["detail"]  # "acme" and default: 2
     assert search(client, 3, tenant="bad key!").status_code == 400
     assert client.get("/readyz").status_code == 200 and client.app.state.service.supervisor.alive()
 
@@ -356,3 +358,15 @@ def test_redis_replica_answers_from_the_store_and_says_when_it_is_down(redis_ser
         r = replica.post("/search", json={"image": png(3)})
         assert r.status_code == 200 and r.json()["version"] == 1  # answers go on from the last state
 
+
+
+@pytest.mark.parametrize("heartbeat, word", [
+    (0.0, "has not reported to the state store yet (no heartbeat there)"),  # before: "for 1795896227 s"
+    (1000.0 - 20, "has not reported for 20 s"),
+    (1000.0 - 5, None),
+])
+def test_readiness_words_a_missing_heartbeat_apart_from_a_late_one(heartbeat, word):
+    from hf_tta.service.service import heartbeat_problem
+
+    got = heartbeat_problem(1000.0, heartbeat, timeout=15.0)
+    assert got == (None if word is None else f"the adapting worker {word}")

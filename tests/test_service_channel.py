@@ -136,3 +136,27 @@ def test_redis_channel_and_store_down(redis_server, gallery):
     assert reply[-1] is None and worker.adapters.counters["publish_errors"] == 1  # adapted; the publish is retried
     worker.tick()  # still down: no exception, nothing lost
     assert worker.unpublished and worker.adapters.version == 2
+
+
+def test_a_redis_store_that_restarts_empty_gets_the_state_again_within_a_tick(redis_server, gallery):
+    """Before: after a Redis restart the store stayed empty (no state, no heartbeat, readiness read the missing
+    heartbeat as time 0) until the next adapted batch; now the worker's next tick publishes its version again."""
+    import redis
+
+    from hf_tta.service.redis_channel import RedisChannel
+
+    url, _ = redis_server
+    build = partial(build_wrapper, partial(make_model, "clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2))
+    channel = RedisChannel(url, key="t")
+    worker = Worker(WorkerSpec(build, {"kind": "redis", "url": url, "key": "t"}), channel)
+    worker.handle(("gallery", gallery.embeddings.numpy()))
+    batch = image_stream(1, size=8)[0]
+    worker.handle(("adapt", 1, "default", {k: v.numpy() for k, v in batch.items()}))
+    assert channel.latest_version() == 1
+    redis.Redis.from_url(url).flushall()  # what a restart without persistence leaves
+    assert channel.latest_version() == 0 and channel.heartbeat() == 0.0
+    worker.tick()
+    assert channel.latest_version() == 1 and channel.heartbeat() > 0 and not worker.unpublished
+    blob = channel.read()
+    assert decode(blob.data).tenants["default"].state.equals(
+        dataclasses.replace(worker.adapters.state("default").only(PUBLISHED), optimizer=None))

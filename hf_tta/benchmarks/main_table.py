@@ -6,10 +6,12 @@ switching, degenerate). Rows: the source model, each method, the supervised ceil
 over the grid's corruption columns,
 
 * the share of lost recall won back, a ratio of sums: ``Σ(R@1 − source) / Σ(clean − source)``;
-* the mean difference to the source with its 95 % interval (:func:`.intervals.paired_bootstrap`: seeds and items
-  resampled jointly across columns);
-* protocol v3's verdict (:func:`.intervals.non_inferiority`): "not below the source" when the one-sided 95 % lower
-  bound of the difference is above −0.5 R@1, printed with its bound;
+* the mean difference to the source with its 95 % interval (:func:`.verdicts.compare`: seeds and items resampled
+  jointly across columns);
+* protocol v4's verdict (:func:`.verdicts.compare`, the same rule, resamples and RNG seed as the protocol's tables):
+  *not below* when the one-sided 95 % lower bound of the difference is above −0.5 R@1, *harm* when the whole interval
+  is below 0 and the bound at or below −0.5, *inconclusive* otherwise, printed with its bound (and "unstable" when an
+  RNG seed would change it);
 
 and, for every other stream, its own difference, interval and verdict. Nothing is rounded here: every figure is
 printed through :func:`.figures.figure` / :func:`.figures.interval`.
@@ -24,8 +26,9 @@ import numpy as np
 
 from .figures import figure, interval
 from .grid import AV_DIRECTIONS, ORACLE_ROWS, OTHER_SHIFTS, SOURCE
-from .intervals import MARGIN, non_inferiority, paired_bootstrap
 from .report import MIN_LOST_RECALL, SAFETY_COLUMNS, abbreviation, canonical_order, clean_reference, row_label
+from .verdicts import MARGIN, Comparison
+from .verdicts import compare as compare_to_source
 
 #: How each scoring rule is named in the table's title.
 SCORING_WORDS = {
@@ -63,14 +66,18 @@ def _comparison(method_runs: list[dict], source_runs: list[dict], direction: str
 
 
 def _versus_source(columns: list[dict]) -> dict | None:
-    """Mean difference, 95 % interval and non-inferiority verdict over ``columns`` (outputs of :func:`_comparison`)."""
+    """Mean difference, 95 % interval and protocol v4's verdict over ``columns`` (outputs of :func:`_comparison`)."""
     if not columns or any(c is None for c in columns):
         return None
-    diffs, items = [c["diffs"] for c in columns], [c["items"] for c in columns]
-    delta, ci = paired_bootstrap(diffs, items=items)
-    verdict = non_inferiority(diffs, items=items)
-    return {"delta": delta, "ci": ci, "lower": verdict.lower, "margin": verdict.margin, "below": verdict.below,
-            "verdict": verdict.verdict}
+    c = compare_to_source([col["diffs"] for col in columns])
+    return {"delta": c.delta, "ci": list(c.ci), "lower": c.lower, "margin": MARGIN, "below": c.lower <= -MARGIN,
+            "word": c.verdict, "verdict": _verdict_words(c)}
+
+
+def _verdict_words(c: Comparison) -> str:
+    """``not below (bound +0.4 > −0.5)``, ``harm (bound −1.6 ≤ −0.5)``, ``inconclusive (bound −1.2 ≤ −0.5)``."""
+    sign = ">" if c.lower > -MARGIN else "≤"
+    return f"{c.words()} (bound {figure(c.lower, sign=True)} {sign} −{figure(MARGIN)})"
 
 
 def main_tables(rows: Sequence[dict], metric: str = "R@1", scoring: str | None = None) -> list[dict[str, Any]]:
@@ -195,8 +202,9 @@ def format_main_table(table: dict[str, Any], source_label: str = "Source model")
     if grid:
         lines += ["", f"Avg., won back and Δ are over the {len(grid)} corruption column{'s' if len(grid) != 1 else ''}: won back "
                   "= Σ(R@1 − source) / Σ(clean − source) (ratio of sums); Δ's 95 % interval and the one-sided 95 % bound "
-                  "resample items and seeds jointly; \"not below the source\" means the bound is above "
-                  f"−{figure(MARGIN)} R@1."]
+                  f"resample items and seeds jointly; verdicts (protocol v4): not below = the bound is above −{figure(MARGIN)} "
+                  f"R@1, harm = the whole interval is below 0 and the bound at or below −{figure(MARGIN)}, inconclusive "
+                  "otherwise."]
     stream_lines = []
     for c in cols:
         parts = [f"{r['label']} {_versus(r['streams'][c['label']])}" for r in table["rows"]

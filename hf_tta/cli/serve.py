@@ -101,7 +101,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, default=1.0)
     p.add_argument("--queue-capacity", type=int, default=512, help="queries waiting for adaptation; the oldest are dropped past it")
     p.add_argument("--tenants", action="store_true", help="per-tenant adapters (X-Tenant header)")
-    p.add_argument("--max-tenants", type=int, default=8)
+    p.add_argument("--max-tenants", type=int, default=8,
+                   help="tenants with their own adapted state; 'default' (requests without X-Tenant) counts once used")
     p.add_argument("--worker-nice", type=int, default=10, help="nice increment of the adapting process (0: none)")
     p.add_argument("--max-state-lag", type=float, default=120.0, help="readiness fails when queued work waited longer (s)")
     p.add_argument("--max-body-mb", type=float, default=8.0)

@@ -37,6 +37,15 @@ CHECKPOINT_FILE, GALLERY_FILE = "tenants.safetensors", "gallery.safetensors"
 TENANT_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
+def heartbeat_problem(now: float, heartbeat: float, timeout: float) -> str | None:
+    """Readiness's word on the adapting worker's heartbeat (wall time of its last sign of life in the state store;
+    0: none there, e.g. a Redis that restarted empty), or ``None`` when it is recent enough."""
+    if heartbeat <= 0:
+        return "the adapting worker has not reported to the state store yet (no heartbeat there)"
+    if now - heartbeat > timeout:
+        return f"the adapting worker has not reported for {now - heartbeat:.0f} s"
+    return None
+
 @dataclass
 class ServiceConfig:
     """What the service is built from and how it behaves.
@@ -99,6 +108,8 @@ class Service:
         self.started_at = time.time()
         self._items_lock = threading.Lock()
         self._save_lock = threading.Lock()
+        self._tenants_lock = threading.Lock()
+        self._accepted: set[str] = set()  # tenants with a query queued by this process (in flight ones count)
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -259,9 +270,11 @@ class Service:
         key = header if header is not None else DEFAULT_TENANT
         if not TENANT_KEY.match(key):
             raise InputError("X-Tenant must be 1-64 characters of letters, digits and _.:-")
-        known = set(self.answerer.states) | set(self.queue.depth())
+        with self._tenants_lock:  # counted from the first query queued for it: queued, in flight or published
+            known = self._accepted | set(self.answerer.states) | set(self.queue.depth())
         if key not in known and len(known) >= self.cfg.max_tenants:
-            raise InputError(f"tenant limit reached ({self.cfg.max_tenants} tenants): raise --max-tenants or reuse a tenant", 403)
+            raise InputError(f"tenant limit reached ({self.cfg.max_tenants} tenants, counting {DEFAULT_TENANT!r} once a "
+                             "request without X-Tenant used it): raise --max-tenants or reuse a tenant", 403)
         return key
 
     def search(self, image: Any, text: Any, k: int, header: str | None) -> dict[str, Any]:
@@ -276,6 +289,8 @@ class Service:
         answer: Answer = self.answerer.answer(inputs, self.gallery, k, tenant)
         queued = False
         if self.supervisor is not None and why_not is None:
+            with self._tenants_lock:
+                self._accepted.add(tenant)
             self.queue.put(tenant, {key: v.detach().cpu().numpy() for key, v in inputs.items()})
             self.supervisor.notify()
             queued = True
@@ -356,8 +371,8 @@ class Service:
                 problems.append("the adapting worker is dead (restarting)")
             elif not sup.started.is_set():
                 problems.append("the adapting worker is starting")
-            elif self.answerer is not None and now - self.answerer.heartbeat > self.cfg.heartbeat_timeout:
-                problems.append(f"the adapting worker has not reported for {now - self.answerer.heartbeat:.0f} s")
+            elif self.answerer is not None and (late := heartbeat_problem(now, self.answerer.heartbeat, self.cfg.heartbeat_timeout)):
+                problems.append(late)
             if not sup.paused:
                 waits = self.queue.oldest_wait()
                 depth = self.queue.depth()

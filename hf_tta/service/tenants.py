@@ -79,8 +79,8 @@ class TenantAdapters:
     def check(self, key: str) -> None:
         """Raise :class:`TenantLimit` if ``key`` would be a tenant past the limit."""
         if key not in self.tenants and len(self.tenants) >= self.max_tenants:
-            raise TenantLimit(f"tenant limit reached ({self.max_tenants} tenants have state): raise --max-tenants "
-                              "or reuse an existing X-Tenant")
+            raise TenantLimit(f"tenant limit reached ({self.max_tenants} tenants have state, counting {DEFAULT_TENANT!r} once "
+                              "a request without X-Tenant used it): raise --max-tenants or reuse an existing X-Tenant")
 
     def activate(self, key: str) -> Tenant:
         """Put tenant ``key``'s state into the wrapper (creating the tenant at the source state)."""

@@ -140,9 +140,14 @@ class Worker:
         self.dirty, self.last_save = False, time.monotonic()
 
     def tick(self) -> None:
-        """Heartbeat (or a retried publish), and the interval checkpoint when the state changed."""
+        """Heartbeat (or a retried publish, or a publish again when the store lost the state: a Redis that restarted
+        empty), and the interval checkpoint when the state changed."""
         try:
-            if not self.unpublished or self.publish():
+            lost = not self.unpublished and self.channel.latest_version() != self.adapters.version
+            if lost:
+                logger.warning("Worker: the state store holds version %d, not %d (restarted empty?): publishing again.",
+                               self.channel.latest_version(), self.adapters.version)
+            if (not self.unpublished and not lost) or self.publish():
                 self.channel.beat()
         except Exception:  # noqa: BLE001 - the store is down: publish() logs it and retries next tick
             self.unpublished = True
