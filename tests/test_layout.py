@@ -214,3 +214,14 @@ def test_no_module_or_recipe_edits_sys_path():
     edits = [str(p.relative_to(REPO)) for folder in ("hf_tta", "recipes") for p in sorted((REPO / folder).rglob("*.py"))
              if re.search(r"sys\.path\.(insert|append)", p.read_text(encoding="utf-8"))]
     assert edits == []
+
+
+def test_deep_copies_are_the_known_few():
+    """No copy of adapted state outside :class:`~hf_tta.state.AdapterState` (issue 46): ``copy.deepcopy`` runs in the
+    state module (plain optimiser values), the one place a reader of published states is made (``frozen_copy``, once
+    per concurrent answer, not per version), a LoRA model's light copy, the preset's dicts, the CLI's defaults and the
+    benchmark's fresh model per row. A new deep copy of a wrapper or a state fails here."""
+    assert _functions_calling(_called("deepcopy")) == {
+        "state.py:apply", "state.py:capture", "state.py:copy", "state.py:from_tensors", "readers.py:frozen_copy",
+        "models/peft_interop.py:light_copy", "preset.py:recommended_fields", "cli/arguments.py:parse_known_args",
+        "benchmarks/runner.py:_wrapper"}

@@ -218,3 +218,15 @@ def test_the_readme_headline_quotes_the_main_jobs_rows():
     assert quoted, "the headline quotes no figure"
     for f in quoted:
         assert f.replace("-", "−").lstrip("+−") in table, f"README headline figure {f} is not in the main job's table"
+
+
+@pytest.mark.parametrize("study", ["driver-refactor-rerun", "core-redesign-rerun"])
+def test_re_run_rows_equal_their_committed_counterparts(study):
+    """The refactors' re-runs (issue 24's core redesign, issue 46's batch driver) claim per-query hits identical to
+    committed rows: their compare scripts say so from the committed files alone (exit 1 on any difference)."""
+    import subprocess
+
+    script = CARDS / "results" / study / "compare.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "identical" in done.stdout and "DIFFERENT" not in done.stdout
