@@ -420,3 +420,32 @@ def test_the_refusal_of_another_model_names_the_real_counts_in_one_sentence(tmp_
         message = str(err.value)
         assert "CLIPModel (config sha256 " in message and f", {n} adapted tensors), but" in message and why in message
         assert "0 adapted tensors" not in message and "?." not in message and ".." not in message
+
+
+def test_checkpoints_written_before_the_policy_driver_load_and_continue_as_they_did():
+    """tests/data/pre_policies (written at 6d26979, before issue 46's policies, slot bank and readers): a gated default,
+    a key-routed wrapper with safety and weight ensembling, and the service's tenants file load with today's code (the
+    keys did not change) and continue each stream with the scores that commit computed."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from hf_tta.routing import RoutedTTAWrapper
+    from hf_tta.service.tenants import TenantAdapters
+    from support import dense_gallery, image_stream, style_images
+
+    folder, g = Path(__file__).parent / "data" / "pre_policies", dense_gallery()
+    want = load_file(folder / "continued_scores.safetensors")
+    gated = TTAWrapper.from_pretrained(make_model("clip"), folder / "gated")
+    assert gated.shift_gate.fitted and gated.batch_index == 2
+    got = torch.cat([gated.adapt_step({"pixel_values": style_images(1, 16, 50 + i)}, g).scores for i in range(2)])
+    assert torch.equal(got, want["gated"])
+    routed = RoutedTTAWrapper.from_pretrained(make_model("clip"), folder / "routed")
+    assert routed.domain_keys == ["a", "b"]
+    got = torch.cat([routed.adapt_step(q, g, domain="ab"[i % 2]).scores for i, q in enumerate(image_stream(2, seed=300))])
+    assert torch.equal(got, want["routed"])
+    adapters = TenantAdapters(TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=1e-2, query_modality="image")))
+    adapters.load(folder / "tenants.safetensors")
+    assert {k: t.version for k, t in adapters.tenants.items()} == {"x": 2, "y": 1}
+    got = torch.cat([adapters.adapt("xy"[i % 2], q, g).scores for i, q in enumerate(image_stream(2, seed=600))])
+    assert torch.equal(got, want["tenants"])
