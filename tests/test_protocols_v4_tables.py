@@ -55,6 +55,8 @@ def test_export_and_refresh_of_a_card(tmp_path):
     out.joinpath("rows.jsonl").write_text("\n".join(json.dumps(x) for x in [header, *rows]) + "\n")
     out.joinpath("registration.txt").write_text("abc1234\n")
     dest = tmp_path / "cards" / "results" / "rows.jsonl"
+    assert v4_tables.export(tmp_path / "runs", dest) == 0  # still going (no results.json): left out whole
+    out.joinpath("results.json").write_text("{}")
     assert v4_tables.export(tmp_path / "runs", dest) == len(rows)
     assert all(r["registration"] == "abc1234" for r in v4_tables.read(dest))
     card = tmp_path / "cards" / "card.md"

@@ -39,10 +39,15 @@ PARTS = ("selection", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
-    """Write every finished row of the run folders under ``out`` to ``dest`` (JSON lines, sorted by run, row, column,
-    seed), each with the commits its run recorded (``registration.txt``: registration [choice]; ``commit.txt``: the
-    library). Returns the number of rows."""
-    rows = load(Path(out))
+    """Write the rows of the finished run folders under ``out`` (those with their ``results.json``: a run still going,
+    or cut short, is left out whole and named, so a table never mixes a seed's finished columns with missing ones) to
+    ``dest`` (JSON lines, sorted by run, row, column, seed), each with the commits its run recorded
+    (``registration.txt``: registration [choice]; ``commit.txt``: the library). Returns the number of rows."""
+    every = load(Path(out))
+    unfinished = sorted({r["run"] for r in every if not (Path(out) / r["run"] / "results.json").is_file()})
+    if unfinished:
+        print(f"left out (not finished): {', '.join(unfinished)}")
+    rows = [r for r in every if r["run"] not in unfinished]
     for r in rows:
         folder = Path(out) / r["run"]
         for name, key in (("registration.txt", "registration"), ("commit.txt", "commit")):
