@@ -170,7 +170,7 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str 
 
 @pytest.mark.parametrize(
     "card,kind", [("emoji-benchmark-results-v2.md", "study"), ("serving.md", "batch-size"), ("emoji-benchmark-results-v3.md", "v3"),
-                  ("emoji-benchmark-results.md", "v4")]
+                  ("emoji-benchmark-results.md", "v4"), ("options.md", "v4")]
 )
 def test_the_recipe_blocks_are_recomputed_from_their_rows(card, kind):
     """Each recipe block of the card is the summary script's output on the committed rows."""

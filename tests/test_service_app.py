@@ -370,3 +370,19 @@ def test_readiness_words_a_missing_heartbeat_apart_from_a_late_one(heartbeat, wo
 
     got = heartbeat_problem(1000.0, heartbeat, timeout=15.0)
     assert got == (None if word is None else f"the adapting worker {word}")
+
+
+def test_an_admin_command_behind_a_slow_batch_is_accepted_and_runs_later(tmp_path):
+    """Before: a reset that waited over 30 s behind a batch (a saturated machine) answered 409 "did not answer in
+    time", and then ran anyway. Now it answers 202 saying it is queued, and the reset happens (here the wait is 0 s)."""
+    with TestClient(create_app(service_config(tmp_path / "slow", admin_timeout=0.0))) as c:
+        assert wait_for(lambda: c.get("/readyz").status_code == 200)
+        service = c.app.state.service
+        for i in range(4):  # one batch of "acme"
+            search(c, 40 + i)
+        assert wait_for(lambda: service.answerer.current("acme").version >= 1)
+        version = service.answerer.current("acme").version
+        r = c.post("/admin/reset", json={"tenant": "acme"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["accepted"] and "queued and runs after it" in r.json()["message"]
+        assert wait_for(lambda: service.answerer.current("acme").version > version, 60)  # it ran
+        assert service.answerer.current("acme").state.equals(service.answerer.source.state)

@@ -205,13 +205,17 @@ def create_app(cfg: ServiceConfig):
         auth.check(cfg.token, authorization, "editing the gallery")
         return await run(service.delete_item, item_id)
 
-    @app.post("/admin/{op}", responses=ERRORS)
+    @app.post("/admin/{op}", responses={**ERRORS, 202: {"description": "Accepted: queued behind the batch in flight, "
+                                                                      "runs after it (the state version goes up then)"}})
     async def admin(op: str, req: AdminRequest | None = None, authorization: str | None = Header(None)) -> dict[str, Any]:
         auth.check(cfg.token, authorization, "the admin API")
         if op not in ("pause", "resume", "reset", "rollback", "checkpoint"):
             raise InputError("unknown admin operation: use pause, resume, reset, rollback or checkpoint", 404)
         tenant = req.tenant if req is not None else None
-        return await asyncio.get_running_loop().run_in_executor(None, service.admin, op, tenant)
+        result = await asyncio.get_running_loop().run_in_executor(None, service.admin, op, tenant)
+        if result.get("accepted"):  # queued behind the batch in flight: 202, it runs after it
+            return JSONResponse(result, status_code=202)
+        return result
 
     @app.get("/livez")
     def livez() -> dict[str, Any]:

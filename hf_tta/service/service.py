@@ -72,6 +72,7 @@ class ServiceConfig:
     worker_threads: int = 1
     max_state_lag: float = 120.0  # readiness fails when queued adaptation work waited longer than this (s)
     heartbeat_timeout: float = 15.0
+    admin_timeout: float = 30.0  # an admin command still queued after this is answered 202 (accepted, runs later)
     max_restarts: int = 3
     limits: Limits = field(default_factory=Limits)
     token: str | None = None
@@ -347,7 +348,9 @@ class Service:
                 raise InputError("tenant must be 1-64 characters of letters, digits and _.:-")
             args = () if op == "checkpoint" else ((tenant if op == "reset" else (tenant or DEFAULT_TENANT)),)
             before = self.answerer.version
-            ok, message = sup.command(op, *args)
+            ok, message = sup.command(op, *args, timeout=self.cfg.admin_timeout)
+            if ok is None:  # queued behind a slow batch: it will run (not a refusal)
+                return {"ok": True, "accepted": True, "message": message, "version": self.answerer.version}
             if not ok:
                 raise InputError(message, 409 if sup.alive() else 503)
             deadline = time.monotonic() + 60

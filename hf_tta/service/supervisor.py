@@ -48,6 +48,7 @@ class Supervisor:
         self._inflight: tuple[int, float] | None = None
         self._ids = itertools.count(1)
         self._replies: dict[int, list] = {}
+        self._late: dict[int, str] = {}  # commands whose caller stopped waiting: their replies are logged
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._gallery: np.ndarray | None = None
@@ -151,8 +152,12 @@ class Supervisor:
                     self._cv.notify_all()
             elif msg[0] == "reply":
                 with self._cv:
-                    self._replies[msg[1]] = [msg[2], msg[3]]
+                    kind = self._late.pop(msg[1], None)
+                    if kind is None:
+                        self._replies[msg[1]] = [msg[2], msg[3]]
                     self._cv.notify_all()
+                if kind is not None:  # accepted earlier with "runs after the batch in flight": it ran now
+                    logger.info("Admin %r finished after its request returned: %s", kind, msg[3])
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
@@ -174,8 +179,11 @@ class Supervisor:
             self._spawn(replace(self.spec, start_version=version, start_versions=versions))
 
     # ------------------------------------------------------------------------------------------ admin
-    def command(self, kind: str, *args: Any, timeout: float = 30.0) -> tuple[bool, str]:
-        """Send an admin command to the worker and wait for its reply."""
+    def command(self, kind: str, *args: Any, timeout: float = 30.0) -> tuple[bool | None, str]:
+        """Send an admin command to the worker and wait up to ``timeout`` s for its reply: ``(ok, message)``, or
+        ``(None, message)`` when the worker is alive but still busy (a batch in flight on a saturated machine): the
+        command is queued and *will* run after that batch (its reply is logged then), which the message says; a
+        caller must not report it as refused."""
         if not self.alive() or not self.started.is_set():
             return False, "the adapting worker is not running: see /readyz"
         req = next(self._ids)
@@ -184,8 +192,12 @@ class Supervisor:
         with self._cv:
             while req not in self._replies:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.alive():
-                    return False, f"the adapting worker did not answer {kind!r} in time"
+                if not self.alive():
+                    return False, f"the adapting worker died before answering {kind!r}: see /readyz"
+                if left <= 0:
+                    self._late[req] = kind
+                    return None, (f"accepted: the adapting worker is busy with a batch, so {kind!r} is queued and runs "
+                                  "after it (the state version goes up then; see /stats)")
                 self._cv.wait(min(left, 0.2))
             ok, message = self._replies.pop(req)
         return ok, message
