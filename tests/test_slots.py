@@ -17,6 +17,16 @@ def _wrapper() -> TTAWrapper:
     return TTAWrapper(make_model("clip"), TTAConfig(**CONFIG))
 
 
+@pytest.fixture
+def active_a() -> tuple[TTAWrapper, SlotBank]:
+    """A bank over a fresh wrapper with key "a" active (at the source)."""
+    tta = _wrapper()
+    bank = SlotBank(tta)
+    bank.add("a")
+    bank.set_active("a")
+    return tta, bank
+
+
 @pytest.mark.parametrize("reuse_buffers", [False, True])
 def test_interleaved_keys_equal_one_wrapper_per_key(reuse_buffers):
     """Keys "a" and "b" adapt on interleaved batches of one bank; each ends bit-identical (state and scores) to a
@@ -36,13 +46,9 @@ def test_interleaved_keys_equal_one_wrapper_per_key(reuse_buffers):
         assert_bit_equal(state_of(bank.state(key)), state_of(AdapterState.capture(alone[key], ALL)))
 
 
-def test_a_new_key_starts_at_the_source_and_reading_changes_nothing():
-    gallery = dense_gallery()
-    tta = _wrapper()
-    bank = SlotBank(tta)
-    bank.add("a")
-    bank.set_active("a")
-    tta.adapt_step(image_stream(1)[0], gallery)
+def test_a_new_key_starts_at_the_source_and_reading_changes_nothing(active_a):
+    tta, bank = active_a
+    tta.adapt_step(image_stream(1)[0], dense_gallery())
     bank.add("b")
     assert_bit_equal(state_of(bank.state("b")), state_of(tta.source_state))
     before = state_of(AdapterState.capture(tta, ALL))
@@ -53,14 +59,10 @@ def test_a_new_key_starts_at_the_source_and_reading_changes_nothing():
     assert_bit_equal(state_of(bank.state("a")), before)
 
 
-def test_put_replaces_a_keys_state_and_an_active_key_is_applied_again():
-    gallery = dense_gallery()
-    tta = _wrapper()
-    bank = SlotBank(tta)
-    bank.add("a")
-    bank.set_active("a")
+def test_put_replaces_a_keys_state_and_an_active_key_is_applied_again(active_a):
+    tta, bank = active_a
     saved = bank.state("a")
-    tta.adapt_step(image_stream(1)[0], gallery)
+    tta.adapt_step(image_stream(1)[0], dense_gallery())
     bank.put("a", saved)  # a rollback
     assert bank.active is None
     bank.set_active("a")
@@ -77,11 +79,8 @@ def test_unknown_and_duplicate_keys_are_refused_in_one_line():
     assert bank.active is None and bank.keys == ["a"]
 
 
-def test_clear_drops_every_slot_and_gives_the_wrapper_a_fresh_monitor():
-    tta = _wrapper()
-    bank = SlotBank(tta)
-    bank.add("a")
-    bank.set_active("a")
+def test_clear_drops_every_slot_and_gives_the_wrapper_a_fresh_monitor(active_a):
+    tta, bank = active_a
     monitor = tta.safety
     bank.clear()
     assert len(bank) == 0 and bank.active is None and tta.safety is not monitor
