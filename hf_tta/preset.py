@@ -29,8 +29,7 @@ from typing import Any
 #: The recommended combination for audio and video queries (protocol v2's rule; v3's preset phase chose it again for
 #: text queries, at a named lr): TCR on the query tower's LayerNorms, Distribution Normalization (its code's defaults,
 #: lambda = 0.25, means of 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps
-#: a degenerate stream from dragging the model down: TCR 85.0 -> 96.3 on the clean part, source 96.4), at the
-#: modality's default lr.
+#: a degenerate stream from dragging the model down; protocol v2's card), at the modality's default lr.
 RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
 #: Image queries: protocol v4's default study (issue 48; ``model_cards/results/protocol-v4/choices/default-study.json``)
 #: chose TCR at lr 3e-2 behind the shift gate's two-sample statistic at threshold 4 (:mod:`hf_tta.shift_gate`) with the

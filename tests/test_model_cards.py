@@ -230,3 +230,16 @@ def test_re_run_rows_equal_their_committed_counterparts(study):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "identical" in done.stdout and "DIFFERENT" not in done.stdout
+
+
+def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
+    """hf_tta/preset.py quotes one figure (the image default's selection share); it is the committed rows' (before: a
+    text figure the cards had replaced stayed there)."""
+    from hf_tta.benchmarks.protocols.v4_tables import summarise
+
+    source = (CARDS.parent / "hf_tta" / "preset.py").read_text()
+    quoted = re.findall(r"(\d+\.\d) %", source)
+    assert quoted == ["50.3"], quoted  # a new figure there needs a check here
+    block = summarise(CARDS / "results" / "protocol-v4" / "rows.jsonl", "i2t", "selection")
+    line = next(x for x in block.splitlines() if x.startswith("| r3-mean4/tcr+gate+safe@3e-2 |"))
+    assert line.split("|")[2].strip() == f"{quoted[0]} %"
