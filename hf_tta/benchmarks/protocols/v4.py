@@ -186,9 +186,24 @@ def third_round_runs() -> list[Run]:
     return runs
 
 
+def fourth_round_runs() -> list[Run]:
+    """``default-study-r4``: the incumbent and four candidates on the selection split with its Noto stream (a style
+    shift), image queries; chosen by the registration's rule (clean, degenerate and Noto not below)."""
+    study = "default-study-r4"
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
+    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
+    return [
+        Run("sel-i2t/r4-incumbent", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@3e-2", "tcr+gate+safe@1e-2"))),
+        Run("sel-i2t/r4-fullsafe", study, (*sel, "--safety", "{}", *gate, *_objectives("tcr+gate+safe@3e-2"))),
+        Run("sel-i2t/r4-ens0.9", study, (*sel, *lite, *gate, *pull, *_objectives("tcr+gate+ens+safe@3e-2"))),
+        Run("sel-i2t/r4-previous", study, (*sel, "--safety", "{}", *_objectives("rest+dn+safe@1e-3"))),
+    ]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
-    return default_study_runs() + second_round_runs() + third_round_runs()
+    return default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs()
 
 
 def all_runs() -> list[Run]:
