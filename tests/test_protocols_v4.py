@@ -190,3 +190,21 @@ def test_a_tie_between_equally_safe_candidates_goes_to_fewer_passes():
     summaries = v4_choice.summarise(rows, "i2t")
     assert {s.label: s.passes for s in summaries} == {"a/tcr+gate@1e-2": 7.0, "b/tcr+gate@3e-2": 3.0}
     assert v4_choice.choose_default(summaries)[0].label == "b/tcr+gate@3e-2"
+
+
+def test_the_fourth_rounds_rule_needs_noto_not_below_and_ties_within_half_a_point():
+    """default-study-r4's registered rule (by hand on three summaries): eligible = clean, degenerate and Noto not
+    below; "a" has the best share but harms Noto; "b" and "c" are 0.4 share points apart (a tie under 0.5, not a
+    tie broken by the first rounds' 1.0 either way here) and "c" has the higher smallest bound over the three streams."""
+    S = v4_choice.Summary
+    ok, noto_bad = {"clean": (0.0, 0.0), "degenerate": (0.0, 0.0)}, {"noto": (-2.0, -3.0)}
+    summaries = [S("r4-x/a", 0.60, {**ok, **noto_bad}, 5.0), S("r4-x/b", 0.504, {**ok, "noto": (0.0, -0.4)}, 5.0),
+                 S("r4-x/c", 0.500, {**ok, "noto": (0.5, -0.1)}, 5.0)]
+    prefix, required, tie = v4_choice.ROUND_RULES["default-study-r4"]
+    assert (prefix, required, tie) == ("r4-", ("clean", "degenerate", "noto"), 0.5)
+    chosen, notes = v4_choice.choose_default(summaries, required, tie)
+    assert chosen.label == "r4-x/c" and notes == ["r4-x/a: not eligible (clean bound +0.00, degenerate bound +0.00, noto bound -3.00)"]
+    assert v4_choice.choose_default(summaries)[0].label == "r4-x/a"  # the first rounds' rule does not look at Noto
+    assert v4_choice.choose_default([summaries[0]], required, tie) == (None, notes)
+    b_only = [S("r4-x/b", 0.51, {**ok, "noto": (0.0, -0.4)}, 5.0), summaries[2]]  # 1.0 point apart: no tie
+    assert v4_choice.choose_default(b_only, required, tie)[0].label == "r4-x/b"

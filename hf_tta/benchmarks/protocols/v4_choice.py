@@ -29,6 +29,10 @@ RNG_SEED = 20261128
 MARGIN = 0.5
 #: Candidates within this many share points of the best are tied (the registration's rule).
 TIE = 1.0
+#: Each registered choice: the runs it reads (``r4-``: its own; ``""``: every other selection run), the streams that
+#: must be not below, and the tie width in share points (``registrations/<study>.json``).
+ROUND_RULES = {"default-study": ("", ("clean", "degenerate"), TIE),
+               "default-study-r4": ("r4-", ("clean", "degenerate", "noto"), 0.5)}
 
 
 def load(out: Path) -> list[dict]:
@@ -72,7 +76,11 @@ class Summary:
     @property
     def safety(self) -> float:
         """The smallest lower bound over the clean and degenerate streams (the tie-break: higher is safer)."""
-        return min(self.streams[s][1] for s in ("clean", "degenerate") if s in self.streams)
+        return self.safety_over(("clean", "degenerate"))
+
+    def safety_over(self, streams: tuple[str, ...]) -> float:
+        """The smallest lower bound over ``streams`` (those it has)."""
+        return min(self.streams[s][1] for s in streams if s in self.streams)
 
 
 def _by_label(rows: list[dict], direction: str) -> tuple[dict, dict]:
@@ -117,26 +125,27 @@ def summarise(rows: list[dict], direction: str) -> list[Summary]:
     return out
 
 
-def choose_default(summaries: list[Summary]) -> tuple[Summary | None, list[str]]:
-    """The registered rule: eligible = clean and degenerate streams both *not below*; the highest pooled share; ties
-    (within :data:`TIE` share points, in %) to the safer (higher smallest bound over clean and degenerate), then fewer
-    passes, then the first listed. ``(None, why)`` when none is eligible (the current preset stays)."""
+def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean", "degenerate"),
+                   tie: float = TIE) -> tuple[Summary | None, list[str]]:
+    """The registered rule: eligible = every ``required`` stream *not below* (default-study: clean and degenerate;
+    default-study-r4: and Noto); the highest pooled share; ties (within ``tie`` share points, in %: 1.0 for
+    default-study, 0.5 for -r4) to the safer (higher smallest bound over the required streams), then fewer passes,
+    then the first listed. ``(None, why)`` when none is eligible (the current default stays)."""
     notes = []
     eligible = []
     for s in summaries:
-        missing = [st for st in ("clean", "degenerate") if st not in s.streams]
+        missing = [st for st in required if st not in s.streams]
         if missing:
             notes.append(f"{s.label}: no {' or '.join(missing)} stream (not a candidate)")
-        elif not (s.not_below("clean") and s.not_below("degenerate")):
-            notes.append(f"{s.label}: not eligible (clean bound {s.streams['clean'][1]:+.2f}, degenerate bound "
-                         f"{s.streams['degenerate'][1]:+.2f})")
+        elif not all(s.not_below(st) for st in required):
+            notes.append(f"{s.label}: not eligible (" + ", ".join(f"{st} bound {s.streams[st][1]:+.2f}" for st in required) + ")")
         else:
             eligible.append(s)
     if not eligible:
         return None, notes
     best = max(100 * s.share for s in eligible)
-    tied = [s for s in eligible if 100 * s.share >= best - TIE]
-    tied.sort(key=lambda s: (-s.safety, s.passes if s.passes is not None else float("inf")))
+    tied = [s for s in eligible if 100 * s.share >= best - tie]
+    tied.sort(key=lambda s: (-s.safety_over(required), s.passes if s.passes is not None else float("inf")))
     return tied[0], notes
 
 
@@ -193,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direction", default="i2t")
     p.add_argument("--write", default=None, help="add this direction's choice to a choices/<study>.json file")
     p.add_argument("--previous-preset", default=None, help="the preset row the choice replaces (recorded)")
+    p.add_argument("--study", default="default-study", choices=tuple(ROUND_RULES),
+                   help="whose registered rule: default-study (rounds 1-3 together) or default-study-r4 (its own runs)")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
+    prefix, required, tie = ROUND_RULES[args.study]
+    rows = [r for r in rows if r["run"].split("/")[1].startswith("r4-") == (prefix == "r4-")]
     summaries = summarise(rows, args.direction)
     print(table(summaries))
-    chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")])
+    chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie)
     for n in notes:
         print("-", n)
     print("chosen default:", chosen.label if chosen else "none eligible (the current preset stays)")
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     if args.write:
         path = Path(args.write)
-        data = json.loads(path.read_text()) if path.is_file() else {"study": "default-study"}
+        data = json.loads(path.read_text()) if path.is_file() else {"study": args.study}
         data[args.direction] = {
             "default": chosen.label if chosen else None,
             "config": config_of(chosen.label, args.direction) if chosen else None,

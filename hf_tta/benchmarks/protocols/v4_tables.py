@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from ..verdicts import compare, round_figure, seed_bound, shares
-from .v4_choice import STREAMS, choose_default, choose_lr, hits, load
+from .v4_choice import ROUND_RULES, STREAMS, choose_default, choose_lr, hits, load
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
-PARTS = ("selection", "headline", "streams", "main", "v3verdicts")
+PARTS = ("selection", "r4", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -188,24 +188,27 @@ def shift_specific(rows: list[dict], direction: str = "t2i") -> str:
     return "\n".join(lines)
 
 
-def selection(rows: list[dict], direction: str) -> str:
-    """The selection table and the registered choice it gives (every round's candidates, then the comparators)."""
-    sel = summarise_selection([r for r in rows if r["split"] == "selection"], direction)
-    lines = ["| candidate (run/row) | share | clean Δ [bound] | degenerate Δ [bound] | passes per query | eligible |",
-             "|---|---:|---:|---:|---:|---|"]
+def selection(rows: list[dict], direction: str, study: str = "default-study") -> str:
+    """The selection table of ``study`` and the choice its registered rule gives (:data:`.v4_choice.ROUND_RULES`:
+    default-study's every round with the comparators, or default-study-r4's own runs with their Noto stream)."""
+    prefix, required, tie = ROUND_RULES[study]
+    sel = summarise_selection([r for r in rows if r["split"] == "selection"
+                               and r["run"].split("/")[1].startswith("r4-") == (prefix == "r4-")], direction)
+    lines = ["| candidate (run/row) | share | " + " | ".join(f"{st} Δ [bound]" for st in required)
+             + " | passes per query | eligible |", "|---|---:|" + "---:|" * (len(required) + 1) + "---|"]
     for s in sorted(sel, key=lambda x: (x.label.startswith("comparators/"), -x.share)):
         cell = lambda st: (f"{round_figure(s.streams[st][0], sign=True)} [{round_figure(s.streams[st][1], sign=True)}]"  # noqa: E731
                            if st in s.streams else "–")
-        ok = "–" if s.label.startswith("comparators/") or "degenerate" not in s.streams else (
-            "yes" if s.not_below("clean") and s.not_below("degenerate") else "no")
-        lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | {cell('clean')} | {cell('degenerate')} | "
-                     f"{round_figure(s.passes, digits=2)} | {ok} |")
-    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")])
+        ok = "–" if s.label.startswith("comparators/") or any(st not in s.streams for st in required) else (
+            "yes" if all(s.not_below(st) for st in required) else "no")
+        lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | " + " | ".join(cell(st) for st in required)
+                     + f" | {round_figure(s.passes, digits=2)} | {ok} |")
+    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")], required, tie)
     lines.append("")
     best = ", ".join(f"{o} {choose_lr(sel, o).label.split('/')[1]}" for o in ("tcr", "rest")
                      if any(s.label.startswith(f"comparators/{o}@") for s in sel))
-    lines.append(f"Chosen by the registered rule: **{chosen.label if chosen else 'none eligible'}**; best labelled "
-                 f"fixed lr: {best}.")
+    lines.append(f"Chosen by the registered rule: **{chosen.label if chosen else 'none eligible'}**"
+                 + (f"; best labelled fixed lr: {best}." if best else "."))
     return "\n".join(lines)
 
 
@@ -267,6 +270,8 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
     rows = read(rows_path)
     if part == "selection":
         return selection(rows, direction)
+    if part == "r4":  # default-study-r4's selection table and choice
+        return selection(rows, direction, "default-study-r4")
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
