@@ -206,9 +206,35 @@ def selection_runs() -> list[Run]:
     return default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs()
 
 
+#: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
+R4_HEADLINE_SEEDS, R4_STREAM_SEEDS = (6,), (13, 14)
+
+
+def fourth_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r4``'s report runs, from its committed choice: the chosen row and the incumbent default
+    (``recommended``) with TCR at 3e-2, on the 30-column headline of seed 6 and the default grid with the five streams
+    of seeds 13 and 14 (image queries)."""
+    c = choice.get("i2t")
+    if not c or not c.get("config"):
+        return []
+    cfg, study = c["config"], "default-study-r4"
+    row = c["default"].split("/", 1)[1]  # e.g. rest+dn+safe@1e-3: its run-level --safety as the choice recorded
+    settings = [*(["--safety", json.dumps(cfg["safety"])] if "safety" in cfg else []),
+                *(["--shift_gate", json.dumps(cfg["shift_gate"])] if "shift_gate" in cfg else []),
+                *(["--weight_ensemble", json.dumps(cfg["weight_ensemble"])] if "weight_ensemble" in cfg else [])]
+    rows = _objectives(row, "recommended", "tcr@3e-2")
+    streams = ("clean", "noto", "diverse", "switch", "degenerate")
+    runs = [Run(f"rep-i2t/r4-headline-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *settings, *rows))
+            for seed in R4_HEADLINE_SEEDS]
+    runs += [Run(f"rep-i2t/r4-streams-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
+                                                                         default_grid=True), *settings, *rows))
+             for seed in R4_STREAM_SEEDS]
+    return runs
+
+
 def all_runs() -> list[Run]:
-    choice = load_choice("default-study")
-    return selection_runs() + (report_runs(choice) if choice else [])
+    choice, r4 = load_choice("default-study"), load_choice("default-study-r4")
+    return selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
 
 
 # ------------------------------------------------------------------------------------------ registration
