@@ -63,3 +63,10 @@ def test_export_and_refresh_of_a_card(tmp_path):
     card.write_text("# card\n<!-- v4: results/rows.jsonl i2t main -->\nstale\n<!-- /v4 -->\n")
     assert v4_tables.refresh_card(card) == 1
     assert "stale" not in card.read_text() and "| recommended | 100.0 | 80.0 | 50.0 % |" in card.read_text()
+
+
+def test_the_fourth_rounds_report_streams_read_only_its_own_runs():
+    rows = _rows()
+    renamed = [{**r, "run": r["run"].replace("rep-i2t/streams", "rep-i2t/r4-streams")} for r in rows]
+    assert v4_tables.streams(renamed, "i2t", "r4-streams") == v4_tables.streams(rows, "i2t")
+    assert "| recommended |" not in v4_tables.streams(rows, "i2t", "r4-streams")  # the first rounds' runs are not its

@@ -35,7 +35,7 @@ from .v4_choice import ROUND_RULES, STREAMS, choose_default, choose_lr, hits, lo
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
-PARTS = ("selection", "r4", "headline", "streams", "main", "v3verdicts")
+PARTS = ("selection", "r4", "r4streams", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -137,11 +137,12 @@ def headline(rows: list[dict], direction: str) -> str:
     return "\n".join(lines)
 
 
-def streams(rows: list[dict], direction: str) -> str:
+def streams(rows: list[dict], direction: str, runs: str = "streams") -> str:
     """The secondary table: the default grid's share (image queries) and each stream's Δ [bound] verdict over the
     seeds a row holds, with the seed-level t bound from 5 seeds; for text rows each corruption column's
-    shift-specific gain is in :func:`headline`'s companion line below."""
-    src, by = _report(rows, direction, "streams")
+    shift-specific gain is in :func:`headline`'s companion line below. ``runs``: the run names' prefix
+    (``r4-streams``: default-study-r4's report on its new seeds)."""
+    src, by = _report(rows, direction, runs)
     present = [s for s in STREAMS if any(k[0] == (s, None) for k in [*src, *(k for row in by.values() for k in row)])]
     head = "| row | seeds | default grid share | " + " | ".join(present) + " |"
     lines = [head, "|---|---:|---:|" + "---|" * len(present)]
@@ -272,6 +273,8 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return selection(rows, direction)
     if part == "r4":  # default-study-r4's selection table and choice
         return selection(rows, direction, "default-study-r4")
+    if part == "r4streams":  # its report streams, on its new seeds
+        return streams(rows, direction, "r4-streams")
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
