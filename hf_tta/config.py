@@ -225,8 +225,8 @@ class TTAConfig(ConfigMixin):
         if isinstance(self.gradient_decoupling, bool):  # True: the defaults; False: off
             self.gradient_decoupling = GradientDecouplingConfig() if self.gradient_decoupling else None
         if isinstance(self.lr, str) and self.lr == "auto":  # removed by protocol v4's default study (issue 48)
-            raise ValueError("TTAConfig(lr='auto') was removed: protocol v4 found a fixed lr behind the shift gate better "
-                             "and safer than choosing it online; use TTAConfig.recommended(...), or lr_search={} to probe.")
+            raise ValueError("TTAConfig(lr='auto') was removed: protocol v4 found a fixed lr better and safer than choosing "
+                             "it online; use TTAConfig.recommended(...), or lr_search={} to probe.")
         for name in ("tuning", "gradient_decoupling", "consistency", "lr_search", "run"):
             setattr(self, name, _nested(name, getattr(self, name)))
         check_field_types(self)
@@ -368,15 +368,15 @@ class TTAConfig(ConfigMixin):
     @classmethod
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
         """The recommended default (:mod:`hf_tta.preset`), chosen by a registered rule on the benchmark's selection
-        split: for image queries TCR at lr 3e-2 behind the shift gate (two-sample statistic, threshold 4) with the
-        safety layer's degenerate-batch rule (protocol v4; call ``tta.fit_shift_gate(clean_queries)``, until then
-        the source answers); for text queries REST at lr 3e-4 with NNN on the scores and the degenerate-batch rule
-        (protocol v4); for audio and video queries TCR, DN and the safety layer at the modality's default lr
-        (protocol v2, unmeasured). ``overrides`` replace fields.
+        split: for image queries REST at lr 1e-3 with DN on the scores and the safety layer (protocol v4's fourth
+        round, the only candidate not below the source on a style shift; the gated TCR of the earlier rounds is
+        :data:`hf_tta.preset.GATED_TCR_IMAGE`); for text queries REST at lr 3e-4 with NNN on the scores and the
+        degenerate-batch rule (protocol v4); for audio and video queries TCR, DN and the safety layer at the
+        modality's default lr (protocol v2, unmeasured). ``overrides`` replace fields.
 
         Example:
             >>> cfg = TTAConfig.recommended("image")
-            >>> (cfg.objective, cfg.lr, cfg.shift_gate) == ("tcr", 3e-2, {"statistic": "batch_mean", "threshold": 4.0})
+            >>> (cfg.objective, cfg.lr, cfg.score_transform, cfg.shift_gate) == ("rest", 1e-3, "dn", None)
             True
             >>> TTAConfig.recommended("text").objective, TTAConfig.recommended("text").lr
             ('rest', 0.0003)

@@ -1,6 +1,6 @@
 """Choosing the learning rate online without labels (issue 37): ``TTAConfig(lr_search=LRSearchConfig(...))``, or
 ``lr_search={}`` for its defaults (``lr="auto"`` was removed: protocol v4's default study, issue 48, found a fixed lr
-chosen on held-out corruptions behind the shift gate better and safer).
+chosen on held-out corruptions better and safer).
 
 **The probe (selector (a) of issue 37).** During the first ``probe_batches`` batches of the stream the wrapper keeps
 one *shadow* of the adapted state per candidate lr: the adapted parameters, the optimiser's moments and the

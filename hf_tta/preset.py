@@ -1,19 +1,20 @@
 """The recommended preset, ``TTAConfig.recommended(query_modality)``: the default a user gets, chosen by a registered
 rule on a selection split and reported on a held-out report split (``model_cards/emoji-benchmark-results.md``).
 
-**Image queries (protocol v4, issue 48).** Three registered rounds of candidates
+**Image queries (protocol v4, issue 48).** Four registered rounds of candidates
 (``model_cards/results/protocol-v4/registrations/default-study*.json``, each committed before its first row) ran on
 the selection split only: 624 concepts of their own with their own gallery, ImageNet-C's four validation corruptions
-at severity 5, the clean and degenerate streams, seed 0. The rule: a candidate is eligible when its clean and
-degenerate streams are *not below* the source (one-sided 95 % bound above −0.5 R@1); the highest pooled share of lost
-recall won back wins; ties (within one share point) go to the safer candidate, then to fewer passes per query. Every
-ungated TCR and REST row fails the clean stream; the shift gate keeps it exactly at the source. The choice
-(``choices/default-study.json``): TCR on the query tower's LayerNorms at lr 3e-2 (the lr the labelled comparators
-chose for TCR on the same split) behind the shift gate's two-sample statistic at threshold 4
-(:mod:`hf_tta.shift_gate`), with the safety layer's degenerate-batch rule only. It needs reference queries
-(``tta.fit_shift_gate(clean_queries)``: a few hundred clean, in-distribution queries, no labels); until it has them
-the source model answers and nothing adapts. Its selection and report figures are in the results card, recomputed
-there from the committed rows.
+at severity 5, the clean and degenerate streams, seed 0, and from the fourth round a Noto style stream. The fourth
+round's rule (``default-study-r4.json``): a candidate is eligible when its clean, degenerate and Noto streams are *not
+below* the source (one-sided 95 % bound above −0.5 R@1); the highest pooled share of lost recall won back wins; ties
+(within half a share point) go to the safer candidate, then to fewer passes per query. Every gated TCR candidate of
+the earlier rounds' choice harms the Noto style (the gate opens on a style shift and TCR there does worse than the
+source); the rule chose (``choices/default-study-r4.json``) REST on the query tower's LayerNorms at lr 1e-3 with
+Distribution Normalization on the scores and the whole safety layer at its defaults: it wins back 19.4 % of the lost
+recall on the selection split (gated TCR at lr 3e-2, the previous choice: 50.3 %, with Noto 2.1 R@1 below the
+source). It needs no reference queries. Its report figures, and those of the gated TCR it replaced
+(:data:`GATED_TCR_IMAGE`, kept for users who accept that risk), are in the results card, recomputed there from the
+committed rows.
 
 **Text queries (protocol v4).** The same study on the text selection split (the five character-level corruptions
 at text severity 7, clean and degenerate streams, seed 0): REST at lr 3e-4 with Nearest Neighbor Normalization on
@@ -31,14 +32,19 @@ from typing import Any
 #: lambda = 0.25, means of 100 samples) on the output scores, and the safety layer at its a-priori thresholds (it keeps
 #: a degenerate stream from dragging the model down; protocol v2's card), at the modality's default lr.
 RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
-#: Image queries: protocol v4's default study (issue 48; ``model_cards/results/protocol-v4/choices/default-study.json``)
-#: chose TCR at lr 3e-2 behind the shift gate's two-sample statistic at threshold 4 (:mod:`hf_tta.shift_gate`) with the
-#: safety layer's degenerate-batch rule (no drift rollback): on the selection split it wins back as much as the best
-#: labelled fixed-lr TCR (50.3 %) with the clean and degenerate streams exactly at the source. It needs reference
-#: queries: ``tta.fit_shift_gate(clean_queries)``; until then the source answers.
+#: The safety layer's degenerate-batch rule alone (no agreement or drift rollback).
 SAFETY_DEGENERATE_ONLY: dict[str, Any] = {"min_agreement": 0, "max_agreement_drop": 1}
-RECOMMENDED_IMAGE: dict[str, Any] = {"objective": "tcr", "lr": 3e-2, "safety": SAFETY_DEGENERATE_ONLY,
-                                     "shift_gate": {"statistic": "batch_mean", "threshold": 4.0}}
+#: Image queries: protocol v4's fourth registered round (issue 48; ``choices/default-study-r4.json``) chose REST at lr
+#: 1e-3 with DN on the scores and the whole safety layer, the only candidate not below the source on the selection
+#: split's clean, degenerate and Noto streams.
+RECOMMENDED_IMAGE: dict[str, Any] = {"objective": "rest", "lr": 1e-3, "score_transform": "dn", "safety": {}}
+#: The image default of protocol v4's first three rounds (``choices/default-study.json``): TCR at lr 3e-2 behind the
+#: shift gate's two-sample statistic at threshold 4 with the degenerate-batch rule. It wins back about twice the
+#: default's share on corruptions and keeps clean and degenerate streams exactly at the source, but harms a style
+#: shift (Noto) and some mild corruption columns; it needs ``tta.fit_shift_gate(clean_queries)``. Opt in with
+#: ``TTAConfig.recommended("image", **GATED_TCR_IMAGE)``.
+GATED_TCR_IMAGE: dict[str, Any] = {"objective": "tcr", "lr": 3e-2, "safety": SAFETY_DEGENERATE_ONLY, "score_transform": None,
+                                   "shift_gate": {"statistic": "batch_mean", "threshold": 4.0}}
 #: Text queries: protocol v4's default study chose REST at lr 3e-4 with NNN on the scores and the safety layer's
 #: degenerate-batch rule (no gate: on caption queries no gated candidate won more, ``choices/default-study.json``).
 RECOMMENDED_TEXT: dict[str, Any] = {"objective": "rest", "lr": 3e-4, "score_transform": "nnn", "safety": SAFETY_DEGENERATE_ONLY}
@@ -46,7 +52,7 @@ RECOMMENDED_TEXT: dict[str, Any] = {"objective": "rest", "lr": 3e-4, "score_tran
 #: The same presets as benchmark rows (:func:`hf_tta.benchmarks.grid.row_spec` syntax); the row ``recommended`` runs
 #: the one of the run's query modality.
 RECOMMENDED_ROW = "tcr+dn+safe"
-RECOMMENDED_IMAGE_ROW = "tcr+gate+safe@3e-2"  # with --safety and --shift_gate as RECOMMENDED_IMAGE's (RowSpec.preset)
+RECOMMENDED_IMAGE_ROW = "rest+dn+safe@1e-3"  # with --safety as RECOMMENDED_IMAGE's (RowSpec.preset)
 RECOMMENDED_TEXT_ROW = "rest+nnn+safe@3e-4"  # with --safety as RECOMMENDED_TEXT's (RowSpec.preset)
 
 

@@ -111,15 +111,15 @@ def test_row_names_parse_their_options():
         ("rest+b10@1e-3", RowSpec("rest", budget=0.1, lr=1e-3)),
         ("tcr+b12.5+nnn+safe", RowSpec("tcr", safe=True, score_transform="nnn", budget=0.125)),
         ("tcr+b100", RowSpec("tcr", budget=1.0)),
-        ("recommended", RowSpec("tcr", safe=True, gate=True, lr=3e-2, preset=True)),  # image queries' preset (v4)
-        ("recommended@3e-4", RowSpec("tcr", safe=True, gate=True, lr=3e-4, preset=True)),  # the row's own lr wins
+        ("recommended", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),  # image queries' preset (v4)
+        ("recommended@3e-4", RowSpec("rest", safe=True, score_transform="dn", lr=3e-4, preset=True)),  # the row's own lr wins
     ],
 )
 def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
     assert row_spec(row) == spec and row_spec(row).row == row
 
 
-@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("tcr", safe=True, gate=True, lr=3e-2, preset=True)),
+@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),
                                                  ("text", RowSpec("rest", safe=True, score_transform="nnn", lr=3e-4, preset=True)),
                                                  ("audio", RowSpec("tcr", safe=True, score_transform="dn", preset=True))])
 def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
@@ -135,7 +135,7 @@ def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec)
     ("row", "match"),
     [
         ("tcr+dn+nnn", r"one score transform per row; got \+dn and \+nnn"),
-        ("recommended+gate", "each at most once"),  # the image preset has +gate already
+        ("recommended+safe", "each at most once"),  # the image preset has +safe already
         ("dn+nnn", "dn is training-free"),
         ("qbnorm+b25", r"qbnorm is training-free .* \+b25 on a gradient objective"),
         ("tcr+b0", r"percent in \(0, 100\]"),
@@ -204,12 +204,12 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     noise = Condition("i2t", "gaussian_noise", 5)
     got = runner.row_config("recommended", noise, 3)
     assert got == TTAConfig.recommended("image", gallery_modality="text", seed=3)
-    # the preset's row spelling runs it with the run's --safety and --shift_gate set as the preset's (RowSpec.preset
-    # makes the row `recommended` take them from the preset whatever the run's)
+    # the preset's row spelling runs it with the run's --safety set as the preset's (RowSpec.preset makes the row
+    # `recommended` take its safety, gate and ensembling from the preset whatever the run's)
     fields = TTAConfig.recommended("image")
     preset_run = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, config_overrides={
-        "safety": fields.safety, "shift_gate": fields.shift_gate}))
-    assert got == preset_run.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and got.lr == 3e-2
+        "safety": fields.safety}))
+    assert got == preset_run.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and got.lr == 1e-3
     other = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, config_overrides={
         "safety": {"min_agreement": 0.9}, "shift_gate": {"threshold": 99.0}}))
     assert other.row_config("recommended", noise, 3) == got  # the run's settings do not reach the preset's row

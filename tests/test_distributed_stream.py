@@ -1,7 +1,7 @@
 """One stream across 2 CPU processes (gloo, spawned here) equals the single-process run on the same global batches
 (TCR and Tent, to 1e-5): query embeddings all-gathered with their gradient, gradients all-reduced and averaged, identical
 state on both processes, save from the main process and resume; a sharded gallery equals the dense top-k. With the
-safety layer (TCR + safety through a kept batch, a degenerate batch, rollbacks and a reset; the recommended preset on a
+safety layer (TCR + safety through a kept batch, a degenerate batch, rollbacks and a reset; the image presets on a
 dense and a sharded gallery) both processes take the single process's actions and end in its state, and a stream saved
 and resumed under distributed (mid-way through a run of rollbacks) continues as the uninterrupted one."""
 
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper, TuningConfig
 from hf_tta.distributed import shard_bounds
+from hf_tta.preset import GATED_TCR_IMAGE
 from support import gloo_worker
 from tiny_models import make_model
 
@@ -69,6 +70,11 @@ def _gate_reference():
     """Clean reference queries for the preset's shift gate, drawn narrower than the stream's images (std 0.5 against 1),
     so that the gate opens on the stream and the preset adapts (and its safety layer acts) on every process."""
     return {"pixel_values": 0.5 * torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(9))}
+
+
+#: The image presets run through the safety stream: TTAConfig.recommended("image") and the gated TCR of protocol v4's
+#: first rounds (hf_tta.preset.GATED_TCR_IMAGE, its gate fitted by _preset).
+PRESETS = {"recommended": TTAConfig.recommended("image"), "gated_tcr": TTAConfig.recommended("image", **GATED_TCR_IMAGE)}
 
 
 def _preset(tta):
@@ -163,14 +169,14 @@ def _safety_worker(rank: int, out_dir: str) -> None:
     save("safe", _run(tta, gallery, xs, save_after=SAVE_AFTER, save_dir=ckpt))
     resumed = DistributedTTAWrapper.from_pretrained(make_model("clip", seed=rank), ckpt)  # read on every process
     save("safe_resumed", _run(resumed, gallery, xs[SAVE_AFTER:], start=SAVE_AFTER))
-    # the recommended preset (TCR + DN + safety at its defaults) on the dense gallery and on a sharded one (24 / 16)
+    # the image presets (the default, and the gated TCR of protocol v4's first rounds) on the dense gallery and on a
+    # sharded one (24 / 16)
     xs = _safety_stream(REC_BATCH)[:4]
-    tta = _preset(DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig.recommended("image")))
-    save("recommended", _run(tta, gallery, xs))
     lo, hi = (0, 24) if rank == 0 else (24, 40)
     sharded = ShardedGallery(ChunkedGallery(gallery.embeddings[lo:hi], "text", k=5, chunk_size=8))
-    tta = _preset(DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig.recommended("image")))
-    save("recommended_sharded", _run(tta, sharded, xs))
+    for name, config in PRESETS.items():
+        save(name, _run(_preset(DistributedTTAWrapper(make_model("clip", seed=rank), config)), gallery, xs))
+        save(f"{name}_sharded", _run(_preset(DistributedTTAWrapper(make_model("clip", seed=rank), config)), sharded, xs))
     # fast_step asked for: the fast path is off and the optimiser is the unfused AdamW a reset rebuilds, from the start
     tta = DistributedTTAWrapper(make_model("clip", seed=rank), TTAConfig(objective="tcr", query_modality="image", run=RunConfig(fast_step=True)))
     fused = [any(g.get("fused") for g in tta.optimizer.param_groups)]
@@ -257,9 +263,12 @@ def _assert_ranks_equal_single(ranks, single):
 
 SAFETY_RUNS = {  # name: (config, gallery on one process, batch rows, batches, the actions taken)
     "safe": (SAFE, "dense", BATCH, 6, [None, "skip_degenerate", "rollback", "rollback", "reset", "rollback"]),
-    # the preset (TCR at 3e-2 behind its gate, which opens on this stream): the collapse rule resets the tiny model twice
-    "recommended": (TTAConfig.recommended("image"), "dense", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
-    "recommended_sharded": (TTAConfig.recommended("image"), "topk", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
+    # the default (REST + DN under the whole safety layer): the degenerate batch is skipped, the others kept
+    "recommended": (PRESETS["recommended"], "dense", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
+    "recommended_sharded": (PRESETS["recommended"], "topk", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
+    # TCR at 3e-2 behind its gate, which opens on this stream: the collapse rule resets the tiny model twice
+    "gated_tcr": (PRESETS["gated_tcr"], "dense", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
+    "gated_tcr_sharded": (PRESETS["gated_tcr"], "topk", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
 }
 
 

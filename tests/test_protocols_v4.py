@@ -90,6 +90,22 @@ def test_the_run_command_refuses_an_unregistered_study_and_runs_nothing(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_registered_image_run_of_the_old_preset_is_refused_and_runs_nothing(tmp_path, capsys):
+    """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds; once the image default is
+    another preset, running them again would file another preset's rows under the same name: refused in one line."""
+    from hf_tta.preset import recommended_row
+
+    assert recommended_row("image") != v4.REGISTERED_IMAGE_PRESET  # the fourth round's choice is the default
+    old = [r for r in v4.all_runs() if r.name.startswith("rep-i2t/streams-s3")]
+    assert old and "recommended" in old[0].args[old[0].args.index("--objectives") + 1].split(",")
+    code = v4.main(["run", "--out", str(tmp_path / "runs"), "--only", "rep-i2t/streams-s3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "would mix two presets" in err[0] and "tcr+gate+safe@3e-2" in err[0]
+    assert not (tmp_path / "runs").exists()
+    v4.check_preset(v4.Run("rep-t2i/streams-s3", "default-study", ("--objectives", "recommended")))  # text: unchanged
+    v4.check_preset(v4.Run("rep-i2t/x", "default-study", ("--objectives", "rest+dn+safe@1e-3")))  # named rows: fine
+
+
 def test_every_registered_run_is_on_its_split():
     for run in v4.all_runs():
         args = list(run.args)
@@ -204,10 +220,22 @@ def test_the_fourth_rounds_rule_needs_noto_not_below_and_ties_within_half_a_poin
     summaries = [S("r4-x/a", 0.60, {**ok, **noto_bad}, 5.0), S("r4-x/b", 0.504, {**ok, "noto": (0.0, -0.4)}, 5.0),
                  S("r4-x/c", 0.500, {**ok, "noto": (0.5, -0.1)}, 5.0)]
     prefix, required, tie = v4_choice.ROUND_RULES["default-study-r4"]
-    assert (prefix, required, tie) == ("r4-", ("clean", "degenerate", "noto"), 0.5)
+    assert (prefix, required, tie) == (("r4-",), ("clean", "degenerate", "noto"), 0.5)
+    assert v4_choice.ROUND_RULES["default-study-r5"][1:] == (required, tie)  # the fifth round: the same rule
     chosen, notes = v4_choice.choose_default(summaries, required, tie)
     assert chosen.label == "r4-x/c" and notes == ["r4-x/a: not eligible (clean bound +0.00, degenerate bound +0.00, noto bound -3.00)"]
     assert v4_choice.choose_default(summaries)[0].label == "r4-x/a"  # the first rounds' rule does not look at Noto
     assert v4_choice.choose_default([summaries[0]], required, tie) == (None, notes)
     b_only = [S("r4-x/b", 0.51, {**ok, "noto": (0.0, -0.4)}, 5.0), summaries[2]]  # 1.0 point apart: no tie
     assert v4_choice.choose_default(b_only, required, tie)[0].label == "r4-x/b"
+
+
+@pytest.mark.parametrize(("run", "studies"), [
+    ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}),
+    ("sel-i2t/r4-incumbent", {"default-study-r4"}), ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5"}),
+    ("sel-i2t/r5-gate-full", {"default-study-r5"}),
+])
+def test_each_round_reads_its_own_selection_runs(run, studies):
+    """Rounds 1-3 read every run no later round claims; round 4 its ``r4-`` runs; round 5 its ``r5-`` runs and its
+    incumbent's (round 4's choice, ``r4-previous``): a later round's rows never reach an earlier round's table."""
+    assert {s for s in v4_choice.ROUND_RULES if v4_choice.in_study(s, run)} == studies

@@ -201,9 +201,25 @@ def fourth_round_runs() -> list[Run]:
     ]
 
 
+def fifth_round_runs() -> list[Run]:
+    """``default-study-r5``: the gate with lower TCR lrs, the whole safety layer, DN, a stronger pull to the source and
+    REST at its best labelled lr, on the fourth round's selection split (with Noto); its incumbent is the fourth
+    round's choice, whose committed ``r4-previous`` rows it reads."""
+    study = "default-study-r5"
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
+    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
+    return [
+        Run("sel-i2t/r5-gate-full", study, (*sel, "--safety", "{}", *gate, *_objectives(
+            "tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2", "rest+gate+dn+safe@3e-3"))),
+        Run("sel-i2t/r5-gate-lite", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@3e-3", "tcr+gate+dn+safe@1e-2"))),
+        Run("sel-i2t/r5-gate-ens", study, (*sel, *lite, *gate, *pull, *_objectives("tcr+gate+ens+safe@1e-2"))),
+    ]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
-    return default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs()
+    return default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -222,15 +238,33 @@ def fourth_round_report_runs(choice: dict) -> list[Run]:
     if any(cfg.get(k) not in (None, {}) for k in ("safety", "shift_gate", "weight_ensemble")):
         # a run-level setting would reach every row of the run (the incumbent's too): give the chosen row a run of its own
         raise ValueError(f"default-study-r4 chose {c['default']} with run-level settings {cfg}: not supported yet.")
-    settings: list[str] = []  # the chosen row's features at their defaults (+safe: safety={})
     rows = _objectives(row, "recommended", "tcr@3e-2")
     streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/r4-headline-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *settings, *rows))
+    runs = [Run(f"rep-i2t/r4-headline-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *rows))
             for seed in R4_HEADLINE_SEEDS]
     runs += [Run(f"rep-i2t/r4-streams-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                         default_grid=True), *settings, *rows))
+                                                                         default_grid=True), *rows))
              for seed in R4_STREAM_SEEDS]
     return runs
+
+
+#: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
+#: commits): a run that names that row cannot run again once ``TTAConfig.recommended("image")`` is another preset
+#: (the fourth round's choice), or its new rows would join the old ones under the same name (:func:`check_preset`).
+REGISTERED_IMAGE_PRESET = "tcr+gate+safe@3e-2"
+
+
+def check_preset(run: Run) -> None:
+    """A one-line ``ValueError`` when ``run`` has the row ``recommended`` on image queries and the library's image
+    preset is no longer the one its registered rows ran (:data:`REGISTERED_IMAGE_PRESET`)."""
+    from ...preset import recommended_row
+
+    rows = run.args[run.args.index("--objectives") + 1].split(",") if "--objectives" in run.args else []
+    now = recommended_row("image")
+    if "-i2t/" in run.name and "recommended" in rows and now != REGISTERED_IMAGE_PRESET:
+        raise ValueError(f"{run.name}'s row `recommended` ran {REGISTERED_IMAGE_PRESET} (the default of its day); it now "
+                         f"runs {now}, so its rows would mix two presets under one name: its committed rows stand as "
+                         "they are (register a new run, naming the rows explicitly, to measure again).")
 
 
 def all_runs() -> list[Run]:
@@ -311,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"v4: no run starts with {args.only}; `list` shows them.", file=sys.stderr)
         return 2
     try:
+        for r in chosen:
+            check_preset(r)
         commits = {s: check_registered(s) for s in {r.study for r in chosen}}
         for s in {r.study for r in chosen if r.split == "report"}:
             commits[s] += " " + check_chosen(s)

@@ -29,10 +29,20 @@ RNG_SEED = 20261128
 MARGIN = 0.5
 #: Candidates within this many share points of the best are tied (the registration's rule).
 TIE = 1.0
-#: Each registered choice: the runs it reads (``r4-``: its own; ``""``: every other selection run), the streams that
-#: must be not below, and the tie width in share points (``registrations/<study>.json``).
-ROUND_RULES = {"default-study": ("", ("clean", "degenerate"), TIE),
-               "default-study-r4": ("r4-", ("clean", "degenerate", "noto"), 0.5)}
+#: Each registered choice: the selection runs it reads (their name prefixes; ``()``: every run that no later round
+#: claims), the streams that must be not below, and the tie width in share points (``registrations/<study>.json``).
+#: Round 5 reads its own runs and the fourth round's choice, its incumbent.
+ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
+               "default-study-r4": (("r4-",), ("clean", "degenerate", "noto"), 0.5),
+               "default-study-r5": (("r5-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5)}
+
+
+def in_study(study: str, run: str) -> bool:
+    """Whether the selection run ``run`` (``sel-i2t/r4-previous``) is read by ``study``'s registered choice."""
+    own = ROUND_RULES[study][0]
+    later = tuple(p for rule in ROUND_RULES.values() for p in rule[0])
+    name = run.split("/")[1]
+    return name.startswith(own) if own else not name.startswith(later)
 
 
 def load(out: Path) -> list[dict]:
@@ -203,11 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", default=None, help="add this direction's choice to a choices/<study>.json file")
     p.add_argument("--previous-preset", default=None, help="the preset row the choice replaces (recorded)")
     p.add_argument("--study", default="default-study", choices=tuple(ROUND_RULES),
-                   help="whose registered rule: default-study (rounds 1-3 together) or default-study-r4 (its own runs)")
+                   help="whose registered rule: default-study (rounds 1-3 together), default-study-r4 or -r5")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
-    prefix, required, tie = ROUND_RULES[args.study]
-    rows = [r for r in rows if r["run"].split("/")[1].startswith("r4-") == (prefix == "r4-")]
+    _, required, tie = ROUND_RULES[args.study]
+    rows = [r for r in rows if in_study(args.study, r["run"])]
     summaries = summarise(rows, args.direction)
     print(table(summaries))
     chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie)

@@ -31,11 +31,17 @@ from pathlib import Path
 import numpy as np
 
 from ..verdicts import compare, round_figure, seed_bound, shares
-from .v4_choice import ROUND_RULES, STREAMS, choose_default, choose_lr, hits, load
+from .v4_choice import ROUND_RULES, STREAMS, choose_default, choose_lr, hits, in_study, load
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
-PARTS = ("selection", "r4", "r4streams", "headline", "streams", "main", "v3verdicts")
+#: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
+#: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
+#: :data:`.v4.REGISTERED_IMAGE_PRESET`), and the fourth round's choice, now ``TTAConfig.recommended("image")``, ran
+#: under its own row name.
+IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
+                   "rest+dn+safe@1e-3": "recommended: rest+dn+safe@1e-3"}
+PARTS = ("selection", "r4", "r4streams", "r5", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -85,7 +91,7 @@ def _report(rows: list[dict], direction: str, runs: str) -> tuple[dict, dict]:
                 raise ValueError(f"two source rows of {key} differ in their hits.")
             src[key] = r
         else:
-            by[r["objective"]][key] = r
+            by[IMAGE_ROW_NAMES.get(r["objective"], r["objective"]) if direction == "i2t" else r["objective"]][key] = r
     return src, by
 
 
@@ -192,9 +198,8 @@ def shift_specific(rows: list[dict], direction: str = "t2i") -> str:
 def selection(rows: list[dict], direction: str, study: str = "default-study") -> str:
     """The selection table of ``study`` and the choice its registered rule gives (:data:`.v4_choice.ROUND_RULES`:
     default-study's every round with the comparators, or default-study-r4's own runs with their Noto stream)."""
-    prefix, required, tie = ROUND_RULES[study]
-    sel = summarise_selection([r for r in rows if r["split"] == "selection"
-                               and r["run"].split("/")[1].startswith("r4-") == (prefix == "r4-")], direction)
+    _, required, tie = ROUND_RULES[study]
+    sel = summarise_selection([r for r in rows if r["split"] == "selection" and in_study(study, r["run"])], direction)
     lines = ["| candidate (run/row) | share | " + " | ".join(f"{st} Δ [bound]" for st in required)
              + " | passes per query | eligible |", "|---|---:|" + "---:|" * (len(required) + 1) + "---|"]
     for s in sorted(sel, key=lambda x: (x.label.startswith("comparators/"), -x.share)):
@@ -223,7 +228,7 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     clean = 100 * hits(src[(("clean", None), seed)]).mean()
     lines.append(f"| source | {round_figure(clean)} | " + " | ".join(round_figure(100 * hits(src[k]).mean()) for k in grid)
                  + " | – | – | – |")
-    for name in ("recommended", *sorted(n for n in by if n != "recommended")):
+    for name in sorted(by, key=lambda n: (not n.startswith("recommended"), n)):  # the default first
         row = by.get(name, {})
         if not all(k in row for k in keys):
             continue
@@ -275,6 +280,8 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return selection(rows, direction, "default-study-r4")
     if part == "r4streams":  # its report streams, on its new seeds
         return streams(rows, direction, "r4-streams")
+    if part == "r5":  # default-study-r5's selection table and choice (its runs and its incumbent's)
+        return selection(rows, direction, "default-study-r5")
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
