@@ -104,18 +104,27 @@ class SearchResult:
     gallery_version: int | None
 
 
-def state_fingerprint(wrapper: TTAWrapper | AdapterState) -> str:
-    """A short sha256 of the adapted tensors (of a wrapper, for a routed one every domain's; or of a captured state),
-    to tell states apart in logs."""
+def _digest(groups: list[tuple[str, Mapping[str, torch.Tensor]]]) -> str:
     h = hashlib.sha256()
-    groups = [("", dict(wrapper.params) if isinstance(wrapper, AdapterState) else dict(wrapper.named_optimized_parameters()))]
-    if isinstance(wrapper, RoutedTTAWrapper):
-        groups += [(str(key), wrapper.domain_parameters(key)) for key in wrapper.domain_keys]
     for prefix, tensors in groups:
         for name in sorted(tensors):
             h.update(f"{prefix}/{name}".encode())
             h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def state_fingerprint(wrapper: TTAWrapper) -> str:
+    """A short sha256 of a wrapper's adapted tensors (for a routed one, every domain's too), to tell states apart in
+    logs; equal to :func:`captured_fingerprint` of the state captured from a plain wrapper."""
+    groups = [("", dict(wrapper.named_optimized_parameters()))]
+    if isinstance(wrapper, RoutedTTAWrapper):
+        groups += [(str(key), wrapper.domain_parameters(key)) for key in wrapper.domain_keys]
+    return _digest(groups)
+
+
+def captured_fingerprint(state: AdapterState) -> str:
+    """:func:`state_fingerprint` of a captured :class:`~hf_tta.state.AdapterState` (its parameters)."""
+    return _digest([("", dict(state.params))])
 
 
 class OnlineRetriever:
@@ -348,7 +357,7 @@ class OnlineRetriever:
             reader = frozen_copy(self.wrapper)
             return Published(version, None, state_fingerprint(reader), counts, reader, threading.Lock())
         state = ReaderPool.capture(self.wrapper)
-        return Published(version, state, state_fingerprint(state), counts)
+        return Published(version, state, captured_fingerprint(state), counts)
 
     def _run(self) -> None:
         if self.worker_nice:
@@ -437,4 +446,4 @@ class OnlineRetriever:
         self.close()
 
 
-__all__: Sequence[str] = ["OnlineRetriever", "Published", "SearchResult", "frozen_copy", "state_fingerprint"]
+__all__: Sequence[str] = ["OnlineRetriever", "Published", "SearchResult", "captured_fingerprint", "frozen_copy", "state_fingerprint"]

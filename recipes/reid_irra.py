@@ -85,9 +85,9 @@ def main(argv=None) -> int:
 
     from hf_tta.benchmarks import GridRunner, RunSettings
     from hf_tta.benchmarks.grid import build_grid
+    from hf_tta.benchmarks.hub_task import HubTask
     from hf_tta.benchmarks.outputs import write_outputs
     from hf_tta.benchmarks.report import build_tables, format_table
-    from hf_tta.benchmarks.tasks import HubTask
     from hf_tta.data.builders.loading import built_spec
 
     spec = built_spec(args.dataset)

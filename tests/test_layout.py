@@ -108,10 +108,10 @@ def test_the_core_never_imports_data_benchmarks_or_cli():
 
 
 def test_modules_stay_small():
-    """One idea per module: the wrapper at most 500 lines, no module over 600."""
+    """One idea per module: every module under 500 lines (the developers' guide; before: 600, and the benchmark's
+    task module had grown to 516 with the Hub tasks in it)."""
     sizes = {_module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.rglob("*.py")}
-    assert sizes["hf_tta.wrapper"] <= 500
-    assert not {m: n for m, n in sizes.items() if n > 600}
+    assert not {m: n for m, n in sizes.items() if n >= 500}
 
 
 # ------------------------------------------------------------------------------------- time to first output (issue 36, item 8)

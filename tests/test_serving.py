@@ -16,7 +16,7 @@ from hf_tta import RunConfig, TTAConfig, TTAWrapper
 from hf_tta.gallery import ChunkedGallery, FaissGallery, GalleryCache, ShardedGallery
 from hf_tta.gallery.live import LiveGallery
 from hf_tta.routing import RoutedTTAWrapper
-from hf_tta.serving import OnlineRetriever, frozen_copy, state_fingerprint
+from hf_tta.serving import OnlineRetriever, captured_fingerprint, frozen_copy, state_fingerprint
 from hf_tta.state import ALL, AdapterState
 from support import QUIET, dense_gallery, image_stream
 from tiny_models import batch, make_model
@@ -110,6 +110,9 @@ def test_frozen_copy_shares_frozen_tensors_and_answers_alike():
     before = state_fingerprint(copy_)
     tta.adapt_step(batch("image", B, 2), gallery)  # the copy is not touched by later adaptation
     assert state_fingerprint(copy_) == before != state_fingerprint(tta)
+    # a captured state's fingerprint is its wrapper's (the published versions log either)
+    assert captured_fingerprint(AdapterState.capture(tta, ALL)) == state_fingerprint(tta)
+    assert captured_fingerprint(AdapterState.capture(copy_, ALL)) == before
 
 
 def _scores(online, published, queries, gallery):

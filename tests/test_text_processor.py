@@ -67,7 +67,7 @@ def test_no_tokenizer_to_check(word_tokenizer):
 
 def test_benchmark_loading_refuses_it(folder_without_tokenizer, tmp_path):
     from cli_folders import save_benchmark
-    from hf_tta.benchmarks.tasks import HubTask
+    from hf_tta.benchmarks.hub_task import HubTask
 
     with pytest.raises(ValueError, match="same ids"):
         HubTask(str(folder_without_tokenizer), save_benchmark(tmp_path / "data"))
@@ -124,7 +124,7 @@ def _blip_processor(tokenizer):
 def test_a_domain_tokenizer_covering_the_gallerys_captions_is_accepted(domain_tokenizer, tmp_path):
     """Before: the check probed fixed English captions, which this tokenizer maps to [UNK]s, and refused it."""
     from cli_folders import save_benchmark
-    from hf_tta.benchmarks.tasks import HubTask
+    from hf_tta.benchmarks.hub_task import HubTask
 
     assert len(domain_tokenizer) == 200
     with pytest.raises(ValueError, match="same ids"):  # the fixed English probe collides: what the old check saw
@@ -138,7 +138,7 @@ def test_a_domain_tokenizer_covering_the_gallerys_captions_is_accepted(domain_to
 
 def test_distinct_captions_of_this_gallery_colliding_are_refused_in_one_line(domain_tokenizer, tmp_path):
     from cli_folders import save_benchmark
-    from hf_tta.benchmarks.tasks import HubTask
+    from hf_tta.benchmarks.hub_task import HubTask
 
     captions = _domain_captions()
     captions[5][1] = "a histology slide"  # English: three [UNK]s ...

@@ -35,6 +35,7 @@ from .grid import (
     image_corruption_names,
     offline_text_corruptions,
 )
+from .hub_task import AVTask, HubTask
 from .main_table import format_main_table, main_tables
 from .outputs import draw_plots, format_main_tables, write_outputs
 from .report import build_tables, format_table, merge_rows, summarize
@@ -46,7 +47,7 @@ from .source_model import (
     preprocess_images,
     tokenize,
 )
-from .tasks import AVTask, EmojiTask, HubTask, Task
+from .tasks import EmojiTask, Task
 
 __all__ = [
     "AV_DIRECTIONS",

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from .grid import Condition
-from .tasks import HeadSequence, HubTask
+from .hub_task import HubTask
+from .tasks import HeadSequence
 
 
 class ComposedTask(HubTask):

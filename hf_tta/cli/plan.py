@@ -78,7 +78,8 @@ def resolve_composed_grid(args) -> tuple[list, dict]:
 
 
 def make_task(args):
-    from ..benchmarks.tasks import AVTask, EmojiTask, HubTask
+    from ..benchmarks.hub_task import AVTask, HubTask
+    from ..benchmarks.tasks import EmojiTask
 
     if _composed(args):
         from ..benchmarks.composed_task import ComposedTask
@@ -382,7 +383,7 @@ def _built_jobs(args, task, jobs: list, notes: dict) -> list:
     """The jobs whose config a local built dataset has (a real-world set holds only ``clean``); the others are left
     out with a note, and none left is a :class:`UsageError` naming the configs there."""
     from ..benchmarks.composed_task import ComposedTask
-    from ..benchmarks.tasks import AVTask, HubTask
+    from ..benchmarks.hub_task import AVTask, HubTask
     from ..data.builders.base import built_configs
 
     if not isinstance(task, HubTask) or isinstance(task, (AVTask, ComposedTask)) or not Path(str(args.dataset)).is_dir():
@@ -475,7 +476,7 @@ def check_dataset_configs(args, jobs) -> None:
     folder = Path(args.dataset).expanduser()
     if not folder.is_dir():
         return
-    from ..benchmarks.tasks import image_text_config
+    from ..benchmarks.hub_task import image_text_config
     from ..data.builders.base import built_configs
 
     have = set(built_configs(folder))
