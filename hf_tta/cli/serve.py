@@ -76,6 +76,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         max_tenants=args.max_tenants, adapt=args.adapt, batch_size=args.batch_size, min_batch=args.min_batch,
         max_wait=args.max_wait, queue_capacity=args.queue_capacity, checkpoint_every=args.checkpoint_every,
         worker_nice=args.worker_nice, max_state_lag=args.max_state_lag, limits=limits,
+        adapt_yield=None if args.adapt_yield < 0 else args.adapt_yield,
         token=load_token(file=args.token_file), search_needs_token=args.search_needs_token, store=args.store,
     )
 
@@ -105,6 +106,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="tenants with their own adapted state; 'default' (requests without X-Tenant) counts once used")
     p.add_argument("--worker-nice", type=int, default=10, help="nice increment of the adapting process (0: none)")
     p.add_argument("--max-state-lag", type=float, default=120.0, help="readiness fails when queued work waited longer (s)")
+    p.add_argument("--adapt-yield", type=int, default=2,
+                   help="adaptation holds its batches while more searches than this are in flight (-1: never holds)")
     p.add_argument("--max-body-mb", type=float, default=8.0)
     p.add_argument("--max-pixels", type=int, default=4096 * 4096)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per answer (503 past it)")

@@ -9,6 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .worker import SKIPPED
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -34,9 +36,13 @@ class ServiceMetrics:
         self.worker_up = Gauge("hf_tta_worker_up", "1 when the adapting worker is alive", registry=r)
         self.worker_restarts = Gauge("hf_tta_worker_restarts", "Times the adapting worker was restarted", registry=r)
         self.paused = Gauge("hf_tta_adaptation_paused", "1 while adaptation is paused", registry=r)
+        self.yielding = Gauge("hf_tta_adaptation_yielding", "1 while adaptation holds its batches: the answer path is behind", registry=r)
+        self.yields = Gauge("hf_tta_adaptation_yields", "Times adaptation began holding its batches for the answer path", registry=r)
 
     def on_done(self, tenant: str, n: int, action: str | None, error: str | None) -> None:
-        """A batch came back from the worker."""
+        """A batch came back from the worker (one skipped at stop was not adapted on: the supervisor counts it)."""
+        if action == SKIPPED:
+            return
         if error:
             self.batch_errors.labels(tenant).inc()
             return
@@ -58,6 +64,8 @@ class ServiceMetrics:
         self.worker_up.set(1 if sup is not None and sup.alive() else 0)
         self.worker_restarts.set(sup.restart_count if sup is not None else 0)
         self.paused.set(1 if sup is not None and sup.paused else 0)
+        self.yielding.set(1 if sup is not None and sup.yielding() else 0)
+        self.yields.set(sup.counters["yields"] if sup is not None else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -73,6 +73,7 @@ class ServiceConfig:
     max_state_lag: float = 120.0  # readiness fails when queued adaptation work waited longer than this (s)
     heartbeat_timeout: float = 15.0
     admin_timeout: float = 30.0  # an admin command still queued after this is answered 202 (accepted, runs later)
+    adapt_yield: int | None = 2  # adaptation holds its batches while more searches than this are in flight (None: never)
     max_restarts: int = 3
     limits: Limits = field(default_factory=Limits)
     token: str | None = None
@@ -88,6 +89,8 @@ class ServiceConfig:
             raise ValueError(f"max_tenants={self.max_tenants!r}: pass a positive integer.")
         if self.store is not None and not self.store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"store={self.store!r}: pass a redis:// URL (or leave it unset for shared memory).")
+        if self.adapt_yield is not None and (not isinstance(self.adapt_yield, int) or self.adapt_yield < 0):
+            raise ValueError(f"adapt_yield={self.adapt_yield!r}: pass a number of searches in flight >= 0, or None.")
         if not self.adapt and self.store is None:
             return
         AdaptQueue(self.queue_capacity, self.batch_size, self.min_batch, self.max_wait)  # validates those four
@@ -111,6 +114,8 @@ class Service:
         self._save_lock = threading.Lock()
         self._tenants_lock = threading.Lock()
         self._accepted: set[str] = set()  # tenants with a query queued by this process (in flight ones count)
+        self._answering = 0  # searches in flight (adaptation yields past cfg.adapt_yield)
+        self._answering_lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -134,8 +139,9 @@ class Service:
                 str(self.state_dir / CHECKPOINT_FILE) if self.state_dir else None,
                 cfg.checkpoint_every, cfg.worker_nice, cfg.worker_threads,
             )
+            behind = None if cfg.adapt_yield is None else self.answer_path_behind
             self.supervisor = Supervisor(spec, self.queue, self._versions, cfg.max_restarts,
-                                         on_done=self.metrics.on_done)
+                                         on_done=self.metrics.on_done, behind=behind)
             self.supervisor.set_gallery(self.gallery.snapshot().cache.embeddings.numpy())
             self.supervisor.start()
         self.answerer.start()
@@ -278,8 +284,21 @@ class Service:
                              "request without X-Tenant used it): raise --max-tenants or reuse a tenant", 403)
         return key
 
+    def answer_path_behind(self) -> bool:
+        """Whether more searches than ``adapt_yield`` are in flight (adaptation then holds its batches back)."""
+        return self.cfg.adapt_yield is not None and self._answering > self.cfg.adapt_yield
+
     def search(self, image: Any, text: Any, k: int, header: str | None) -> dict[str, Any]:
         """One query: answered now from the tenant's current state, queued for adaptation when it may be."""
+        with self._answering_lock:
+            self._answering += 1
+        try:
+            return self._search(image, text, k, header)
+        finally:
+            with self._answering_lock:
+                self._answering -= 1
+
+    def _search(self, image: Any, text: Any, k: int, header: str | None) -> dict[str, Any]:
         if not isinstance(k, int) or not 1 <= k <= self.cfg.limits.max_k:
             raise InputError(f"k must be an integer in [1, {self.cfg.limits.max_k}]", 422)
         tenant = self.tenant(header)
@@ -376,7 +395,7 @@ class Service:
                 problems.append("the adapting worker is starting")
             elif self.answerer is not None and (late := heartbeat_problem(now, self.answerer.heartbeat, self.cfg.heartbeat_timeout)):
                 problems.append(late)
-            if not sup.paused:
+            if not sup.paused and not sup.yielding():  # yielding to answers: a lagging state is the policy
                 waits = self.queue.oldest_wait()
                 depth = self.queue.depth()
                 lagging = {t: w for t, w in waits.items() if w > self.cfg.max_state_lag and depth.get(t, 0) >= self.cfg.min_batch}

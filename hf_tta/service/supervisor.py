@@ -2,6 +2,11 @@
 :class:`~hf_tta.service.batcher.AdaptQueue`, collects its reports, restarts it when it dies, and relays admin commands.
 
 One batch is in flight at a time, so the work owed to adaptation is bounded by the queue's capacity plus one batch.
+**Adaptation yields to answering**: while ``behind()`` says the answer path is behind (more searches in flight than
+the service's ``adapt_yield``), no batch is sent; the queue stays bounded (its oldest queries are dropped from
+adaptation, counted), ``counters["yields"]`` counts the holds and :meth:`Supervisor.yielding` tells readiness that a
+lagging state is a choice, not a stuck worker. On :meth:`Supervisor.stop` the worker skips any batch still queued for
+it (it was answered; it is dropped from adaptation) and saves.
 A worker that dies (killed, out of memory) is restarted from the last checkpoint (or the source state without a state
 directory), its versions going on from the last published one, up to ``max_restarts`` times in ``restart_window``
 seconds; past that it stays down, which readiness reports (503) and the log says, while answers go on from the last
@@ -23,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .batcher import AdaptQueue
-from .worker import WorkerSpec, worker_main
+from .worker import SKIPPED, WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +38,13 @@ class Supervisor:
     from it)."""
 
     def __init__(self, spec: WorkerSpec, queue: AdaptQueue, last_version: Callable[[], tuple[int, dict[str, int]]], max_restarts: int = 3,
-                 restart_window: float = 600.0, on_done: Callable[..., None] | None = None):
-        self.spec, self.queue, self.last_version = spec, queue, last_version
+                 restart_window: float = 600.0, on_done: Callable[..., None] | None = None,
+                 behind: Callable[[], bool] | None = None):
+        self.spec, self.queue, self.last_version, self.behind = spec, queue, last_version, behind
         self.max_restarts, self.restart_window, self.on_done = max_restarts, restart_window, on_done
         self.ctx = mp.get_context("spawn")
+        self.stopping = self.ctx.Event()  # set on stop: the worker skips the batches still queued for it
+        self._yielding_since: float | None = None
         self.proc: Any = None
         self.tasks: Any = None
         self.results: Any = None
@@ -53,7 +61,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._gallery: np.ndarray | None = None
         self._threads: list[threading.Thread] = []
-        self.counters: dict[str, Any] = {"batches_done": 0, "batch_errors": 0, "last_error": None}
+        self.counters: dict[str, Any] = {"batches_done": 0, "batch_errors": 0, "last_error": None, "yields": 0,
+                                         "skipped_at_stop": 0}
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self, wait: float = 120.0) -> None:
@@ -70,7 +79,7 @@ class Supervisor:
         self.tasks, self.results = self.ctx.Queue(), self.ctx.Queue()
         if self._gallery is not None:
             self.tasks.put(("gallery", self._gallery))
-        self.proc = self.ctx.Process(target=worker_main, args=(spec, self.tasks, self.results), name="hf_tta-adapt", daemon=True)
+        self.proc = self.ctx.Process(target=worker_main, args=(spec, self.tasks, self.results, self.stopping), name="hf_tta-adapt", daemon=True)
         self.proc.start()
         with self._cv:
             self._inflight = None
@@ -82,6 +91,7 @@ class Supervisor:
     def stop(self, timeout: float = 60.0) -> None:
         """Ask the worker to save and exit; terminate it after ``timeout``."""
         self._stop.set()
+        self.stopping.set()
         with self._cv:
             self._cv.notify_all()
         if self.alive():
@@ -114,12 +124,30 @@ class Supervisor:
     def inflight(self) -> bool:
         return self._inflight is not None
 
+    def yielding(self) -> bool:
+        """Whether adaptation is holding its batches back because the answer path is behind (see the module)."""
+        return self._yielding_since is not None
+
+    def _behind(self) -> bool:
+        if self.behind is None or not self.behind():
+            self._yielding_since = None
+            return False
+        if self._yielding_since is None:
+            self._yielding_since = time.monotonic()
+            self.counters["yields"] += 1
+            logger.debug("Adaptation yields: the answer path is behind.")
+        return True
+
     def _dispatch(self) -> None:
         while not self._stop.is_set():
             with self._cv:
                 if self.paused or self._inflight is not None or not self.started.is_set():
                     self._cv.wait(0.1)
                     continue
+            if self._behind():
+                with self._cv:
+                    self._cv.wait(0.02)
+                continue
             batch = self.queue.take()
             if batch is None:
                 with self._cv:
@@ -140,7 +168,7 @@ class Supervisor:
                 self.started.set()
             elif msg[0] == "done":
                 _, batch_id, tenant, n, action, error = msg
-                self.counters["batches_done"] += 1
+                self.counters["batches_done" if action != SKIPPED else "skipped_at_stop"] += 1
                 if error:
                     self.counters["batch_errors"] += 1
                     self.counters["last_error"] = error

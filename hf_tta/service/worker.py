@@ -21,6 +21,9 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
+#: The action a ``done`` reply names for a batch the worker skipped because it is stopping (answered, not adapted on).
+SKIPPED = "skipped_at_stop"
+
 
 @dataclass
 class WorkerSpec:
@@ -155,8 +158,10 @@ class Worker:
             self.save()
 
 
-def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
-    """The process's entry point (see :mod:`hf_tta.service.worker`)."""
+def worker_main(spec: WorkerSpec, tasks: Any, results: Any, stopping: Any = None) -> None:
+    """The process's entry point (see :mod:`hf_tta.service.worker`). ``stopping`` (an event the supervisor sets on
+    stop): a batch still queued then is skipped (replied ``done`` with action :data:`SKIPPED`), so a stop waits for at
+    most the batch being adapted, then saves."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s [worker] %(levelname)s %(message)s")
     stop = {"flag": False}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us in order
@@ -188,6 +193,10 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
             if msg is not None:
                 if msg[0] == "stop":
                     break
+                if msg[0] == "adapt" and stopping is not None and stopping.is_set():
+                    logger.info("Worker: stopping; batch %s of tenant %r skipped (answered, not adapted on).", msg[1], msg[2])
+                    results.put(("done", msg[1], msg[2], 0, SKIPPED, None))
+                    continue
                 reply = worker.handle(msg)
                 if reply is not None:
                     results.put(reply)
@@ -202,4 +211,4 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
         channel.close()
 
 
-__all__ = ["Worker", "WorkerSpec", "open_channel", "worker_main"]
+__all__ = ["SKIPPED", "Worker", "WorkerSpec", "open_channel", "worker_main"]
