@@ -233,13 +233,14 @@ def test_re_run_rows_equal_their_committed_counterparts(study):
 
 
 def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
-    """hf_tta/preset.py quotes one figure (the image default's selection share); it is the committed rows' (before: a
-    text figure the cards had replaced stayed there)."""
+    """hf_tta/preset.py quotes the image default's selection share and that of the gated TCR it replaced; they are the
+    committed rows' (before: a text figure the cards had replaced stayed there)."""
     from hf_tta.benchmarks.protocols.v4_tables import summarise
 
     source = (CARDS.parent / "hf_tta" / "preset.py").read_text()
     quoted = re.findall(r"(\d+\.\d) %", source)
-    assert quoted == ["50.3"], quoted  # a new figure there needs a check here
-    block = summarise(CARDS / "results" / "protocol-v4" / "rows.jsonl", "i2t", "selection")
-    line = next(x for x in block.splitlines() if x.startswith("| r3-mean4/tcr+gate+safe@3e-2 |"))
-    assert line.split("|")[2].strip() == f"{quoted[0]} %"
+    assert len(quoted) == 2, quoted  # a new figure there needs a check here
+    block = summarise(CARDS / "results" / "protocol-v4" / "rows.jsonl", "i2t", "r4")
+    for figure, row in zip(quoted, ("| r4-previous/rest+dn+safe@1e-3 |", "| r4-incumbent/tcr+gate+safe@3e-2 |")):
+        line = next(x for x in block.splitlines() if x.startswith(row))
+        assert line.split("|")[2].strip() == f"{figure} %", (row, figure)
