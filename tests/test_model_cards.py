@@ -244,3 +244,32 @@ def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
     for figure, row in zip(quoted, ("| r4-previous/rest+dn+safe@1e-3 |", "| r4-incumbent/tcr+gate+safe@3e-2 |")):
         line = next(x for x in block.splitlines() if x.startswith(row))
         assert line.split("|")[2].strip() == f"{figure} %", (row, figure)
+
+
+def _v3_tables() -> str:
+    from hf_tta.benchmarks.protocols import v3_summary
+
+    rows = CARDS / "results" / "protocol-v3" / "rows.jsonl"
+    return v3_summary.summarise(rows, "i2t") + "\n" + v3_summary.summarise(rows, "t2i")
+
+
+def _v2_tables() -> str:
+    """The v2 card's tables (each recomputed from its rows by the tests above)."""
+    return "\n".join(line for line in (CARDS / "emoji-benchmark-results-v2.md").read_text().splitlines() if line.startswith("|"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("section, end, tables", [("## Protocol v3", "## Protocol v2", _v3_tables), ("## Protocol v2", None, _v2_tables)],
+                         ids=["v3", "v2"])
+def test_every_figure_of_the_options_cards_prose_is_printed_from_rows(section, end, tables):
+    """Issue 50: each figure the options card's prose quotes (a number with a decimal point or a per cent sign) is
+    printed by the tables of the committed rows it summarises: protocol v3's summary, or the v2 card's recomputed
+    tables. Before, derived ratios (83.5 % of a ceiling, 1.39x) and levels read off logs stood there unchecked."""
+    text = (CARDS / "options.md").read_text()
+    prose = text[text.index(section): text.index(end) if end else None]
+    printed = tables().replace(" %", "%")
+    quoted = [f.strip() for f in FIGURE.findall(re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+", "", prose))
+              if "." in f or "%" in f]
+    assert len(quoted) > 40
+    missing = [f for f in quoted if f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    assert not missing, f"options.md {section}: figures printed by no table of its rows: {missing}"
