@@ -16,6 +16,16 @@ blocks / queries answered), the dropped share (the bounded queue's drops), the p
 (p50 / p95 over the answers with an adapted state) and R@1; the on/off ratios; one row per request (``--rows``).
 
     python recipes/serve_loadtest.py --rates 20 40 --requests 400 --rounds 4 --rows loadtest.csv
+
+**Capacity** (``--capacity-p99-ms B``, issue 49): each service alone (the other idle) climbs the ascending ``--rates``
+ladder, ``--requests`` requests per rate (at least 2,000 for a p99 worth reading), and stops at the first rate whose
+p99 exceeds ``B`` ms or that loses a request; its capacity is the highest rate it sustained (:func:`capacity`). The
+ladder runs ``--repeats`` times (services in alternating order), each cell with the machine's load average; then both
+services answer at half the no-adapt service's median capacity, for the p99 ratio there. One row per request
+(``--rows``) and one per cell (``--cells``) recompute every figure.
+
+    python recipes/serve_loadtest.py --capacity-p99-ms 250 --rates 15 20 25 30 35 --requests 2000 --repeats 3 \
+        --rows capacity.csv --cells capacity-cells.csv
 """
 
 from __future__ import annotations
@@ -129,6 +139,72 @@ def summarise(rows: list[dict], captions_of: list[list[int]]) -> dict:
             "r1": 100 * float(np.mean(hits)) if hits else float("nan")}
 
 
+def capacity(cells: list[dict], bound_ms: float) -> float:
+    """The highest rate of an ascending ladder of ``cells`` (``rate``, ``p99`` ms, ``errors``) that every rate up to
+    it sustained (p99 at most ``bound_ms``, no request lost); 0 when the first rate fails."""
+    best = 0.0
+    for cell in sorted(cells, key=lambda c: c["rate"]):
+        if cell["errors"] or not cell["p99"] <= bound_ms:
+            break
+        best = cell["rate"]
+    return best
+
+
+def capacity_run(args, services, procs, clients, payloads, order, captions_of, deadline) -> list[dict]:
+    """The capacity ladder of every service, ``args.repeats`` times, then both at half the no-adapt capacity; one
+    summary per cell (with the load average at its end), the request rows in ``args.request_rows``."""
+    cells: list[dict] = []
+    used = 0
+
+    def cell(label: str, port: int, rate: float, repeat: int, kind: str) -> dict:
+        nonlocal used
+        part = order[used : used + args.requests]
+        used += args.requests
+        got = run_open_loop(port, payloads, part, rate, args.concurrency, deadline)
+        args.request_rows += [{**x, "service": label, "rate": rate} for x in got]
+        if label == "adaptation on":
+            wait_drained(clients[label], deadline)
+        out = {"kind": kind, "repeat": repeat, "service": label, "rate": rate, "load1": os.getloadavg()[0],
+               **summarise(got, captions_of)}
+        cells.append(out)
+        return out
+
+    for repeat in range(args.repeats):
+        labels = list(services) if repeat % 2 == 0 else list(reversed(services))
+        for label in labels:
+            for rate in sorted(args.rates):
+                c = cell(label, services[label][1], rate, repeat, "ladder")
+                if c["errors"] or not c["p99"] <= args.capacity_p99_ms:
+                    break
+    caps = [capacity([c for c in cells if c["kind"] == "ladder" and c["repeat"] == r and c["service"] == "adaptation off"],
+                     args.capacity_p99_ms) for r in range(args.repeats)]
+    half = float(np.median(caps)) / 2
+    if half > 0:
+        for label in services:
+            cell(label, services[label][1], half, 0, "half")
+    return cells
+
+
+def print_capacity(cells: list[dict], bound_ms: float, repeats: int) -> None:
+    print(f"capacity: the highest rate with p99 <= {bound_ms:g} ms and no request lost, each ladder alone")
+    print("| service | capacity per repeat (req/s) | median | load average during the ladders |")
+    print("|---|---|---|---|")
+    med = {}
+    for label in ("adaptation on", "adaptation off"):
+        ladders = [[c for c in cells if c["kind"] == "ladder" and c["repeat"] == r and c["service"] == label] for r in range(repeats)]
+        caps = [capacity(cs, bound_ms) for cs in ladders]
+        med[label] = float(np.median(caps))
+        loads = [c["load1"] for cs in ladders for c in cs]
+        print(f"| {label} | {', '.join(f'{c:g}' for c in caps)} | {med[label]:g} | {min(loads):.1f}-{max(loads):.1f} |")
+    if med["adaptation off"] > 0:
+        print(f"capacity ratio on/off: {med['adaptation on'] / med['adaptation off']:.2f}")
+    half = {c["service"]: c for c in cells if c["kind"] == "half"}
+    if len(half) == 2:
+        a, b = half["adaptation on"], half["adaptation off"]
+        print(f"at half the no-adapt capacity ({a['rate']:g}/s): p50 {a['p50'] / b['p50']:.2f}x, p95 {a['p95'] / b['p95']:.2f}x, "
+              f"p99 {a['p99'] / b['p99']:.2f}x (adaptation on / off)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rates", type=float, nargs="+", default=[20.0, 40.0], help="requests/s, open loop")
@@ -143,7 +219,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-seconds", type=float, default=1800, help="deadline of the whole run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", default=None, help="CSV of one row per request")
+    p.add_argument("--capacity-p99-ms", type=float, default=None, help="capacity mode: the p99 bound (ms) of a sustained rate")
+    p.add_argument("--repeats", type=int, default=3, help="capacity mode: ladders per service")
+    p.add_argument("--cells", default=None, help="capacity mode: CSV of one row per cell")
     args = p.parse_args(argv)
+    if args.capacity_p99_ms is not None and (args.capacity_p99_ms <= 0 or args.repeats < 1):
+        p.error("--capacity-p99-ms must be positive and --repeats at least 1")
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.requests or min(args.rates) <= 0:
         p.error("--requests, --concurrency and --rates must be positive, --warmup >= 0, 1 <= --rounds <= --requests")
     import httpx
@@ -155,7 +236,8 @@ def main(argv=None) -> None:
     bench = load_emoji_benchmark()
     images = query_images(bench, args.shift, args.severity, input_side=weights_input_side(), seed=args.seed)
     rng = np.random.default_rng(args.seed)
-    need = args.warmup + args.requests * len(args.rates)
+    cells_max = len(args.rates) if args.capacity_p99_ms is None else 2 * len(args.rates) * args.repeats + 2
+    need = args.warmup + args.requests * cells_max
     order = np.concatenate([rng.permutation(len(images)) for _ in range(-(-need // len(images)))])
     warm, order = order[: args.warmup], order[args.warmup : need]
     payloads = {int(q): encode_png(images[q]) for q in np.unique(np.concatenate([warm, order]))}
@@ -171,7 +253,10 @@ def main(argv=None) -> None:
             run_open_loop(port, payloads, warm, max(args.rates), args.concurrency, deadline)
         on = clients["adaptation on"]
         wait_drained(on, deadline)
-        for r, rate in enumerate(args.rates):
+        if args.capacity_p99_ms is not None:
+            args.request_rows = rows
+            cells = capacity_run(args, services, procs, clients, payloads, order, bench.image_to_captions, deadline)
+        for r, rate in enumerate(args.rates if args.capacity_p99_ms is None else []):
             part = order[r * args.requests : (r + 1) * args.requests]
             adapted0, dropped0 = adapted_queries(on)
             for block in np.array_split(np.arange(len(part)), args.rounds):
@@ -190,6 +275,14 @@ def main(argv=None) -> None:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    if args.capacity_p99_ms is not None:
+        print_capacity(cells, args.capacity_p99_ms, args.repeats)
+        if args.cells:
+            with open(args.cells, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=list(cells[0]))
+                writer.writeheader()
+                writer.writerows(cells)
+        args.rates = []
     print(f"open loop, {args.requests} requests per service and rate in {args.rounds} alternating blocks, {args.shift} "
           f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}")
     print("| rate/s | service | answered | errors | p50 ms | p95 ms | p99 ms | adapted share | dropped | state age p50/p95 s | R@1 |")

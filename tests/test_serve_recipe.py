@@ -59,3 +59,15 @@ def test_loadtest_summary_by_hand():
     assert s["n"] == 3 and s["errors"] == 1 and s["p50"] == 20.0
     assert abs(s["p99"] - (20 + 0.98 * 10)) < 1e-9 and abs(s["p95"] - (20 + 0.9 * 10)) < 1e-9  # linear interpolation
     assert s["age50"] == 2.0 and abs(s["r1"] - 100 / 3) < 1e-9  # ages of the adapted answers only; one hit of three
+
+
+@pytest.mark.parametrize(("cells", "expected"), [
+    ([(15, 80.0, 0), (20, 120.0, 0), (25, 400.0, 0), (30, 90.0, 0)], 20),  # the first failing rate ends the ladder
+    ([(20, 90.0, 0), (15, 80.0, 0)], 20),                                   # sorted by rate first
+    ([(15, 80.0, 1), (20, 90.0, 0)], 0),                                    # a lost request fails the rate
+    ([(15, float("nan"), 0)], 0),                                           # no answer at all: no p99, no capacity
+])
+def test_capacity_is_the_highest_rate_the_whole_ladder_below_sustained(cells, expected):
+    lt = _load("serve_loadtest", "serve_loadtest.py")
+    got = lt.capacity([{"rate": r, "p99": p99, "errors": e} for r, p99, e in cells], bound_ms=250.0)
+    assert got == expected
