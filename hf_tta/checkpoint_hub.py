@@ -1,6 +1,6 @@
 """Saving and loading a wrapper, locally and on the Hugging Face Hub: :class:`CheckpointMixin` gives
 ``save_pretrained`` / ``load_state`` / ``from_pretrained`` / ``push_to_hub`` over two hooks of the wrapper
-(``_checkpoint_payload`` and ``_load_checkpoint``); the folder format is :mod:`hf_tta.checkpoint`'s. Pushing writes a
+(``checkpoint_payload`` and ``load_checkpoint``); the folder format is :mod:`hf_tta.checkpoint`'s. Pushing writes a
 model card; loading resolves a repo id or a local folder (through ``huggingface_hub``)."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def resolve_checkpoint_folder(
 
 class CheckpointMixin:
     """``save_pretrained`` / ``load_state`` / ``from_pretrained`` / ``push_to_hub`` for a wrapper that implements
-    ``_checkpoint_payload() -> (config, tensors, metadata)`` and ``_load_checkpoint(ckpt)`` (which checks everything
+    ``checkpoint_payload() -> (config, tensors, metadata)`` and ``load_checkpoint(ckpt)`` (which checks everything
     before it changes anything), ``fingerprint()`` and, for :meth:`from_pretrained`, ``_init_kwargs(config)``."""
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
@@ -147,7 +147,7 @@ class CheckpointMixin:
         :mod:`hf_tta.checkpoint`): ``tta_config.json`` (the full resolved config) and ``tta_state.safetensors``
         (adapted parameters, optimiser and objective state, batch counter, RNG state, the config again and the model
         fingerprint), so that a resumed stream continues exactly where it stopped."""
-        config, tensors, meta = self._checkpoint_payload()
+        config, tensors, meta = self.checkpoint_payload()
         meta = {**meta, "fingerprint": self.fingerprint(), "hf_tta_version": __version__}
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         checkpoint.write_checkpoint(save_directory, {**config, "hf_tta_version": __version__}, tensors, meta)
@@ -156,7 +156,7 @@ class CheckpointMixin:
         """Load what :meth:`save_pretrained` wrote into this wrapper (same source model and config). A checkpoint
         adapted from another model, or saved with another config, is refused with a message naming the difference;
         nothing changes on a refusal."""
-        self._load_checkpoint(checkpoint.read_checkpoint(directory))
+        self.load_checkpoint(checkpoint.read_checkpoint(directory))
 
     @classmethod
     def _init_kwargs(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -201,8 +201,8 @@ class CheckpointMixin:
         ``api`` is an ``HfApi``-like object (default ``HfApi(token=token)``). Returns ``repo_id``."""
         return push_checkpoint(self, repo_id, private=private, token=token, revision=revision, commit_message=commit_message, api=api)
 
-    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:  # pragma: no cover
+    def checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:  # pragma: no cover
         raise NotImplementedError
 
-    def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:  # pragma: no cover
+    def load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:  # pragma: no cover
         raise NotImplementedError

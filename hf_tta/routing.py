@@ -239,14 +239,14 @@ class RoutedTTAWrapper(TTAWrapper):
     def _routed_step(
         self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, domain: Any, scoring: str | None = None
     ) -> RoutedTTAOutput:
-        batch = self._prepare(queries, gallery, labels)
+        batch = self.prepare_batch(queries, gallery, labels)
         slots, new_keys = self._route(batch.queries, domain, update=True)
 
         def run(slot: int, sub: Batch) -> TTAOutput:  # the domain's state in the model, then one TTAWrapper step
             self._activate(slot)
             if self.objective.requires_grad and sub.size < self.routing.min_domain_batch:
                 return self._score_frozen(sub)
-            return self._adapt_step(sub.queries, sub.gallery, sub.labels, scoring)
+            return self.step_batch(sub.queries, sub.gallery, sub.labels, scoring)
 
         keys = self.domain_keys
         outputs = [(keys[s], idx, out) for s, idx, out in self._per_domain(slots, batch, run)]
@@ -319,7 +319,7 @@ class RoutedTTAWrapper(TTAWrapper):
         self._slots, self._router_slots = {}, []
         self.router.reset()
 
-    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    def checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
         """Every domain's :data:`~hf_tta.state.ALL` state and safety monitor under ``domain.<id>.`` (one wrapper's
         layout each) and the router's statistics (``router.*``); the routing config goes in ``tta_config.json`` under
         ``"routing"``."""
@@ -349,11 +349,11 @@ class RoutedTTAWrapper(TTAWrapper):
         config = self.config.checkpoint_dict(lr=self.lr, gallery_modality=self.gallery_modality)
         return {**config, "routing": self.routing.to_dict()}, tensors, meta
 
-    def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
+    def load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
         routed = ckpt.metadata.get("routed")
         if routed is None:
             raise ValueError("This checkpoint holds one adapter (saved by TTAWrapper): load it with TTAWrapper, not RoutedTTAWrapper.")
-        self._check_checkpoint(ckpt, routed["param_names"])
+        self.check_checkpoint(ckpt, routed["param_names"])
         saved = RoutingConfig.from_dict(routed["routing"])
         if saved != self.routing:
             raise ValueError(f"The checkpoint was routed with {saved}, this wrapper with {self.routing}: build it with the checkpoint's routing.")

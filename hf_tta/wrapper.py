@@ -249,10 +249,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """
         check_choice("scoring", scoring, SCORING, allow_none=True)
         with batching.pinned(gallery, self.forward.gallery_versions, [(self.objective, self.state), (self.score_transform, self.transform_state)]):
-            return self._adapt_step(queries, gallery, labels, scoring)
+            return self.step_batch(queries, gallery, labels, scoring)
 
-    def _adapt_step(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
-        batch = self._prepare(queries, gallery, labels)
+    def step_batch(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any, scoring: str | None = None) -> TTAOutput:
+        """One batch's driver, inside :meth:`adapt_step`'s pinned gallery (a subclass's seam: routing steps each
+        domain's sub-batch through it); call :meth:`adapt_step`, not this."""
+        batch = self.prepare_batch(queries, gallery, labels)
         ctx = BatchContext(self, batch, scoring, self._recover, partial(self._reported_view, batch))
         if self.safety.last_good is None:  # (what it snapshots, ROLLBACK, no policy's answer changes)
             self.safety.remember(self)
@@ -317,7 +319,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
             raise ValueError("fit_shift_gate needs TTAConfig(shift_gate={...}): the gate is off.")
         self.shift_gate.fit_queries(self, queries)
 
-    def _prepare(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
+    def prepare_batch(self, queries: Mapping[str, torch.Tensor], gallery: Any, labels: Any) -> batching.Batch:
+        """The checked batch :meth:`step_batch` runs on (inputs, gallery and labels validated; refused in one line)."""
         batching.check_step_context()
         gallery = self.forward.check_gallery(gallery)
         queries = self.forward.check_inputs(queries, self.query_modality)
@@ -403,7 +406,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         opt = self.optimizer
         return opt is None or not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
 
-    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    def checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
         """The checkpoint of this wrapper: its resolved config, its :data:`~hf_tta.state.ALL` state's tensors and the
         safety monitor's (see :mod:`hf_tta.checkpoint` for the layout)."""
         tensors, meta = AdapterState.capture(self, ALL).to_tensors()
@@ -416,12 +419,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         meta["param_names"] = list(self.params)
         return self.config.checkpoint_dict(lr=self.lr, gallery_modality=self.gallery_modality), tensors, meta
 
-    def _load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
-        """Load a checkpoint of :meth:`_checkpoint_payload`; everything is checked before anything changes."""
+    def load_checkpoint(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Load a checkpoint of :meth:`checkpoint_payload`; everything is checked before anything changes."""
         meta = ckpt.metadata
         if "routed" in meta:
             raise ValueError("This checkpoint holds one adapter per domain (saved by RoutedTTAWrapper): load it with RoutedTTAWrapper.")
-        self._check_checkpoint(ckpt, meta["param_names"])
+        self.check_checkpoint(ckpt, meta["param_names"])
         tensors = {k: v.to(self.device) for k, v in ckpt.tensors.items()}
         names = [n for n, _ in self.named_optimized_parameters()]
         state = AdapterState.from_tensors(tensors, meta, ALL, names, step_on_cpu=self.step_on_cpu())
@@ -431,7 +434,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         if (gate := self.shift_gate) is not None:
             gate.load_state_tensors(tensors)
 
-    def _check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
+    def check_checkpoint(self, ckpt: checkpoint.Checkpoint, param_names: list[str]) -> None:
         """Refuse a checkpoint adapted from another model or saved with another config, naming the difference."""
         if ckpt.fingerprint is not None:
             current = checkpoint.model_fingerprint(self.model, self.params, self._source_params, ckpt.legacy_names)

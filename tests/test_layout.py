@@ -163,8 +163,9 @@ def _wrapper_private_names() -> set[str]:
 
 #: the uses outside wrapper.py that remain (issue 46): the checkpoint mixin's two hooks that every wrapper class
 #: implements, and RoutedTTAWrapper's per-domain step (a subclass; the slot bank of issue 46 item 2 is to replace it)
-KNOWN_PRIVATE_USES = {("checkpoint_hub.py", "_checkpoint_payload"), ("checkpoint_hub.py", "_load_checkpoint"),
-                      ("routing.py", "_prepare"), ("routing.py", "_adapt_step"), ("routing.py", "_check_checkpoint")}
+#: Before issue 46's last step the checkpoint mixin and routing used five: the hooks they share with the wrapper are
+#: public now (``checkpoint_payload``, ``load_checkpoint``, ``check_checkpoint``, ``prepare_batch``, ``step_batch``).
+KNOWN_PRIVATE_USES: set = set()
 
 
 def test_no_module_outside_the_wrapper_uses_its_private_names():
@@ -174,7 +175,7 @@ def test_no_module_outside_the_wrapper_uses_its_private_names():
     uses = {(str(p.relative_to(ROOT)), n.attr) for p in sorted(ROOT.rglob("*.py")) if p != ROOT / "wrapper.py"
             for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
             if isinstance(n, ast.Attribute) and n.attr in private}
-    assert uses <= KNOWN_PRIVATE_USES, sorted(uses - KNOWN_PRIVATE_USES)
+    assert uses == KNOWN_PRIVATE_USES, sorted(uses ^ KNOWN_PRIVATE_USES)
 
 
 def _functions_calling(predicate) -> set[str]:
