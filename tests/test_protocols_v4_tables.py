@@ -84,3 +84,22 @@ def test_the_tables_name_what_each_image_row_ran():
     assert "| tcr+gate+safe@3e-2 (default of rounds 1-3) |" in table and "recommended" not in table.split("(default")[1]
     text = [{**r, "direction": "t2i", "run": r["run"].replace("i2t", "t2i")} for r in old]
     assert "| recommended |" in v4_tables.streams(text, "t2i")
+
+
+def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_same_seeds():
+    """Issue 48's targets by hand: on the image headline (the fourth round's seed) the default wins back 50 % of the
+    lost recall and TCR at 3e-2 all of it, so the default reaches 50 % of that row's share; the default grid over the
+    stream runs' seeds; a headline seed only the comparator ran (seed 3 here) is not read."""
+    rows = [_row("r4-headline-s6", "source", "clean", _bits(N), seed=6), _row("r4-headline-s6", "source", "gaussian_noise", _bits(100), 5, seed=6),
+            _row("r4-headline-s6", DEFAULT, "gaussian_noise", _bits(150), 5, seed=6),
+            _row("r4-headline-s6", "tcr@3e-2", "gaussian_noise", _bits(200), 5, seed=6),
+            _row("r4-headline-s3", "source", "clean", _bits(N)), _row("r4-headline-s3", "source", "gaussian_noise", _bits(100), 5),
+            _row("r4-headline-s3", "tcr@3e-2", "gaussian_noise", _bits(100), 5)]  # seed 3: the default did not run there
+    rows += [r for r in _rows() if r["run"].startswith("rep-i2t/streams")]
+    table = v4_tables.targets(rows, "i2t")
+    default = next(line for line in table.splitlines() if line.startswith(f"| {SHOWN} |"))
+    cells = [c.strip() for c in default.strip("|").split("|")]
+    assert cells[1:5] == ["6", "50.0 %", "100.0 %", "50.0 %"]  # seeds, headline share, the default's ÷ itself, grid
+    assert cells[6] == "not below" and cells[10] == "not below"  # clean and degenerate exactly at the source
+    tcr = next(line for line in table.splitlines() if line.startswith("| tcr@3e-2 |"))
+    assert [c.strip() for c in tcr.strip("|").split("|")][1:4] == ["6", "100.0 %", "50.0 %"]

@@ -41,7 +41,7 @@ SOURCE = "source"
 #: under its own row name.
 IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
                    "rest+dn+safe@1e-3": "recommended: rest+dn+safe@1e-3"}
-PARTS = ("selection", "r4", "r4streams", "r5", "headline", "streams", "main", "v3verdicts")
+PARTS = ("selection", "r4", "r4streams", "r5", "targets", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -241,6 +241,70 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     return "\n".join(lines)
 
 
+#: Issue 48's targets, per query modality: the default's row name in the runs, the comparators it is measured against
+#: (image: the best labelled fixed lr; text: NNN alone and REST at its lr) and the run prefixes of its headline and
+#: streams (the image default's headline ran on the fourth round's new seed only: the comparators are read on the same
+#: seeds).
+TARGET_ROWS = {"i2t": ("rest+dn+safe@1e-3", ("tcr@3e-2", "recommended"), ("r4-headline",), ("streams", "r4-streams")),
+               "t2i": ("recommended", ("nnn", "rest@3e-4"), ("headline",), ("streams",))}
+
+
+def _merged(rows: list[dict], direction: str, prefixes: tuple) -> tuple[dict, dict]:
+    src, by = {}, defaultdict(dict)
+    for prefix in prefixes:
+        s, b = _report(rows, direction, prefix)
+        src.update(s)
+        for name, keyed in b.items():
+            by[name].update(keyed)
+    return src, by
+
+
+def _passes(row: dict, keys: list) -> float:
+    return float(np.mean([row[k].get("forward_per_query", 0) + row[k].get("backward_per_query", 0) for k in keys]))
+
+
+def targets(rows: list[dict], direction: str) -> str:
+    """The default against issue 48's targets: on the headline columns (the seeds the default ran, every row on those
+    seeds) its pooled share, each comparator's and the ratio, its worst column; on the default grid (image) the same
+    over every stream seed; each stream's verdict; forward + backward passes per query against the first comparator."""
+    default, others, head, stream = TARGET_ROWS[direction]
+    name = IMAGE_ROW_NAMES.get(default, default) if direction == "i2t" else default
+    src, by = _merged(rows, direction, head)
+    lines = ["| row | headline seeds | headline share | the default's ÷ this | default-grid share | worst headline column "
+             "| clean | noto | diverse | switch | degenerate | passes per query |", "|---|---:|---:|---:|---:|---|---|---|---|---|---|---:|"]
+    seeds = sorted({s for _, s in by.get(name, {})})
+    ssrc, sby = _merged(rows, direction, stream)
+    for row_name in (name, *(IMAGE_ROW_NAMES.get(o, o) if direction == "i2t" else o for o in others)):
+        row = by.get(row_name, {})
+        keys = [k for k in row if k in src and k[1] in seeds and k[0][0] not in STREAMS]
+        if not keys:
+            continue
+        cols = sorted({c for c, _ in keys}, key=str)
+        clean = float(np.mean([100 * hits(src[(("clean", None), s)]).mean() for s in seeds]))
+        sh = shares({c: _r1(row, keys, c) for c in cols}, {c: _r1(src, keys, c) for c in cols}, clean)
+        if row_name == name:
+            base = sh.pooled
+        worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
+        srow = sby.get(row_name, {})
+        skeys = [k for k in srow if k in ssrc or k[0] == ("degenerate", None)]
+        grid = sorted({c for c, _ in skeys if c[0] not in STREAMS}, key=str)
+        gshare = "–"
+        if grid:
+            sseeds = sorted({s for _, s in skeys})
+            sclean = float(np.mean([100 * hits(ssrc[(("clean", None), s)]).mean() for s in sseeds]))
+            gshare = round_figure(shares({c: _r1(srow, skeys, c) for c in grid}, {c: _r1(ssrc, skeys, c) for c in grid},
+                                         sclean, 0.0).pooled, percent=True)
+        words = []
+        for st in ("clean", "noto", "diverse", "switch", "degenerate"):
+            ks = [k for k in skeys if k[0] == (st, None)]
+            words.append(compare(_diffs(srow, ssrc, ks)).words() if ks else "–")
+        ratio = round_figure(base / sh.pooled, percent=True) if sh.pooled > 0 else "–"
+        lines.append(f"| {row_name} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
+                     f"{_name(sh.worst)}: {round_figure(worst.delta, sign=True)} [{round_figure(worst.lower, sign=True)}] "
+                     f"{worst.words()} | " + " | ".join(words) + f" | {round_figure(_passes(row, keys), digits=2)} |")
+    return "\n".join(lines)
+
+
 def v3_verdicts(rows: list[dict], direction: str) -> str:
     """Protocol v3's report-phase stream rows (seeds 3-5) judged again with v4's three words: each (row, stream) whose
     v3 word ("not below" when the one-sided bound is above -0.5, else "below the source") and v4 word differ."""
@@ -288,6 +352,8 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
+    if part == "targets":  # issue 48's targets: the default against the best fixed lr (text: NNN and REST)
+        return targets(rows, direction)
     if part == "v3verdicts":
         return v3_verdicts(rows, direction)
     raise ValueError(f"part must be one of {PARTS}; got {part!r}.")
