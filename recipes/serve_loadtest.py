@@ -282,13 +282,22 @@ def main(argv=None) -> None:
                 writer = csv.DictWriter(fh, fieldnames=list(cells[0]))
                 writer.writeheader()
                 writer.writerows(cells)
-        args.rates = []
+    else:
+        print_open_loop(args, rows, shares, bench.image_to_captions, services)
+    if args.rows:
+        with open(args.rows, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def print_open_loop(args, rows: list[dict], shares: dict, captions_of: list[list[int]], services: dict) -> None:
     print(f"open loop, {args.requests} requests per service and rate in {args.rounds} alternating blocks, {args.shift} "
           f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}")
     print("| rate/s | service | answered | errors | p50 ms | p95 ms | p99 ms | adapted share | dropped | state age p50/p95 s | R@1 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rate in args.rates:
-        stats = {label: summarise([x for x in rows if x["rate"] == rate and x["service"] == label], bench.image_to_captions) for label in services}
+        stats = {label: summarise([x for x in rows if x["rate"] == rate and x["service"] == label], captions_of) for label in services}
         for label, s in stats.items():
             share = f"{100 * shares[rate][0]:.1f} %" if label == "adaptation on" else "—"
             dropped = f"{100 * shares[rate][1]:.1f} %" if label == "adaptation on" else "—"
@@ -296,11 +305,6 @@ def main(argv=None) -> None:
             print(f"| {rate:g} | {label} | {s['n']} | {s['errors']} | {s['p50']:.1f} | {s['p95']:.1f} | {s['p99']:.1f} | {share} | {dropped} | {age} | {s['r1']:.1f} |")
         a, b = stats["adaptation on"], stats["adaptation off"]
         print(f"| {rate:g} | ratio on/off | | | {a['p50'] / b['p50']:.2f}x | {a['p95'] / b['p95']:.2f}x | {a['p99'] / b['p99']:.2f}x | | | | |")
-    if args.rows:
-        with open(args.rows, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
 
 
 if __name__ == "__main__":
