@@ -273,3 +273,30 @@ def test_every_figure_of_the_options_cards_prose_is_printed_from_rows(section, e
     assert len(quoted) > 40
     missing = [f for f in quoted if f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
     assert not missing, f"options.md {section}: figures printed by no table of its rows: {missing}"
+
+
+#: Figures of the protocol-v4 prose that are settings, not measurements: the intervals' level, the margin within which a
+#: verdict is re-drawn, ROID's momentum, and issue 48's targets (85 % and 60 % of the best fixed lr, 90 % of the ceiling).
+V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("card, section", [("emoji-benchmark-results.md", None), ("options.md", ("## Protocol v4", "## Protocol v3"))],
+                         ids=["results", "options-v4"])
+def test_every_figure_of_the_v4_prose_is_printed_from_the_rows(card, section):
+    """Issue 50: outside its printed blocks, each figure the protocol-v4 prose quotes is printed by a table of the
+    committed rows (every part of :mod:`hf_tta.benchmarks.protocols.v4_tables`), or is a named setting."""
+    from hf_tta.benchmarks.protocols.v4_tables import PARTS, summarise
+
+    rows = CARDS / "results" / "protocol-v4" / "rows.jsonl"
+    parts = [("i2t", p) for p in PARTS if p != "v3verdicts"] + [("t2i", p) for p in ("selection", "headline", "streams", "targets")]
+    printed = "\n".join(summarise(rows, d, p) for d, p in parts).replace(" %", "%")
+    text = (CARDS / card).read_text()
+    if section:
+        text = text[text.index(section[0]): text.index(section[1])]
+    prose = re.sub(r"<!-- v4: .*? -->.*?<!-- /v4 -->", "", text, flags=re.S)
+    quoted = [f.strip() for f in FIGURE.findall(re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+", "", prose))
+              if "." in f or "%" in f]
+    assert quoted
+    missing = [f for f in quoted if f not in V4_SETTINGS and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    assert not missing, f"{card}: figures printed by no table of the v4 rows: {missing}"
