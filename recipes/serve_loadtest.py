@@ -185,24 +185,32 @@ def capacity_run(args, services, procs, clients, payloads, order, captions_of, d
     return cells
 
 
-def print_capacity(cells: list[dict], bound_ms: float, repeats: int) -> None:
-    print(f"capacity: the highest rate with p99 <= {bound_ms:g} ms and no request lost, each ladder alone")
-    print("| service | capacity per repeat (req/s) | median | load average during the ladders |")
-    print("|---|---|---|---|")
+def read_cells(path: str) -> list[dict]:
+    """The cells a capacity run wrote (``--cells``), numbers as numbers."""
+    with open(path, newline="") as fh:
+        return [{k: v if k in ("kind", "service") else float(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+
+
+def capacity_table(cells: list[dict], bound_ms: float, repeats: int) -> str:
+    """The capacity summary of ``cells`` (what the capacity mode prints; the serving card quotes it)."""
+    lines = [f"capacity: the highest rate with p99 <= {bound_ms:g} ms and no request lost, each ladder alone",
+             "| service | capacity per repeat (req/s) | median | load average during the ladders |", "|---|---|---|---|"]
     med = {}
     for label in ("adaptation on", "adaptation off"):
-        ladders = [[c for c in cells if c["kind"] == "ladder" and c["repeat"] == r and c["service"] == label] for r in range(repeats)]
+        ladders = [[c for c in cells if c["kind"] == "ladder" and int(c["repeat"]) == r and c["service"] == label]
+                   for r in range(repeats)]
         caps = [capacity(cs, bound_ms) for cs in ladders]
         med[label] = float(np.median(caps))
-        loads = [c["load1"] for cs in ladders for c in cs]
-        print(f"| {label} | {', '.join(f'{c:g}' for c in caps)} | {med[label]:g} | {min(loads):.1f}-{max(loads):.1f} |")
+        loads = [float(c["load1"]) for cs in ladders for c in cs]
+        lines.append(f"| {label} | {', '.join(f'{c:g}' for c in caps)} | {med[label]:g} | {min(loads):.1f}-{max(loads):.1f} |")
     if med["adaptation off"] > 0:
-        print(f"capacity ratio on/off: {med['adaptation on'] / med['adaptation off']:.2f}")
+        lines.append(f"capacity ratio on/off: {med['adaptation on'] / med['adaptation off']:.2f}")
     half = {c["service"]: c for c in cells if c["kind"] == "half"}
     if len(half) == 2:
         a, b = half["adaptation on"], half["adaptation off"]
-        print(f"at half the no-adapt capacity ({a['rate']:g}/s): p50 {a['p50'] / b['p50']:.2f}x, p95 {a['p95'] / b['p95']:.2f}x, "
-              f"p99 {a['p99'] / b['p99']:.2f}x (adaptation on / off)")
+        lines.append(f"at half the no-adapt capacity ({float(a['rate']):g}/s): p50 {a['p50'] / b['p50']:.2f}x, "
+                     f"p95 {a['p95'] / b['p95']:.2f}x, p99 {a['p99'] / b['p99']:.2f}x (adaptation on / off)")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -276,7 +284,7 @@ def main(argv=None) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     if args.capacity_p99_ms is not None:
-        print_capacity(cells, args.capacity_p99_ms, args.repeats)
+        print(capacity_table(cells, args.capacity_p99_ms, args.repeats))
         if args.cells:
             with open(args.cells, "w", newline="") as fh:
                 writer = csv.DictWriter(fh, fieldnames=list(cells[0]))

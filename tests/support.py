@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -230,3 +231,13 @@ class PassHooks:
 
     def _add(self, name: str) -> None:
         setattr(self, name, getattr(self, name) + 1)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 300.0) -> bool:
+    """Poll ``predicate`` until true; the bound is generous (a spawned worker imports torch: slow on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

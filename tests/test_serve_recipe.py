@@ -71,3 +71,32 @@ def test_capacity_is_the_highest_rate_the_whole_ladder_below_sustained(cells, ex
     lt = _load("serve_loadtest", "serve_loadtest.py")
     got = lt.capacity([{"rate": r, "p99": p99, "errors": e} for r, p99, e in cells], bound_ms=250.0)
     assert got == expected
+
+
+CAPACITY = REPO / "model_cards" / "results" / "serving" / "capacity"
+
+
+@pytest.mark.skipif(not (CAPACITY / "cells.csv").is_file(), reason="no committed capacity run")
+def test_the_serving_cards_capacity_table_is_recomputed_from_its_rows():
+    """Issue 49: each cell of the committed capacity run is its own request rows' (in the order the run wrote them),
+    and the serving card's capacity table is what the recipe prints from those cells."""
+    import csv
+    import gzip
+
+    lt = _load("serve_loadtest", "serve_loadtest.py")
+    cells = lt.read_cells(str(CAPACITY / "cells.csv"))
+    with gzip.open(CAPACITY / "rows.csv.gz", "rt", newline="") as fh:
+        rows = [{**r, "status": int(r["status"]), "latency_ms": float(r["latency_ms"]), "query": int(r["query"]),
+                 "top1": int(r["top1"]), "state_age_s": r["state_age_s"] or None} for r in csv.DictReader(fh)]
+    start = 0
+    for cell in cells:
+        n = int(cell["n"] + cell["errors"])
+        got = lt.summarise(rows[start : start + n], captions_of=[[]] * 2000)
+        assert rows[start]["service"] == cell["service"] and float(rows[start]["rate"]) == cell["rate"]
+        assert (got["n"], got["errors"]) == (cell["n"], cell["errors"])
+        assert all(abs(got[k] - cell[k]) < 1e-6 for k in ("p50", "p95", "p99"))
+        start += n
+    assert start == len(rows)
+    bound = float(json.loads((CAPACITY / "run.json").read_text())["capacity_p99_ms"])
+    table = lt.capacity_table(cells, bound, int(max(c["repeat"] for c in cells)) + 1)
+    assert table in (REPO / "model_cards" / "serving.md").read_text()

@@ -25,7 +25,7 @@ from hf_tta.service.codec import PUBLISHED
 from hf_tta.service.limits import Limits
 from hf_tta.service.service import CHECKPOINT_FILE, ServiceConfig
 from hf_tta.service.tenants import TenantAdapters
-from support import word_level_clip_tokenizer
+from support import wait_for, word_level_clip_tokenizer
 from tiny_models import make_model
 
 pytest.importorskip("fastapi", reason="needs the serve extra")
@@ -75,16 +75,6 @@ def service_config(state_dir, **kw) -> ServiceConfig:
     kw = {"batch_size": 4, "min_batch": 4, "max_wait": 0.05, "checkpoint_every": 0, "tenants": True, "max_tenants": 2,
           "token": TOKEN, "worker_nice": 0, "limits": Limits(max_pixels=128 * 128, max_body_bytes=200_000, max_text_chars=100), **kw}
     return ServiceConfig(partial(build_wrapper, partial(make_model, "clip"), TTA), encoders(), CAPTIONS, str(state_dir), **kw)
-
-
-def wait_for(predicate, timeout: float = 300.0) -> bool:
-    """Poll ``predicate`` until true; the bound is generous (a spawned worker imports torch: slow on a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from functools import partial
 
 import numpy as np
@@ -18,7 +17,7 @@ from hf_tta.service.channel import SharedMemoryChannel
 from hf_tta.service.supervisor import Supervisor
 from hf_tta.service.tenants import TenantAdapters
 from hf_tta.service.worker import SKIPPED, WorkerSpec, worker_main
-from support import image_stream
+from support import image_stream, wait_for
 from tiny_models import make_model
 
 BUILD = partial(build_wrapper, partial(make_model, "clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2))
@@ -26,16 +25,6 @@ BUILD = partial(build_wrapper, partial(make_model, "clip"), TTAConfig(objective=
 
 def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in image_stream(1, size=8, seed=seed)[0].items()}
-
-
-def _wait_for(predicate, timeout: float = 300.0) -> bool:
-    """Poll ``predicate``; the bound is generous (a spawned worker imports torch: slow on a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_adaptation_holds_its_batches_while_the_answer_path_is_behind(gallery):
@@ -49,12 +38,12 @@ def test_adaptation_holds_its_batches_while_the_answer_path_is_behind(gallery):
     try:
         sup.set_gallery(gallery.embeddings.numpy())
         sup.start(wait=300)
-        assert _wait_for(sup.started.is_set)
+        assert wait_for(sup.started.is_set)
         q.put("default", _arrays())
-        assert _wait_for(lambda: sup.counters["yields"] == 1)
+        assert wait_for(lambda: sup.counters["yields"] == 1)
         assert sup.yielding() and len(q) == 8 and not sup.inflight and sup.counters["batches_done"] == 0
         behind.clear()
-        assert _wait_for(lambda: sup.counters["batches_done"] == 1)
+        assert wait_for(lambda: sup.counters["batches_done"] == 1)
         assert not sup.yielding() and len(q) == 0 and channel.read().version == 1
     finally:
         sup.stop()
