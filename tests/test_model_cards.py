@@ -12,6 +12,7 @@ compared). ``python tests/test_model_cards.py --write`` rewrites the marked tabl
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -153,6 +154,14 @@ def _recipe(name: str):
     return module
 
 
+@functools.lru_cache(maxsize=None)
+def _v4_part(rows: Path, direction: str, part: str) -> str:
+    """One part of protocol v4's tables, printed once per session (several tests read the same parts)."""
+    from hf_tta.benchmarks.protocols.v4_tables import summarise
+
+    return summarise(rows, direction, part)
+
+
 def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str | None = None) -> str:
     """What the recipe's summary prints for the committed rows of a ``kind`` block (``part``: one v3 table)."""
     if kind == "study":
@@ -162,9 +171,7 @@ def recipe_block(kind: str, rows: Path, direction: str | None = None, part: str 
 
         return v3_summary.summarise(rows, direction or "i2t", part)
     if kind == "v4":  # protocol v4's tables (hf_tta.benchmarks.protocols.v4_tables)
-        from hf_tta.benchmarks.protocols.v4_tables import summarise
-
-        return summarise(rows, direction or "i2t", part)
+        return _v4_part(rows, direction or "i2t", part)
     return _recipe("batch_size_recall").summary_of(rows)
 
 
@@ -286,11 +293,11 @@ V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %"}
 def test_every_figure_of_the_v4_prose_is_printed_from_the_rows(card, section):
     """Issue 50: outside its printed blocks, each figure the protocol-v4 prose quotes is printed by a table of the
     committed rows (every part of :mod:`hf_tta.benchmarks.protocols.v4_tables`), or is a named setting."""
-    from hf_tta.benchmarks.protocols.v4_tables import PARTS, summarise
+    from hf_tta.benchmarks.protocols.v4_tables import PARTS
 
     rows = CARDS / "results" / "protocol-v4" / "rows.jsonl"
     parts = [("i2t", p) for p in PARTS if p != "v3verdicts"] + [("t2i", p) for p in ("selection", "headline", "streams", "targets")]
-    printed = "\n".join(summarise(rows, d, p) for d, p in parts).replace(" %", "%")
+    printed = "\n".join(_v4_part(rows, d, p) for d, p in parts).replace(" %", "%")
     text = (CARDS / card).read_text()
     if section:
         text = text[text.index(section[0]): text.index(section[1])]
