@@ -150,9 +150,9 @@ def capacity(cells: list[dict], bound_ms: float) -> float:
     return best
 
 
-def capacity_run(args, services, procs, clients, payloads, order, captions_of, deadline) -> list[dict]:
+def capacity_run(args, services, clients, payloads, order, captions_of, deadline, request_rows: list[dict]) -> list[dict]:
     """The capacity ladder of every service, ``args.repeats`` times, then both at half the no-adapt capacity; one
-    summary per cell (with the load average at its end), the request rows in ``args.request_rows``."""
+    summary per cell (with the load average at its end); the request rows are appended to ``request_rows``."""
     cells: list[dict] = []
     used = 0
 
@@ -161,7 +161,7 @@ def capacity_run(args, services, procs, clients, payloads, order, captions_of, d
         part = order[used : used + args.requests]
         used += args.requests
         got = run_open_loop(port, payloads, part, rate, args.concurrency, deadline)
-        args.request_rows += [{**x, "service": label, "rate": rate} for x in got]
+        request_rows.extend({**x, "service": label, "rate": rate} for x in got)
         if label == "adaptation on":
             wait_drained(clients[label], deadline)
         out = {"kind": kind, "repeat": repeat, "service": label, "rate": rate, "load1": os.getloadavg()[0],
@@ -262,8 +262,7 @@ def main(argv=None) -> None:
         on = clients["adaptation on"]
         wait_drained(on, deadline)
         if args.capacity_p99_ms is not None:
-            args.request_rows = rows
-            cells = capacity_run(args, services, procs, clients, payloads, order, bench.image_to_captions, deadline)
+            cells = capacity_run(args, services, clients, payloads, order, bench.image_to_captions, deadline, rows)
         for r, rate in enumerate(args.rates if args.capacity_p99_ms is None else []):
             part = order[r * args.requests : (r + 1) * args.requests]
             adapted0, dropped0 = adapted_queries(on)

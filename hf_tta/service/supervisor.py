@@ -44,7 +44,7 @@ class Supervisor:
         self.max_restarts, self.restart_window, self.on_done = max_restarts, restart_window, on_done
         self.ctx = mp.get_context("spawn")
         self.stopping = self.ctx.Event()  # set on stop: the worker skips the batches still queued for it
-        self._yielding_since: float | None = None
+        self._yielding = False  # holding batches back: the answer path is behind
         self.proc: Any = None
         self.tasks: Any = None
         self.results: Any = None
@@ -126,14 +126,14 @@ class Supervisor:
 
     def yielding(self) -> bool:
         """Whether adaptation is holding its batches back because the answer path is behind (see the module)."""
-        return self._yielding_since is not None
+        return self._yielding
 
     def _behind(self) -> bool:
         if self.behind is None or not self.behind():
-            self._yielding_since = None
+            self._yielding = False
             return False
-        if self._yielding_since is None:
-            self._yielding_since = time.monotonic()
+        if not self._yielding:
+            self._yielding = True
             self.counters["yields"] += 1
             logger.debug("Adaptation yields: the answer path is behind.")
         return True
