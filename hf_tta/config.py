@@ -25,6 +25,7 @@ from .config_features import (
     RunConfig,
     SafetyConfig,
     ShiftGateConfig,
+    SourceAnchorConfig,
     TuningConfig,
     UpdateBudgetConfig,
     WeightEnsembleConfig,
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TTAConfig", "TuningConfig", "GradientDecouplingConfig", "ConsistencyConfig", "SafetyConfig", "RunConfig",
-    "LRSearchConfig", "ShiftGateConfig", "WeightEnsembleConfig", "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
+    "LRSearchConfig", "ShiftGateConfig", "SourceAnchorConfig", "WeightEnsembleConfig", "build_safety_config", "DEFAULT_LORA_RANK", "SCORING", "TUNINGS", "AUTOCAST_DTYPES", "RESET_POLICIES",
 ]
 
 AUTOCAST_DTYPES = ("bf16", "fp16")
@@ -190,6 +191,14 @@ class TTAConfig(ConfigMixin):
             "off; {'momentum': m} (default 0.99) pulls every adapted parameter to m theta + (1 - m) theta_source.",
         },
     )
+    source_anchor: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "config_class": SourceAnchorConfig,
+            "help": "Source-anchored answers (hf_tta.source_anchor): None = off; {} turns them on: the adapted model "
+            "answers while a moving average of its batch-mean top-1 probability minus the source's exceeds the margin.",
+        },
+    )
     lr_search: LRSearchConfig | None = field(
         default=None,
         metadata={
@@ -285,7 +294,8 @@ class TTAConfig(ConfigMixin):
     def _check_source_anchors(self) -> None:
         """``shift_gate`` and ``weight_ensemble`` (protocol v4's default study, issue 48) act on a gradient objective's
         updates over a continual stream, and not (yet) inside the lr search's probe."""
-        for name, cls in (("shift_gate", ShiftGateConfig), ("weight_ensemble", WeightEnsembleConfig)):
+        for name, cls in (("shift_gate", ShiftGateConfig), ("weight_ensemble", WeightEnsembleConfig),
+                          ("source_anchor", SourceAnchorConfig)):
             value = getattr(self, name)
             if isinstance(value, cls):
                 setattr(self, name, value := value.to_dict())
@@ -295,15 +305,19 @@ class TTAConfig(ConfigMixin):
                 raise ValueError(f"`{name}` acts on adaptation; {self.objective!r} is training-free: drop {name}.")
             if self.lr_search is not None:
                 raise ValueError(f"`{name}` does not run inside the lr search's probe: drop lr_search or {name}.")
-        if self.weight_ensemble is not None and self.reset_policy == "episodic":
-            raise ValueError("`weight_ensemble` pulls a continual stream's weights towards the source; with "
-                             "reset_policy='episodic' every batch starts from the source: drop weight_ensemble.")
+        for name in ("weight_ensemble", "source_anchor"):  # (both act over a continual stream)
+            if getattr(self, name) is not None and self.reset_policy == "episodic":
+                raise ValueError(f"`{name}` acts over a continual stream; with reset_policy='episodic' every batch "
+                                 f"starts from the source: drop {name} or set reset_policy='never'.")
 
     def build_shift_gate_config(self) -> ShiftGateConfig | None:
         return build_feature_config("shift_gate", ShiftGateConfig, self.shift_gate)
 
     def build_weight_ensemble_config(self) -> WeightEnsembleConfig | None:
         return build_feature_config("weight_ensemble", WeightEnsembleConfig, self.weight_ensemble)
+
+    def build_source_anchor_config(self) -> SourceAnchorConfig | None:
+        return build_feature_config("source_anchor", SourceAnchorConfig, self.source_anchor)
 
     def _check_lr_search(self, budget: UpdateBudgetConfig | None) -> None:
         """``lr_search`` needs a gradient objective on a continual stream that adapts on every probe batch."""

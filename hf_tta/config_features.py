@@ -2,7 +2,8 @@
 ``peft`` groups a tuner's fields in its ``LoraConfig``: what adapts (:class:`TuningConfig`), REST's gradient decoupling
 (:class:`GradientDecouplingConfig`), the pull towards the source's predictions (:class:`ConsistencyConfig`), the safety
 layer (:class:`SafetyConfig`), the update budget (:class:`UpdateBudgetConfig`), the shift gate (:class:`ShiftGateConfig`),
-weight ensembling with the source (:class:`WeightEnsembleConfig`) and how a wrapper runs (:class:`RunConfig`).
+weight ensembling with the source (:class:`WeightEnsembleConfig`), source-anchored answers (:class:`SourceAnchorConfig`)
+and how a wrapper runs (:class:`RunConfig`).
 
 A feature is on when its config is present (``TTAConfig(consistency=ConsistencyConfig(weight=1.0))``), so a field of
 a feature that is off cannot be set; within :class:`TuningConfig` the LoRA rank is refused unless the method is
@@ -358,6 +359,39 @@ class WeightEnsembleConfig(ConfigMixin):
         check_field_types(self)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"WeightEnsembleConfig `momentum` must be in [0, 1) (1 would never pull); got {self.momentum}.")
+
+
+@dataclass
+class SourceAnchorConfig(ConfigMixin):
+    """Source-anchored answers (:mod:`hf_tta.source_anchor`). They decide who answers, not what an adapted state
+    means, so a checkpoint loads across their settings.
+
+    Example:
+        >>> SourceAnchorConfig.from_dict({"margin": 0.02}).momentum
+        0.8
+    """
+
+    loads_across_checkpoints: ClassVar[bool] = True
+
+    margin: float = field(
+        default=0.01,
+        metadata={"help": "The adapted model answers while the evidence (a moving average of its batch-mean top-1 "
+                  "softmax probability minus the source model's) exceeds this; otherwise the source answers."},
+    )
+    momentum: float = field(
+        default=0.8, metadata={"help": "m in e <- m e + (1 - m) d_t, the evidence's moving average over batches (0: the batch alone)."}
+    )
+    temperature: float = field(
+        default=0.01, metadata={"help": "T of softmax(cos / T) over the gallery (CLIP's logit scale 100 = 1 / 0.01)."}
+    )
+
+    def __post_init__(self):
+        check_field_types(self)
+        check_positive("temperature", self.temperature, owner="SourceAnchorConfig")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"SourceAnchorConfig `momentum` must be in [0, 1) (1 would never move); got {self.momentum}.")
+        if not -1.0 < self.margin < 1.0:
+            raise ValueError(f"SourceAnchorConfig `margin` must be in (-1, 1) (a difference of probabilities); got {self.margin}.")
 
 
 def build_feature_config(name: str, cls: type, value: Any) -> Any:

@@ -23,7 +23,7 @@ from hf_tta import (
     TuningConfig,
 )
 from hf_tta.checkpoint import CONFIG_FILE, read_checkpoint, write_checkpoint
-from hf_tta.config_features import ShiftGateConfig, WeightEnsembleConfig
+from hf_tta.config_features import ShiftGateConfig, SourceAnchorConfig, WeightEnsembleConfig
 from hf_tta.config_flat import FLAT_FIELDS, flatten, nest
 from hf_tta.configuration_utils import ConfigMixin
 from hf_tta.lr_search import LRSearchConfig
@@ -53,15 +53,17 @@ NESTED_V01 = TTAConfig(
 
 def test_top_level_fields_32_before_20_after_each_feature_a_config():
     fields = {f.name: f for f in dataclasses.fields(TTAConfig)}
-    assert len(fields) == 22  # 32 flat fields before the features nested (30 at issue 35's review, + update_budget,
-    flat = len(fields) - 4 + len(FLAT_FIELDS) + 1  # lr_search, shift_gate, weight_ensemble); the plain fields, the flat
-    assert flat == 34  # names of 4 groups, gd's switch
+    assert len(fields) == 23  # 32 flat fields before the features nested (30 at issue 35's review, + update_budget,
+    flat = len(fields) - 4 + len(FLAT_FIELDS) + 1  # lr_search, shift_gate, weight_ensemble, source_anchor); the plain
+    assert flat == 35  # fields, the flat names of 4 groups, gd's switch
     groups = {name: f.metadata["config_class"] for name, f in fields.items() if "config_class" in f.metadata}
     assert groups == {"tuning": TuningConfig, "gradient_decoupling": GradientDecouplingConfig, "consistency": ConsistencyConfig,
                       "safety": SafetyConfig, "update_budget": UpdateBudgetConfig, "lr_search": LRSearchConfig, "run": RunConfig,
-                      "shift_gate": ShiftGateConfig, "weight_ensemble": WeightEnsembleConfig}
+                      "shift_gate": ShiftGateConfig, "weight_ensemble": WeightEnsembleConfig,
+                      "source_anchor": SourceAnchorConfig}
     assert all(issubclass(c, ConfigMixin) for c in groups.values())
-    assert {n for n, c in groups.items() if getattr(c, "loads_across_checkpoints", False)} == {"safety", "run", "shift_gate"}
+    assert {n for n, c in groups.items() if getattr(c, "loads_across_checkpoints", False)} == {"safety", "run", "shift_gate",
+                                                                                               "source_anchor"}
 
 
 # ------------------------------------------------------------------------------------- refusals

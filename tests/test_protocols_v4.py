@@ -232,10 +232,12 @@ def test_the_fourth_rounds_rule_needs_noto_not_below_and_ties_within_half_a_poin
 
 @pytest.mark.parametrize(("run", "studies"), [
     ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}),
-    ("sel-i2t/r4-incumbent", {"default-study-r4"}), ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5"}),
-    ("sel-i2t/r5-gate-full", {"default-study-r5"}),
+    ("sel-i2t/r4-incumbent", {"default-study-r4"}),
+    ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),
+    ("sel-i2t/r5-gate-full", {"default-study-r5"}), ("sel-i2t/r6-anchor0.01", {"default-study-r6"}),
 ])
 def test_each_round_reads_its_own_selection_runs(run, studies):
     """Rounds 1-3 read every run no later round claims; round 4 its ``r4-`` runs; round 5 its ``r5-`` runs and its
-    incumbent's (round 4's choice, ``r4-previous``): a later round's rows never reach an earlier round's table."""
+    incumbent's (round 4's choice, ``r4-previous``), round 6 likewise: a later round's rows never reach an earlier round's
+    table."""
     assert {s for s in v4_choice.ROUND_RULES if v4_choice.in_study(s, run)} == studies

@@ -75,8 +75,10 @@ RECOMMENDED = "recommended"
 #: (``oracle_all`` is ``oracle+all``), and per-domain adapters keyed by each query's true shift (``+key``: a routing
 #: ceiling, not label-free; it tells the router's errors from what per-domain adaptation itself can give), the shift gate
 #: (``+gate``: :mod:`hf_tta.shift_gate`, its reference the task's :meth:`~hf_tta.benchmarks.tasks.Task.gate_reference`)
-#: and weight ensembling with the source (``+ens``: :mod:`hf_tta.weight_ensemble`). Each maps to its :class:`RowSpec` field.
-ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "key": "key", "gate": "gate", "ens": "ens"}
+#: weight ensembling with the source (``+ens``: :mod:`hf_tta.weight_ensemble`) and source-anchored answers (``+anchor``:
+#: :mod:`hf_tta.source_anchor`). Each maps to its :class:`RowSpec` field.
+ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "key": "key", "gate": "gate", "ens": "ens",
+               "anchor": "anchor"}
 #: Score transforms a row may add on top of its objective, one per row (``tcr+nnn``): :attr:`RowSpec.score_transform`,
 #: ``TTAConfig.score_transform``. Alone they are rows of their own: ``dn``, ``nnn``, ``qbnorm`` are the source model
 #: with the transform and nothing adapted (training-free objectives).
@@ -260,6 +262,7 @@ class RowSpec:
     key: bool = False
     gate: bool = False
     ens: bool = False
+    anchor: bool = False
     score_transform: str | None = None
     budget: float | None = None
     lr: float | None = None

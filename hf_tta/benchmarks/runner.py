@@ -201,7 +201,7 @@ class GridRunner:
             from ..preset import recommended_fields
 
             fields = recommended_fields(modality)
-            base.update({k: fields.get(k) for k in ("safety", "shift_gate", "weight_ensemble")})
+            base.update({k: fields.get(k) for k in ("safety", "shift_gate", "weight_ensemble", "source_anchor")})
         transform = spec.score_transform or base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
@@ -220,6 +220,7 @@ class GridRunner:
             "safety": {**(safety or {}), **s.safety} if spec.safe and not spec.preset else safety,
             "shift_gate": dict(base.get("shift_gate") or {}) if spec.gate else base.get("shift_gate"),
             "weight_ensemble": dict(base.get("weight_ensemble") or {}) if spec.ens else base.get("weight_ensemble"),
+            "source_anchor": dict(base.get("source_anchor") or {}) if spec.anchor else base.get("source_anchor"),
             "update_budget": {"fraction": spec.budget} if spec.budget is not None else base.get("update_budget"),
             # the supervised ceilings are prequential: each batch is scored before its labels train the model
             "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),

@@ -217,9 +217,21 @@ def fifth_round_runs() -> list[Run]:
     ]
 
 
+def sixth_round_runs() -> list[Run]:
+    """``default-study-r6``: source-anchored answers (:mod:`hf_tta.source_anchor`) behind the gate, at two margins and
+    two TCR lrs, on the fourth round's selection split (with Noto); its incumbent is the fourth round's choice."""
+    study = "default-study-r6"
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
+    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    anchor = lambda m: ["--source_anchor", json.dumps({"margin": m, "momentum": 0.8, "temperature": 0.01})]  # noqa: E731
+    rows = _objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")
+    return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *lite, *gate, *anchor(m), *rows)) for m in (0.01, 0.02)]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
-    return default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
+    return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
+            + sixth_round_runs())
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -248,6 +260,32 @@ def fourth_round_report_runs(choice: dict) -> list[Run]:
     return runs
 
 
+#: default-study-r6's report seeds (registered by default-study-r5 for its report, which was never run)
+R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
+#: the run-level settings a chosen row runs with (``hf-tta run --<field> <json>``)
+RUN_LEVEL = ("safety", "shift_gate", "weight_ensemble", "source_anchor")
+
+
+def sixth_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r6``'s report runs, from its committed choice: the chosen row with its run-level settings, TCR at
+    3e-2 and the incumbent (``rest+dn+safe@1e-3``, the whole safety layer), each in a folder of its own, on the
+    30-column headline of seed 7 and the default grid with the five streams of seeds 15 and 16 (image queries)."""
+    c = choice.get("i2t")
+    if not c or not c.get("config") or not c["default"].startswith("r6-"):
+        return []
+    cfg, study = c["config"], "default-study-r6"
+    settings = [a for k in RUN_LEVEL if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
+    members = {"chosen": [*settings, *_objectives(c["default"].split("/", 1)[1])], "tcr": _objectives("tcr@3e-2"),
+               "previous": ["--safety", "{}", *_objectives("rest+dn+safe@1e-3")]}
+    streams = ("clean", "noto", "diverse", "switch", "degenerate")
+    runs = [Run(f"rep-i2t/r6-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
+            for seed in R6_HEADLINE_SEEDS for k, a in members.items()]
+    runs += [Run(f"rep-i2t/r6-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
+                                                                             default_grid=True), *a))
+             for seed in R6_STREAM_SEEDS for k, a in members.items()]
+    return runs
+
+
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
 #: commits): a run that names that row cannot run again once ``TTAConfig.recommended("image")`` is another preset
 #: (the fourth round's choice), or its new rows would join the old ones under the same name (:func:`check_preset`).
@@ -268,8 +306,9 @@ def check_preset(run: Run) -> None:
 
 
 def all_runs() -> list[Run]:
-    choice, r4 = load_choice("default-study"), load_choice("default-study-r4")
-    return selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
+    choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
+    return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
+            + (sixth_round_report_runs(r6) if r6 else []))
 
 
 # ------------------------------------------------------------------------------------------ registration

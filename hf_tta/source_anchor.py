@@ -1,0 +1,86 @@
+"""Source-anchored answers: the adapted model answers only while it is surer of the gallery than the source model.
+
+``TTAConfig(source_anchor={"margin": 0.01})`` (issue 48's mechanism (b), a label-free choice between the source's and
+the adapted model's answer). Adaptation goes on as without it; what changes is who answers. On a batch whose steps ran,
+both the adapted model's answer (the view the wrapper reports, before the update with ``scoring="before_update"``) and
+the source model's (one no-grad forward, shared with the safety layer's) score the batch's :math:`B` queries against
+the gallery. The batch's evidence is the difference of their mean top-1 softmax probabilities at temperature :math:`T`,
+
+.. math::  d_t = \\frac{1}{B}\\sum_{i} \\max_j \\operatorname{softmax}(s^{A}_{i\\cdot}/T)_j
+             - \\frac{1}{B}\\sum_{i} \\max_j \\operatorname{softmax}(s^{S}_{i\\cdot}/T)_j ,
+
+and its moving average over the stream :math:`e_t = m\\,e_{t-1} + (1 - m)\\,d_t` (:math:`e_0 = 0`: the source).
+The adapted model answers batch :math:`t` when :math:`e_t > \\text{margin}`; otherwise the source's scores answer it.
+The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
+(TCR on a blurred stream); one that only drifts does not (a style the source hardly knows, on which its
+pseudo-labels are mostly wrong), and then the source's answers are kept. It is a design of this library, not of a
+paper: the design probe and the registered study that chose its settings are in ``model_cards/`` (protocol v4,
+default-study-r6).
+
+The evidence :math:`e_t` is adapted state (``AdapterState``'s selector part, key ``source_anchor.evidence``): saved
+with the checkpoint, restored by a safety rollback, and back at :math:`e_0 = 0` after :meth:`~hf_tta.TTAWrapper.reset`.
+A batch answered without the steps (a closed shift gate, an update budget's skip) or answered by the source already
+(the safety layer's skip or rollback) is not judged and leaves :math:`e` as it was. With a top-k gallery backend the
+softmax runs over each view's candidates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .config_features import SourceAnchorConfig
+from .policies.base import Answer, BatchPolicy
+
+logger = logging.getLogger(__name__)
+
+#: the evidence's key in ``TTAWrapper.selector_state`` (:data:`hf_tta.state.SELECTOR`)
+EVIDENCE = "source_anchor.evidence"
+
+
+def mean_top1_probability(scores: torch.Tensor, temperature: float) -> float:
+    """:math:`\\frac{1}{B}\\sum_i \\max_j \\operatorname{softmax}(s_{i\\cdot}/T)_j` of ``(B, N)`` scores, in float64."""
+    return float((scores.detach().double() / temperature).softmax(dim=-1).amax(dim=-1).mean())
+
+
+def evidence_step(previous: float, d: float, momentum: float) -> float:
+    """:math:`e_t = m\\,e_{t-1} + (1 - m)\\,d_t`."""
+    return momentum * previous + (1.0 - momentum) * d
+
+
+class SourceAnchor(BatchPolicy):
+    """``TTAConfig.source_anchor`` as a batch policy (:mod:`hf_tta.policies`): its :meth:`finish` keeps the adapted
+    answer while the evidence exceeds the margin and gives the source's otherwise (see :mod:`hf_tta.source_anchor`)."""
+
+    name = "source_anchor"
+
+    def __init__(self, config: SourceAnchorConfig):
+        self.config = config
+        self._logs: dict[str, float] = {}
+
+    @staticmethod
+    def evidence(wrapper: Any) -> float:
+        """The wrapper's current :math:`e` (0 before the first judged batch)."""
+        e = wrapper.selector_state.get(EVIDENCE)
+        return 0.0 if e is None else float(e)
+
+    def finish(self, ctx: Any, answer: Answer) -> Answer:
+        if ctx.result is None:  # answered without the steps: nothing adapted spoke
+            return answer
+        source = ctx.source_view()
+        if answer.inputs is source:  # the safety layer already answered with the source
+            return answer
+        c = self.config
+        d = mean_top1_probability(answer.scores, c.temperature) - mean_top1_probability(source.scores, c.temperature)
+        e = evidence_step(self.evidence(ctx.wrapper), d, c.momentum)
+        ctx.wrapper.selector_state[EVIDENCE] = torch.tensor(e, dtype=torch.float64)
+        adapted = e > c.margin
+        logs = {**answer.logs, "source_anchor.evidence": e, "source_anchor.adapted_answers": float(adapted)}
+        if adapted:
+            answer.logs = logs
+            return answer
+        logger.debug("source_anchor: evidence %.4g <= margin %s: the source answers", e, c.margin)
+        return Answer(source, source.scores, answer.loss, answer.num_updates, answer.n_selected, answer.skipped, logs,
+                      answer.update_state, answer.report_safety)
