@@ -112,10 +112,13 @@ def test_every_registered_run_is_on_its_split():
         part = args[args.index("--concepts") + 1]
         assert part == run.split
         seeds = {int(s) for s in args[args.index("--seeds") + 1].split(",")}
-        r4 = run.study == "default-study-r4" and part == "report"  # new seeds: report rows were read before it
-        fresh = set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS)
-        assert seeds == {0} if part == "selection" else seeds <= (fresh if r4 else set(v4.STREAM_SEEDS))
-        assert not fresh & (set(v4.STREAM_SEEDS) | {0})
+        # rounds 4 and 6 report on new seeds (report rows were read before they were registered), each on its own
+        fresh = {"default-study-r4": set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS),
+                 "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS)}
+        allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
+        assert seeds <= allowed and (part == "report" or seeds == {0})
+        assert not fresh["default-study-r4"] & fresh["default-study-r6"]
+        assert not set().union(*fresh.values()) & (set(v4.STREAM_SEEDS) | {0})
         assert args[args.index("--scoring") + 1] == "before_update"
         assert v4.registration_path(run.study).is_file()
 
@@ -183,7 +186,8 @@ def test_run_level_feature_settings_only_in_runs_whose_rows_all_ask_for_the_feat
     for run in v4.all_runs():
         args = list(run.args)
         rows = args[args.index("--objectives") + 1].split(",")
-        for flag, option in (("--shift_gate", "+gate"), ("--weight_ensemble", "+ens"), ("--safety", "+safe")):
+        for flag, option in (("--shift_gate", "+gate"), ("--weight_ensemble", "+ens"), ("--safety", "+safe"),
+                             ("--source_anchor", "+anchor")):
             if flag in args:
                 assert all(option in r for r in rows), (run.name, flag, rows)
 
@@ -198,7 +202,7 @@ def test_every_selection_candidate_maps_to_a_valid_tta_config(direction):
             fields = v4_choice.config_of(f"{run.name.split('/')[1]}/{row}", direction)
             cfg = TTAConfig(**fields, query_modality="image" if direction == "i2t" else "text")
             assert ("+gate" in row) == (cfg.shift_gate is not None) and ("+ens" in row) == (cfg.weight_ensemble is not None)
-            assert ("+safe" in row) == (cfg.safety is not None)
+            assert ("+safe" in row) == (cfg.safety is not None) and ("+anchor" in row) == (cfg.source_anchor is not None)
 
 
 def test_a_tie_between_equally_safe_candidates_goes_to_fewer_passes():

@@ -172,7 +172,8 @@ def choose_lr(summaries: list[Summary], objective: str) -> Summary:
 
 def config_of(label: str, direction: str) -> dict:
     """The :class:`~hf_tta.TTAConfig` fields a selection row ran with (``<run>/<row>``): its row name's objective, lr,
-    score transform and switches, with its run's ``--safety`` / ``--shift_gate`` / ``--weight_ensemble`` settings."""
+    score transform and switches, with its run's ``--safety`` / ``--shift_gate`` / ``--weight_ensemble`` /
+    ``--source_anchor`` settings."""
     from ..grid import row_spec
     from .v4 import selection_runs
 
@@ -187,7 +188,8 @@ def config_of(label: str, direction: str) -> dict:
     if spec.score_transform:
         fields["score_transform"] = spec.score_transform
     for on, name, flag in ((spec.safe, "safety", "--safety"), (spec.gate, "shift_gate", "--shift_gate"),
-                           (spec.ens, "weight_ensemble", "--weight_ensemble")):
+                           (spec.ens, "weight_ensemble", "--weight_ensemble"),
+                           (spec.anchor, "source_anchor", "--source_anchor")):
         if on:
             fields[name] = setting(flag)
     return fields

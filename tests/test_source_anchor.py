@@ -1,0 +1,111 @@
+"""Source-anchored answers (hf_tta.source_anchor): the evidence by hand on small tensors, the choice of who answers in
+a wrapper, and the evidence as adapted state (reset, rollback part, checkpoint)."""
+
+import math
+
+import pytest
+import torch
+
+from hf_tta import TTAConfig, TTAWrapper
+from hf_tta.config_features import SourceAnchorConfig
+from hf_tta.source_anchor import SourceAnchor, evidence_step, mean_top1_probability
+from support import check_resume
+from tiny_models import image_batch, make_model, text_batch
+
+
+def test_the_mean_top1_probability_by_hand():
+    scores = torch.tensor([[0.2, 0.1], [0.0, 0.0]])
+    # softmax([2, 1]) tops at 1 / (1 + e^-1); softmax([0, 0]) at 1/2
+    expected = (1 / (1 + math.exp(-1)) + 0.5) / 2
+    assert mean_top1_probability(scores, 0.1) == pytest.approx(expected, abs=1e-7)  # (0.2 and 0.1 in float32)
+    assert mean_top1_probability(scores, 1e9) == pytest.approx(0.5)  # a hot softmax is uniform over 2 items
+
+
+def test_the_evidence_is_a_moving_average_from_zero():
+    assert evidence_step(0.0, 0.1, 0.8) == pytest.approx(0.02)
+    assert evidence_step(0.02, 0.05, 0.8) == pytest.approx(0.8 * 0.02 + 0.2 * 0.05)
+    assert evidence_step(0.3, -0.4, 0.0) == -0.4  # momentum 0: the batch alone
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"momentum": 1.0}, r"`momentum` must be in \[0, 1\)"),
+    ({"margin": 1.5}, r"`margin` must be in \(-1, 1\)"),
+    ({"temperature": 0.0}, "`temperature` must be > 0"),
+])
+def test_bad_settings_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SourceAnchorConfig(**fields)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"objective": "nnn"}, "training-free"),
+    ({"reset_policy": "episodic"}, "episodic"),
+    ({"lr_search": {}}, "lr search"),
+    ({"source_anchor": {"margn": 0.1}}, "did you mean 'margin'"),
+])
+def test_the_config_refuses_what_it_cannot_run(extra, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        TTAConfig(**{"objective": "tcr", "source_anchor": {}, **extra})
+
+
+def test_the_config_round_trips():
+    cfg = TTAConfig(objective="tcr", source_anchor={"margin": 0.02})
+    assert TTAConfig.from_dict(cfg.to_dict()).build_source_anchor_config() == SourceAnchorConfig(margin=0.02)
+
+
+# ------------------------------------------------------------------------------------------ in the wrapper
+STREAM = [image_batch(8, seed=60 + i) for i in range(4)]
+
+
+def _wrapper(**extra):
+    tta = TTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2, **extra))
+    return tta, tta.encode_gallery(text_batch(20, seed=1))
+
+
+def _source_scores(batch):
+    """The source model's scores of a batch: a fresh wrapper's answer (nothing adapted)."""
+    fresh, gallery = _wrapper()
+    return fresh.answer(batch, gallery).scores
+
+
+@pytest.mark.parametrize("margin", [-0.99, 0.99])
+def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin):
+    anchored, gallery = _wrapper(source_anchor={"margin": margin, "momentum": 0.5})
+    plain, gallery_p = _wrapper()
+    e = 0.0
+    for x in STREAM[:3]:
+        out, ref = anchored.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
+        source = _source_scores(x)
+        d = mean_top1_probability(ref.scores, 0.01) - mean_top1_probability(source, 0.01)
+        e = 0.5 * e + 0.5 * d  # e_t = m e_{t-1} + (1 - m) d_t
+        assert out.logs["source_anchor.evidence"] == pytest.approx(e, abs=1e-9)
+        assert SourceAnchor.evidence(anchored) == pytest.approx(e, abs=1e-9)
+        adapted = e > margin
+        assert out.logs["source_anchor.adapted_answers"] == float(adapted)
+        assert torch.allclose(out.scores, ref.scores if adapted else source, atol=1e-6)
+        assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
+    assert all(torch.equal(p, plain.params[n]) for n, p in anchored.params.items())
+
+
+def test_a_batch_answered_without_the_steps_is_not_judged():
+    tta, gallery = _wrapper(source_anchor={}, shift_gate={"threshold": 1e9})
+    tta.fit_shift_gate(image_batch(64, seed=3))  # the gate stays closed: the source answers, nothing adapts
+    out = tta.adapt_step(STREAM[0], gallery)
+    assert "source_anchor.evidence" not in out.logs and SourceAnchor.evidence(tta) == 0.0
+
+
+def test_reset_returns_the_evidence_to_zero_and_a_refused_batch_changes_nothing():
+    tta, gallery = _wrapper(source_anchor={})
+    for x in STREAM[:2]:
+        tta.adapt_step(x, gallery)
+    e = SourceAnchor.evidence(tta)
+    assert e != 0.0
+    with pytest.raises(ValueError):
+        tta.adapt_step({"pixel_values": torch.full((2, 3, 30, 30), float("nan"))}, gallery)
+    assert SourceAnchor.evidence(tta) == e
+    tta.reset()
+    assert SourceAnchor.evidence(tta) == 0.0
+
+
+def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path):
+    check_resume(lambda: _wrapper(source_anchor={"margin": 0.0}), STREAM, 2, tmp_path)
