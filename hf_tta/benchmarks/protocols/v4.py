@@ -262,6 +262,8 @@ def fourth_round_report_runs(choice: dict) -> list[Run]:
 
 #: default-study-r6's report seeds (registered by default-study-r5 for its report, which was never run)
 R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
+#: the report seed the main job (``hf-tta`` with no arguments) runs
+MAIN_JOB_SEED = 3
 #: the run-level settings a chosen row runs with (``hf-tta run --<field> <json>``)
 RUN_LEVEL = ("safety", "shift_gate", "weight_ensemble", "source_anchor")
 
@@ -283,7 +285,9 @@ def sixth_round_report_runs(choice: dict) -> list[Run]:
     runs += [Run(f"rep-i2t/r6-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
                                                                              default_grid=True), *a))
              for seed in R6_STREAM_SEEDS for k, a in members.items()]
-    return runs
+    # what the main job prints with this default (registrations/main-job-r6.json: descriptive, read by no choice)
+    main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
+    return runs + [Run(f"rep-i2t/main-s{MAIN_JOB_SEED}", "main-job-r6", (*main, *members["chosen"]))]
 
 
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
