@@ -264,6 +264,8 @@ def fourth_round_report_runs(choice: dict) -> list[Run]:
 R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
+#: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
+DESCRIPTIVE = frozenset({"main-job-r6"})
 #: the run-level settings a chosen row runs with (``hf-tta run --<field> <json>``)
 RUN_LEVEL = ("safety", "shift_gate", "weight_ensemble", "source_anchor")
 
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in chosen:
             check_preset(r)
         commits = {s: check_registered(s) for s in {r.study for r in chosen}}
-        for s in {r.study for r in chosen if r.split == "report"}:
+        for s in {r.study for r in chosen if r.split == "report"} - DESCRIPTIVE:
             commits[s] += " " + check_chosen(s)
     except ValueError as err:
         print(f"v4: {err}", file=sys.stderr)
