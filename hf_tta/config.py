@@ -382,15 +382,15 @@ class TTAConfig(ConfigMixin):
     @classmethod
     def recommended(cls, query_modality: str = "image", **overrides: Any) -> "TTAConfig":
         """The recommended default (:mod:`hf_tta.preset`), chosen by a registered rule on the benchmark's selection
-        split: for image queries REST at lr 1e-3 with DN on the scores and the safety layer (protocol v4's fourth
-        round, the only candidate not below the source on a style shift; the gated TCR of the earlier rounds is
-        :data:`hf_tta.preset.GATED_TCR_IMAGE`); for text queries REST at lr 3e-4 with NNN on the scores and the
+        split: for image queries TCR at lr 3e-2 behind the shift gate with source-anchored answers and the
+        degenerate-batch rule (protocol v4's sixth round; it needs ``tta.fit_shift_gate(clean_queries)``; the
+        previous defaults are :data:`hf_tta.preset.REST_DN_IMAGE` and :data:`hf_tta.preset.GATED_TCR_IMAGE`); for text queries REST at lr 3e-4 with NNN on the scores and the
         degenerate-batch rule (protocol v4); for audio and video queries TCR, DN and the safety layer at the
         modality's default lr (protocol v2, unmeasured). ``overrides`` replace fields.
 
         Example:
             >>> cfg = TTAConfig.recommended("image")
-            >>> (cfg.objective, cfg.lr, cfg.score_transform, cfg.shift_gate) == ("rest", 1e-3, "dn", None)
+            >>> (cfg.objective, cfg.lr, cfg.shift_gate["threshold"], cfg.source_anchor["margin"]) == ("tcr", 3e-2, 4.0, 0.01)
             True
             >>> TTAConfig.recommended("text").objective, TTAConfig.recommended("text").lr
             ('rest', 0.0003)

@@ -111,15 +111,16 @@ def test_row_names_parse_their_options():
         ("rest+b10@1e-3", RowSpec("rest", budget=0.1, lr=1e-3)),
         ("tcr+b12.5+nnn+safe", RowSpec("tcr", safe=True, score_transform="nnn", budget=0.125)),
         ("tcr+b100", RowSpec("tcr", budget=1.0)),
-        ("recommended", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),  # image queries' preset (v4)
-        ("recommended@3e-4", RowSpec("rest", safe=True, score_transform="dn", lr=3e-4, preset=True)),  # the row's own lr wins
+        # image queries' preset (v4's sixth round), and at the row's own lr
+        ("recommended", RowSpec("tcr", safe=True, gate=True, anchor=True, lr=3e-2, preset=True)),
+        ("recommended@3e-4", RowSpec("tcr", safe=True, gate=True, anchor=True, lr=3e-4, preset=True)),  # the row's lr wins
     ],
 )
 def test_row_names_select_one_score_transform_and_an_update_budget(row, spec):
     assert row_spec(row) == spec and row_spec(row).row == row
 
 
-@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("rest", safe=True, score_transform="dn", lr=1e-3, preset=True)),
+@pytest.mark.parametrize(("modality", "spec"), [("image", RowSpec("tcr", safe=True, gate=True, anchor=True, lr=3e-2, preset=True)),
                                                  ("text", RowSpec("rest", safe=True, score_transform="nnn", lr=3e-4, preset=True)),
                                                  ("audio", RowSpec("tcr", safe=True, score_transform="dn", preset=True))])
 def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec):
@@ -128,7 +129,7 @@ def test_the_recommended_row_is_the_preset_of_the_query_modality(modality, spec)
     assert row_spec("recommended", modality) == spec
     cfg = TTAConfig.recommended(modality)
     assert (cfg.objective, cfg.lr, cfg.score_transform) == (spec.objective, spec.lr, spec.score_transform)
-    assert (cfg.shift_gate is not None, cfg.safety is not None) == (spec.gate, spec.safe)
+    assert (cfg.shift_gate is not None, cfg.safety is not None, cfg.source_anchor is not None) == (spec.gate, spec.safe, spec.anchor)
 
 
 @pytest.mark.parametrize(
@@ -204,14 +205,18 @@ def test_recommended_row_runs_the_preset_of_tta_config():
     noise = Condition("i2t", "gaussian_noise", 5)
     got = runner.row_config("recommended", noise, 3)
     assert got == TTAConfig.recommended("image", gallery_modality="text", seed=3)
-    # the preset's row spelling runs it with the run's --safety set as the preset's (RowSpec.preset makes the row
-    # `recommended` take its safety, gate and ensembling from the preset whatever the run's)
+    # the preset's row spelling runs it with the run's --safety, gate and anchor settings set as the preset's
+    # (RowSpec.preset makes the row `recommended` take its safety, gate, ensembling and anchor from the preset whatever
+    # the run's)
     fields = TTAConfig.recommended("image")
     preset_run = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, config_overrides={
-        "safety": fields.safety}))
-    assert got == preset_run.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and got.lr == 1e-3
+        "safety": fields.safety, "shift_gate": fields.shift_gate, "source_anchor": fields.source_anchor}))
+    assert got == preset_run.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) and (got.objective, got.lr) == ("tcr", 3e-2)
+    assert got.shift_gate == fields.shift_gate and got.source_anchor == fields.source_anchor
+    # spelled out in a run without those settings, the row's +gate and +anchor run at their own defaults: not the preset
+    assert runner.row_config(RECOMMENDED_IMAGE_ROW, noise, 3) != got
     other = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=12, config_overrides={
-        "safety": {"min_agreement": 0.9}, "shift_gate": {"threshold": 99.0}}))
+        "safety": {"min_agreement": 0.9}, "shift_gate": {"threshold": 99.0}, "source_anchor": {"margin": 0.5}}))
     assert other.row_config("recommended", noise, 3) == got  # the run's settings do not reach the preset's row
     typo = Condition("t2i", "char_swap", 7)  # text queries: their own preset, at its own lr
     text = runner.row_config("recommended", typo, 3)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_tta import ChunkedGallery, GalleryCache, RunConfig, TTAConfig, TTAWrapper, TuningConfig
 from hf_tta.distributed import shard_bounds
-from hf_tta.preset import GATED_TCR_IMAGE
+from hf_tta.preset import GATED_TCR_IMAGE, REST_DN_IMAGE
 from support import gloo_worker
 from tiny_models import make_model
 
@@ -72,9 +72,11 @@ def _gate_reference():
     return {"pixel_values": 0.5 * torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(9))}
 
 
-#: The image presets run through the safety stream: TTAConfig.recommended("image") and the gated TCR of protocol v4's
-#: first rounds (hf_tta.preset.GATED_TCR_IMAGE, its gate fitted by _preset).
-PRESETS = {"recommended": TTAConfig.recommended("image"), "gated_tcr": TTAConfig.recommended("image", **GATED_TCR_IMAGE)}
+#: The image presets run through the safety stream (their gates fitted by _preset): TTAConfig.recommended("image")
+#: (protocol v4's sixth round: gated TCR with source-anchored answers), the gated TCR of its first rounds
+#: (hf_tta.preset.GATED_TCR_IMAGE: the same without the anchor) and REST + DN of its rounds 4-5 (REST_DN_IMAGE).
+PRESETS = {"recommended": TTAConfig.recommended("image"), "gated_tcr": TTAConfig.recommended("image", **GATED_TCR_IMAGE),
+           "rest_dn": TTAConfig.recommended("image", **REST_DN_IMAGE)}
 
 
 def _preset(tta):
@@ -101,6 +103,9 @@ def _run(tta, gallery, batches, start=0, save_after=None, save_dir=None):
             out[f"scores.{b}"] = res.scores
         if "anchor" in res.logs:
             out[f"anchor.{b}"] = torch.tensor(res.logs["anchor"])
+        for key in ("source_anchor.evidence", "source_anchor.adapted_answers"):  # a batch the source anchor judged
+            if key in res.logs:
+                out[f"{key}.{b}"] = torch.tensor(res.logs[key], dtype=torch.float64)
         actions.append(ACTIONS.index(res.safety_action))
         if b + 1 == save_after:
             tta.save_pretrained(save_dir)
@@ -169,8 +174,8 @@ def _safety_worker(rank: int, out_dir: str) -> None:
     save("safe", _run(tta, gallery, xs, save_after=SAVE_AFTER, save_dir=ckpt))
     resumed = DistributedTTAWrapper.from_pretrained(make_model("clip", seed=rank), ckpt)  # read on every process
     save("safe_resumed", _run(resumed, gallery, xs[SAVE_AFTER:], start=SAVE_AFTER))
-    # the image presets (the default, and the gated TCR of protocol v4's first rounds) on the dense gallery and on a
-    # sharded one (24 / 16)
+    # the image presets (the default, and those of protocol v4's earlier rounds) on the dense gallery and on a sharded
+    # one (24 / 16)
     xs = _safety_stream(REC_BATCH)[:4]
     lo, hi = (0, 24) if rank == 0 else (24, 40)
     sharded = ShardedGallery(ChunkedGallery(gallery.embeddings[lo:hi], "text", k=5, chunk_size=8))
@@ -261,14 +266,19 @@ def _assert_ranks_equal_single(ranks, single):
         assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs between the processes"
 
 
+#: TCR at 3e-2 behind its gate, which opens on the safety stream: the collapse rule resets the tiny model twice
+GATED_ACTIONS = ["reset", "skip_degenerate", None, "reset"]
 SAFETY_RUNS = {  # name: (config, gallery on one process, batch rows, batches, the actions taken)
     "safe": (SAFE, "dense", BATCH, 6, [None, "skip_degenerate", "rollback", "rollback", "reset", "rollback"]),
-    # the default (REST + DN under the whole safety layer): the degenerate batch is skipped, the others kept
-    "recommended": (PRESETS["recommended"], "dense", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
-    "recommended_sharded": (PRESETS["recommended"], "topk", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
-    # TCR at 3e-2 behind its gate, which opens on this stream: the collapse rule resets the tiny model twice
-    "gated_tcr": (PRESETS["gated_tcr"], "dense", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
-    "gated_tcr_sharded": (PRESETS["gated_tcr"], "topk", REC_BATCH, 4, ["reset", "skip_degenerate", None, "reset"]),
+    # the default: the gated TCR with source-anchored answers. The anchor chooses who answers after the steps and the
+    # safety layer's checks, so it takes the gated TCR's actions; it judges the batch the safety layer kept
+    "recommended": (PRESETS["recommended"], "dense", REC_BATCH, 4, GATED_ACTIONS),
+    "recommended_sharded": (PRESETS["recommended"], "topk", REC_BATCH, 4, GATED_ACTIONS),
+    "gated_tcr": (PRESETS["gated_tcr"], "dense", REC_BATCH, 4, GATED_ACTIONS),
+    "gated_tcr_sharded": (PRESETS["gated_tcr"], "topk", REC_BATCH, 4, GATED_ACTIONS),
+    # REST + DN under the whole safety layer (no gate): the degenerate batch is skipped, the others kept
+    "rest_dn": (PRESETS["rest_dn"], "dense", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
+    "rest_dn_sharded": (PRESETS["rest_dn"], "topk", REC_BATCH, 4, [None, "skip_degenerate", None, None]),
 }
 
 
@@ -281,6 +291,10 @@ def test_safety_two_processes_equal_one(distributed_outputs, name):
     tta = _preset(TTAWrapper(make_model("clip", seed=0), config))
     single = _run(tta, gallery, _safety_stream(rows)[:n])
     assert [ACTIONS[i] for i in single["actions"].tolist()] == actions  # the stream exercises what it should
+    # the source anchor judges every batch that adapted and that the safety layer let the adapted model answer, and no
+    # other (a skip or a reset answers with the source already); its evidence is compared across processes below
+    judged = {b for b, a in enumerate(actions) if a is None} if config.source_anchor is not None else set()
+    assert {int(k.rsplit(".", 1)[1]) for k in single if k.startswith("source_anchor.evidence.")} == judged
     _assert_ranks_equal_single(_load_ranks(distributed_outputs, name), single)
 
 

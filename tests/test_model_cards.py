@@ -240,17 +240,21 @@ def test_re_run_rows_equal_their_committed_counterparts(study):
 
 
 def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
-    """hf_tta/preset.py quotes the image default's selection share and that of the gated TCR it replaced; they are the
-    committed rows' (before: a text figure the cards had replaced stayed there)."""
+    """hf_tta/preset.py quotes the selection shares of the image default (the sixth round's choice), of the default of
+    rounds 4-5 and of the gated TCR of rounds 1-3; they are the committed rows' (before: a text figure the cards had
+    replaced stayed there)."""
     from hf_tta.benchmarks.protocols.v4_tables import summarise
 
     source = (CARDS.parent / "hf_tta" / "preset.py").read_text()
-    quoted = re.findall(r"(\d+\.\d) %", source)
-    assert len(quoted) == 2, quoted  # a new figure there needs a check here
-    block = summarise(CARDS / "results" / "protocol-v4" / "rows.jsonl", "i2t", "r4")
-    for figure, row in zip(quoted, ("| r4-previous/rest+dn+safe@1e-3 |", "| r4-incumbent/tcr+gate+safe@3e-2 |")):
-        line = next(x for x in block.splitlines() if x.startswith(row))
-        assert line.split("|")[2].strip() == f"{figure} %", (row, figure)
+    quoted = set(re.findall(r"(\d+\.\d) %", source))
+    rows = CARDS / "results" / "protocol-v4" / "rows.jsonl"
+    named = {("r6", "| r6-anchor0.01/tcr+gate+anchor+safe@3e-2 |"), ("r4", "| r4-previous/rest+dn+safe@1e-3 |"),
+             ("r4", "| r4-incumbent/tcr+gate+safe@3e-2 |")}
+    shares = set()
+    for part, row in named:
+        line = next(x for x in summarise(rows, "i2t", part).splitlines() if x.startswith(row))
+        shares.add(line.split("|")[2].strip().removesuffix(" %"))
+    assert quoted == shares, (quoted, shares)  # a new figure there needs a row here
 
 
 def _v3_tables() -> str:
@@ -283,8 +287,9 @@ def test_every_figure_of_the_options_cards_prose_is_printed_from_rows(section, e
 
 
 #: Figures of the protocol-v4 prose that are settings, not measurements: the intervals' level, the margin within which a
-#: verdict is re-drawn, ROID's momentum, and issue 48's targets (85 % and 60 % of the best fixed lr, 90 % of the ceiling).
-V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %"}
+#: verdict is re-drawn, ROID's momentum, issue 48's targets (85 % and 60 % of the best fixed lr, 90 % of the ceiling)
+#: and the source anchor's settings (temperature and margins 0.01 and 0.02, momentum 0.8 and its complement 0.2).
+V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %", "0.01", "0.02", "0.8", "0.2"}
 
 
 @pytest.mark.slow

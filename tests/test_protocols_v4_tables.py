@@ -2,11 +2,16 @@
 
 import json
 
+import pytest
+
 from hf_tta.benchmarks.protocols import v4_tables
 
 N = 200
-DEFAULT = "rest+dn+safe@1e-3"  # the image default's row name in protocol v4's runs
-SHOWN = "recommended: rest+dn+safe@1e-3"  # as the tables name it
+DEFAULT = "tcr+gate+anchor+safe@3e-2"  # the image default's row name in protocol v4's runs (the sixth round's choice)
+SHOWN = "recommended: tcr+gate+anchor+safe@3e-2"  # as the tables name it
+PREVIOUS = "rest+dn+safe@1e-3"  # the image default of the fourth and fifth rounds
+PREVIOUS_SHOWN = "rest+dn+safe@1e-3 (default of rounds 4-5)"
+FIRST_SHOWN = "tcr+gate+safe@3e-2 (default of rounds 1-3)"  # what the first rounds' row `recommended` ran
 
 
 def _row(run, objective, shift, bits, severity=None, seed=3, direction="i2t"):
@@ -47,6 +52,12 @@ def test_the_streams_table_and_the_main_table():
     assert line.count("+0.0 [+0.0] not below") == 2  # clean and degenerate exactly at the source
     main = v4_tables.main_table(rows)
     assert "| source | 100.0 | 60.0 | – | – | – |" in main and f"| {SHOWN} | 100.0 | 80.0 | 50.0 % |" in main
+    # the main job's own run of the default (main-job-r6: rep-i2t/main-s3) is read with the streams runs
+    main_run = [{**r, "run": "rep-i2t/main-s3"} if r["run"] == "rep-i2t/streams-s3" and r["objective"] != "source" else r
+                for r in rows]
+    assert v4_tables.main_table(main_run) == main
+    elsewhere = [{**r, "run": "rep-i2t/other-s3"} if r["run"] == "rep-i2t/main-s3" else r for r in main_run]
+    assert f"| {SHOWN} |" not in v4_tables.main_table(elsewhere)  # nor a run of another name
 
 
 def test_export_and_refresh_of_a_card(tmp_path):
@@ -67,39 +78,94 @@ def test_export_and_refresh_of_a_card(tmp_path):
     assert "stale" not in card.read_text() and f"| {SHOWN} | 100.0 | 80.0 | 50.0 % |" in card.read_text()
 
 
-def test_the_fourth_rounds_report_streams_read_only_its_own_runs():
+@pytest.mark.parametrize(("part", "table", "first", "own"), [
+    ("r4streams", "streams", "streams-s3", "r4-streams-s3"),  # the fourth round's report streams
+    ("r6streams", "streams", "streams-s3", "r6-streams-chosen-s3"),  # the sixth round's (a folder per row)
+    ("r6headline", "headline", "headline-s3", "r6-headline-chosen-s3"),  # and its headline
+])
+def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, table, first, own):
     rows = _rows()
-    renamed = [{**r, "run": r["run"].replace("rep-i2t/streams", "rep-i2t/r4-streams")} for r in rows]
-    assert v4_tables.streams(renamed, "i2t", "r4-streams") == v4_tables.streams(rows, "i2t")
-    assert f"| {SHOWN} |" not in v4_tables.streams(rows, "i2t", "r4-streams")  # the first rounds' runs are not its
+    renamed = [{**r, "run": r["run"].replace(f"rep-i2t/{first}", f"rep-i2t/{own}")} for r in rows]
+    for name, kept in (("renamed", renamed), ("rows", rows)):
+        tmp_path.joinpath(f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert v4_tables.summarise(tmp_path / "renamed.jsonl", "i2t", part) == getattr(v4_tables, table)(rows, "i2t")
+    assert f"| {SHOWN} |" not in v4_tables.summarise(tmp_path / "rows.jsonl", "i2t", part)  # the first rounds' runs are not its
 
 
-def test_the_tables_name_what_each_image_row_ran():
-    """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds; the tables say so, and
-    name the fourth round's choice (today's ``TTAConfig.recommended("image")``) as the default. Text rows keep their
-    names."""
-    rows = _rows()
-    old = [{**r, "objective": "recommended"} if r["objective"] == DEFAULT else r for r in rows]
-    table = v4_tables.streams(old, "i2t")
-    assert "| tcr+gate+safe@3e-2 (default of rounds 1-3) |" in table and "recommended" not in table.split("(default")[1]
-    text = [{**r, "direction": "t2i", "run": r["run"].replace("i2t", "t2i")} for r in old]
-    assert "| recommended |" in v4_tables.streams(text, "t2i")
+@pytest.mark.parametrize(("objective", "shown"), [("recommended", FIRST_SHOWN), (PREVIOUS, PREVIOUS_SHOWN), (DEFAULT, SHOWN)])
+def test_the_tables_name_what_each_image_row_ran(objective, shown):
+    """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds, the fourth round's choice
+    ran as ``rest+dn+safe@1e-3`` and the sixth's (today's ``TTAConfig.recommended("image")``) under its own row name;
+    the tables say which default each was and name the sixth round's the default. Text rows keep their names."""
+    rows = [{**r, "objective": objective} if r["objective"] == DEFAULT else r for r in _rows()]
+    table = v4_tables.streams(rows, "i2t")
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [shown]
+    text = [{**r, "direction": "t2i", "run": r["run"].replace("i2t", "t2i")} for r in rows]
+    assert [line.split("|")[1].strip() for line in v4_tables.streams(text, "t2i").splitlines()[2:]] == [objective]
 
 
-def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_same_seeds():
-    """Issue 48's targets by hand: on the image headline (the fourth round's seed) the default wins back 50 % of the
-    lost recall and TCR at 3e-2 all of it, so the default reaches 50 % of that row's share; the default grid over the
-    stream runs' seeds; a headline seed only the comparator ran (seed 3 here) is not read."""
-    rows = [_row("r4-headline-s6", "source", "clean", _bits(N), seed=6), _row("r4-headline-s6", "source", "gaussian_noise", _bits(100), 5, seed=6),
-            _row("r4-headline-s6", DEFAULT, "gaussian_noise", _bits(150), 5, seed=6),
-            _row("r4-headline-s6", "tcr@3e-2", "gaussian_noise", _bits(200), 5, seed=6),
-            _row("r4-headline-s3", "source", "clean", _bits(N)), _row("r4-headline-s3", "source", "gaussian_noise", _bits(100), 5),
-            _row("r4-headline-s3", "tcr@3e-2", "gaussian_noise", _bits(100), 5)]  # seed 3: the default did not run there
-    rows += [r for r in _rows() if r["run"].startswith("rep-i2t/streams")]
-    table = v4_tables.targets(rows, "i2t")
-    default = next(line for line in table.splitlines() if line.startswith(f"| {SHOWN} |"))
-    cells = [c.strip() for c in default.strip("|").split("|")]
-    assert cells[1:5] == ["6", "50.0 %", "100.0 %", "50.0 %"]  # seeds, headline share, the default's ÷ itself, grid
-    assert cells[6] == "not below" and cells[10] == "not below"  # clean and degenerate exactly at the source
-    tcr = next(line for line in table.splitlines() if line.startswith("| tcr@3e-2 |"))
-    assert [c.strip() for c in tcr.strip("|").split("|")][1:4] == ["6", "100.0 %", "50.0 %"]
+def _headline(run, seed, hits):
+    """A headline run on ``seed``: the source (clean; gaussian noise 5 at 100 of 200, so 100 hits lost) and each row's
+    gaussian noise 5 at its ``hits``."""
+    rows = [_row(run, "source", "clean", _bits(N), seed=seed), _row(run, "source", "gaussian_noise", _bits(100), 5, seed=seed)]
+    return rows + [_row(run, obj, "gaussian_noise", _bits(h), 5, seed=seed) for obj, h in hits.items()]
+
+
+def _streams(run, seed, hits):
+    """A streams run on ``seed``: the source (clean; contrast 1 at 120 of 200, so 80 hits lost) and each row's contrast 1
+    at its ``hits``, with its clean and degenerate streams exactly at the source."""
+    rows = [_row(run, "source", "clean", _bits(N), seed=seed), _row(run, "source", "contrast", _bits(120), 1, seed=seed)]
+    for obj, h in hits.items():
+        rows += [_row(run, obj, "contrast", _bits(h), 1, seed=seed), _row(run, obj, "clean", _bits(N), seed=seed),
+                 _row(run, obj, "degenerate", _bits(N), seed=seed)]
+    return rows
+
+
+#: Both rounds' report runs in one set of rows, each part reading its own. The fourth round (part ``targets4``): its
+#: headline on seed 6 (seed 3: only TCR at 3e-2 ran there), its default's streams in the first rounds' runs (seed 3)
+#: and its own (seed 13). The sixth (part ``targets``): each row in a folder of its own with the source's rows in each,
+#: its headline on seed 7 (seed 8: only TCR at 3e-2), its streams on seed 15, where the previous default ran again.
+TARGET_RUNS = [
+    *_headline("r4-headline-s6", 6, {PREVIOUS: 150, "tcr@3e-2": 200, "recommended": 125}),
+    *_headline("r4-headline-s3", 3, {"tcr@3e-2": 100}),
+    *_streams("streams-s3", 3, {PREVIOUS: 160}),
+    *_streams("r4-streams-s13", 13, {PREVIOUS: 140}),
+    *_headline("r6-headline-chosen-s7", 7, {DEFAULT: 160}),
+    *_headline("r6-headline-tcr-s7", 7, {"tcr@3e-2": 180}),
+    *_headline("r6-headline-previous-s7", 7, {PREVIOUS: 120}),
+    *_headline("r6-headline-tcr-s8", 8, {"tcr@3e-2": 100}),
+    *_streams("r6-streams-chosen-s15", 15, {DEFAULT: 170}),
+    *_streams("r6-streams-previous-s15", 15, {PREVIOUS: 180}),
+]
+
+
+@pytest.mark.parametrize(("part", "expected"), [
+    # the fourth round's default on seed 6 wins back 50 of the 100 hits lost (50 %), TCR at 3e-2 all of them (100 %:
+    # the default reaches 50 % of it) and the first rounds' default 25 (25 %: the default reaches 200 % of it); its
+    # default grid over seeds 3 and 13: contrast R@1 (80 + 70) / 2 = 75 against the source's 60 of 100, 15 of 40 lost
+    ("targets4", {PREVIOUS_SHOWN: ["6", "50.0 %", "100.0 %", "37.5 %", "+25.0", "not below"],
+                  "tcr@3e-2": ["6", "100.0 %", "50.0 %", "–", "+50.0", "–"],
+                  FIRST_SHOWN: ["6", "25.0 %", "200.0 %", "–", "+12.5", "–"]}),
+    # the sixth round's default on seed 7 wins back 60 of 100 (60 %), TCR at 3e-2 80 (80 %: 75 % of it), the previous
+    # default 20 (20 %: 300 %); the default grid on seed 15: the default's contrast R@1 85 (25 of 40 lost: 62.5 %), the
+    # previous default's 90 (30 of 40: 75 %; its fourth-round streams on seeds 3 and 13 are not read)
+    ("targets", {SHOWN: ["7", "60.0 %", "100.0 %", "62.5 %", "+30.0", "not below"],
+                 "tcr@3e-2": ["7", "80.0 %", "75.0 %", "–", "+40.0", "–"],
+                 PREVIOUS_SHOWN: ["7", "20.0 %", "300.0 %", "75.0 %", "+10.0", "not below"]}),
+])
+def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_same_seeds(tmp_path, part, expected):
+    """Issue 48's targets by hand, for the current image default (part ``targets``) and the fourth round's
+    (``targets4``): on the headline (the default's round's seed) each row's pooled share and the default's share as a
+    share of it; the default grid over the stream runs' seeds; a headline seed only a comparator ran is not read, nor
+    another round's runs."""
+    table = v4_tables.targets(TARGET_RUNS, "i2t", part)
+    got = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        worst, delta = cells[5].split(": ")[0], cells[5].split(": ")[1].split(" [")[0]
+        assert worst == "gaussian_noise 5"  # the one headline column
+        assert cells[6] == cells[10]  # clean and degenerate: both exactly at the source, or both not run
+        got[cells[0]] = [*cells[1:5], delta, cells[6]]
+    assert got == expected and table.splitlines()[2].startswith(f"| {next(iter(expected))} |")  # the default first
+    tmp_path.joinpath("rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TARGET_RUNS))
+    assert v4_tables.summarise(tmp_path / "rows.jsonl", "i2t", part) == table

@@ -277,12 +277,16 @@ def test_recommended_preset_round_trips_and_builds_a_wrapper(tmp_path):
     assert TTAConfig.recommended("image", safety={"min_agreement": 0.3}).safety == {"min_agreement": 0.3}
     tta = TTAWrapper(make_model("clip"), TTAConfig.recommended("image"))
     assert tta.safety.active == (RECOMMENDED_IMAGE.get("safety") is not None)
-    with pytest.raises(ValueError, match="the gate is off"):  # the image default (protocol v4's fourth round) has no gate
-        tta.fit_shift_gate(batch("image", 40, seed=5))
-    out = tta.adapt_step(batch("image", 8, seed=2), tta.encode_gallery(batch("text", 10, seed=1)))
-    assert torch.isfinite(out.scores).all()
+    gallery = tta.encode_gallery(batch("text", 10, seed=1))
+    # the image default (protocol v4's sixth round) gates: before its reference the source answers, nothing adapts
+    before = tta.adapt_step(batch("image", 8, seed=2), gallery)
+    assert before.num_updates == 0 and before.logs["shift_gate_open"] == 0.0
+    tta.fit_shift_gate(batch("image", 40, seed=5))
+    out = tta.adapt_step(batch("image", 8, seed=2), gallery)
+    assert torch.isfinite(out.scores).all() and "shift_gate_statistic" in out.logs
     tta.save_pretrained(tmp_path / "ckpt")
-    assert TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt").config == TTAConfig.recommended("image")
+    loaded = TTAWrapper.from_pretrained(make_model("clip"), tmp_path / "ckpt")
+    assert loaded.config == TTAConfig.recommended("image") and loaded.shift_gate.fitted  # the reference comes with it
     with pytest.raises(ValueError, match="query_modality"):
         TTAConfig.recommended("smell")
 

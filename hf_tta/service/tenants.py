@@ -178,9 +178,12 @@ class TenantAdapters:
 
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads(fh.metadata()["hf_tta_tenants"])
+        from ..config import TTAConfig
+
         config = self.wrapper.resolved_config().to_dict()
-        if meta["config"] != config:
-            diff = sorted(k for k in set(config) | set(meta["config"]) if config.get(k) != meta["config"].get(k))
+        saved = TTAConfig.from_dict(meta["config"]).to_dict()  # a field added since the file was written: its default
+        if saved != config:
+            diff = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
             raise ValueError(f"{path} was saved with another TTAConfig (differs in {diff[:4]}): start with that config or another --state-dir")
         if meta["names"] != self._names():
             raise ValueError(f"{path} adapts other parameters than this model: another model or --state-dir")

@@ -37,11 +37,13 @@ from .v4_choice import summarise as summarise_selection
 SOURCE = "source"
 #: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
 #: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
-#: :data:`.v4.REGISTERED_IMAGE_PRESET`), and the fourth round's choice, now ``TTAConfig.recommended("image")``, ran
-#: under its own row name.
+#: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's, now
+#: ``TTAConfig.recommended("image")``, ran under their own row names.
 IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
-                   "rest+dn+safe@1e-3": "recommended: rest+dn+safe@1e-3"}
-PARTS = ("selection", "r4", "r4streams", "r5", "targets", "headline", "streams", "main", "v3verdicts")
+                   "rest+dn+safe@1e-3": "rest+dn+safe@1e-3 (default of rounds 4-5)",
+                   "tcr+gate+anchor+safe@3e-2": "recommended: tcr+gate+anchor+safe@3e-2"}
+PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "targets", "targets4", "headline", "streams",
+         "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -114,9 +116,10 @@ def _r1(rows_by_key: dict, keys: list, c: tuple) -> float:
     return float(np.mean([100 * hits(rows_by_key[k]).mean() for k in keys if k[0] == c]))
 
 
-def headline(rows: list[dict], direction: str) -> str:
-    """The primary table: every report row over the headline columns (all seeds it holds)."""
-    src, by = _report(rows, direction, "headline")
+def headline(rows: list[dict], direction: str, runs: str = "headline") -> str:
+    """The primary table: every report row over the headline columns (all seeds it holds) of the runs whose names
+    start with ``runs`` (``r6-headline``: default-study-r6's report on its new seed)."""
+    src, by = _report(rows, direction, runs)
     lines = ["| row | seeds | columns | share (pooled) | share (mean of columns) | worst column: Δ [bound] | Δ [bound] | verdict |",
              "|---|---:|---:|---:|---:|---|---:|---|"]
     apart_note = set()
@@ -219,8 +222,9 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
 
 
 def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
-    """The main job's rows (report seed 3, the default grid and the clean stream): R@1 per column, share, verdict."""
-    src, by = _report(rows, direction, "streams")
+    """The main job's rows (report seed 3, the default grid and the clean stream): R@1 per column, share, verdict; from
+    the report's streams runs and the main job's own run of the current default (``main-s3``, main-job-r6)."""
+    src, by = _merged(rows, direction, ("streams", "main-"))
     keys = sorted({k for k in src if k[1] == seed and k[0][0] not in ("noto", "diverse", "switch", "degenerate")}, key=str)
     grid = [k for k in keys if k[0][0] != "clean"]
     head = "| row | clean | " + " | ".join(_name(k[0]) for k in grid) + " | share | Δ [bound] | verdict |"
@@ -241,12 +245,15 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     return "\n".join(lines)
 
 
-#: Issue 48's targets, per query modality: the default's row name in the runs, the comparators it is measured against
-#: (image: the best labelled fixed lr; text: NNN alone and REST at its lr) and the run prefixes of its headline and
-#: streams (the image default's headline ran on the fourth round's new seed only: the comparators are read on the same
-#: seeds).
-TARGET_ROWS = {"i2t": ("rest+dn+safe@1e-3", ("tcr@3e-2", "recommended"), ("r4-headline",), ("streams", "r4-streams")),
-               "t2i": ("recommended", ("nnn", "rest@3e-4"), ("headline",), ("streams",))}
+#: Issue 48's targets, per (table part, query modality): the default's row name in the runs, the comparators it is
+#: measured against (image: the best labelled fixed lr and the previous defaults; text: NNN alone and REST at its lr)
+#: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seed only: the
+#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r6's report on
+#: seeds 7, 15 and 16); ``targets4``: the fourth round's default on its report seeds (6, 13, 14 and the first streams).
+TARGET_ROWS = {("targets", "i2t"): ("tcr+gate+anchor+safe@3e-2", ("tcr@3e-2", "rest+dn+safe@1e-3"), ("r6-headline",),
+                                    ("r6-streams",)),
+               ("targets", "t2i"): ("recommended", ("nnn", "rest@3e-4"), ("headline",), ("streams",)),
+               ("targets4", "i2t"): ("rest+dn+safe@1e-3", ("tcr@3e-2", "recommended"), ("r4-headline",), ("streams", "r4-streams"))}
 
 
 def _merged(rows: list[dict], direction: str, prefixes: tuple) -> tuple[dict, dict]:
@@ -263,11 +270,11 @@ def _passes(row: dict, keys: list) -> float:
     return float(np.mean([row[k].get("forward_per_query", 0) + row[k].get("backward_per_query", 0) for k in keys]))
 
 
-def targets(rows: list[dict], direction: str) -> str:
+def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
     """The default against issue 48's targets: on the headline columns (the seeds the default ran, every row on those
     seeds) its pooled share, each comparator's and the ratio, its worst column; on the default grid (image) the same
     over every stream seed; each stream's verdict; forward + backward passes per query against the first comparator."""
-    default, others, head, stream = TARGET_ROWS[direction]
+    default, others, head, stream = TARGET_ROWS[(part, direction)]
     name = IMAGE_ROW_NAMES.get(default, default) if direction == "i2t" else default
     src, by = _merged(rows, direction, head)
     lines = ["| row | headline seeds | headline share | the default's ÷ this | default-grid share | worst headline column "
@@ -346,14 +353,20 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return streams(rows, direction, "r4-streams")
     if part == "r5":  # default-study-r5's selection table and choice (its runs and its incumbent's)
         return selection(rows, direction, "default-study-r5")
+    if part == "r6":  # default-study-r6's selection table and choice (its runs and its incumbent's)
+        return selection(rows, direction, "default-study-r6")
+    if part == "r6headline":  # its report: the chosen row, TCR at 3e-2 and the incumbent on seed 7
+        return headline(rows, direction, "r6-headline")
+    if part == "r6streams":  # and on seeds 15 and 16
+        return streams(rows, direction, "r6-streams")
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
-    if part == "targets":  # issue 48's targets: the default against the best fixed lr (text: NNN and REST)
-        return targets(rows, direction)
+    if part in ("targets", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
+        return targets(rows, direction, part)
     if part == "v3verdicts":
         return v3_verdicts(rows, direction)
     raise ValueError(f"part must be one of {PARTS}; got {part!r}.")
