@@ -252,7 +252,7 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
 #: seeds 7, 15 and 16); ``targets4``: the fourth round's default on its report seeds (6, 13, 14 and the first streams).
 TARGET_ROWS = {("targets", "i2t"): ("tcr+gate+anchor+safe@3e-2", ("tcr@3e-2", "rest+dn+safe@1e-3"), ("r6-headline",),
                                     ("r6-streams",)),
-               ("targets", "t2i"): ("recommended", ("nnn", "rest@3e-4"), ("headline",), ("streams",)),
+               ("targets", "t2i"): ("recommended", ("nnn", "rest@1e-4"), ("headline",), ("streams",)),
                ("targets4", "i2t"): ("rest+dn+safe@1e-3", ("tcr@3e-2", "recommended"), ("r4-headline",), ("streams", "r4-streams"))}
 
 
