@@ -1,6 +1,7 @@
 """The wrapper's batch policies from its config (issue 46): the update budget first (it decides before anything
 runs on the batch), the shift gate (a closed gate answers with the source), then the lr search (its probe answers a
-probe batch; after it, its step rule and back-off) weight ensembling (a pull towards the source after the update) and the source anchor (last: it chooses who answers)."""
+probe batch; after it, its step rule and back-off), weight ensembling (a pull towards the source after the update)
+and the source anchor (last: it chooses who answers)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from .base import BatchPolicy
 
 
 def build_policies(wrapper: Any) -> list[BatchPolicy]:
-    """``TTAConfig.update_budget``, ``shift_gate``, ``lr_search``, ``weight_ensemble`` and ``source_anchor`` as policies, in the order
-    they act; empty when none is on."""
+    """``TTAConfig.update_budget``, ``shift_gate``, ``lr_search``, ``weight_ensemble`` and ``source_anchor`` as
+    policies, in the order they act; empty when none is on."""
     cfg, policies = wrapper.config, []
     if cfg.update_budget is not None:
         policies.append(UpdateBudget(cfg.build_update_budget_config()))

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..config import TTAConfig
 from ..slots import SlotBank
 from ..state import ALL, AdapterState
 from ..wrapper import TTAWrapper
@@ -178,8 +179,6 @@ class TenantAdapters:
 
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads(fh.metadata()["hf_tta_tenants"])
-        from ..config import TTAConfig
-
         config = self.wrapper.resolved_config().to_dict()
         saved = TTAConfig.from_dict(meta["config"]).to_dict()  # a field added since the file was written: its default
         if saved != config:
