@@ -20,7 +20,8 @@ default-study-r6).
 The evidence :math:`e_t` is adapted state (``AdapterState``'s selector part, key ``source_anchor.evidence``): saved
 with the checkpoint, restored by a safety rollback, and back at :math:`e_0 = 0` after :meth:`~hf_tta.TTAWrapper.reset`.
 A batch answered without the steps (a closed shift gate, an update budget's skip) or answered by the source already
-(the safety layer's skip or rollback) is not judged and leaves :math:`e` as it was. With a top-k gallery backend the
+(the safety layer's degenerate skip; with ``scoring="after_update"`` also its rollback or reset) is not judged and
+leaves :math:`e` as it was. With a top-k gallery backend the
 softmax runs over each view's candidates.
 """
 
