@@ -109,3 +109,20 @@ def test_reset_returns_the_evidence_to_zero_and_a_refused_batch_changes_nothing(
 
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path):
     check_resume(lambda: _wrapper(source_anchor={"margin": 0.0}), STREAM, 2, tmp_path)
+
+
+def test_each_routed_domain_keeps_its_own_evidence_and_the_stream_resumes_bit_exact(tmp_path):
+    from hf_tta import RoutedTTAWrapper
+
+    def make():
+        tta = RoutedTTAWrapper(make_model("clip"), TTAConfig(objective="tcr", query_modality="image", lr=1e-2,
+                                                             source_anchor={"margin": 0.0}))
+        return tta, tta.encode_gallery(text_batch(20, seed=1))
+
+    routed, gallery = make()
+    routed.adapt_step(STREAM[0], gallery, domain="a")
+    first_b = routed.adapt_step(STREAM[1], gallery, domain="b").logs["b/source_anchor.evidence"]
+    alone, gallery_alone = _wrapper(source_anchor={"margin": 0.0})  # domain b starts from e = 0, as a fresh wrapper
+    assert first_b == alone.adapt_step(STREAM[1], gallery_alone).logs["source_anchor.evidence"] != 0.0
+    stream = [("a", STREAM[0]), ("b", STREAM[1]), ("a", STREAM[2]), ("b", STREAM[3])]
+    check_resume(make, stream, 2, tmp_path, step=lambda tta, g, x: tta.adapt_step(x[1], g, domain=x[0]))
