@@ -292,8 +292,8 @@ class TTAConfig(ConfigMixin):
                              "reset_policy='episodic' resets every batch: use {'entropy_threshold': ...} or reset_policy='never'.")
 
     def _check_source_anchors(self) -> None:
-        """``shift_gate`` and ``weight_ensemble`` (protocol v4's default study, issue 48) act on a gradient objective's
-        updates over a continual stream, and not (yet) inside the lr search's probe."""
+        """``shift_gate``, ``weight_ensemble`` and ``source_anchor`` (protocol v4's default study, issue 48) act on a
+        gradient objective's updates over a continual stream, and not (yet) inside the lr search's probe."""
         for name, cls in (("shift_gate", ShiftGateConfig), ("weight_ensemble", WeightEnsembleConfig),
                           ("source_anchor", SourceAnchorConfig)):
             value = getattr(self, name)
@@ -384,8 +384,8 @@ class TTAConfig(ConfigMixin):
         """The recommended default (:mod:`hf_tta.preset`), chosen by a registered rule on the benchmark's selection
         split: for image queries TCR at lr 3e-2 behind the shift gate with source-anchored answers and the
         degenerate-batch rule (protocol v4's sixth round; it needs ``tta.fit_shift_gate(clean_queries)``; the
-        previous defaults are :data:`hf_tta.preset.REST_DN_IMAGE` and :data:`hf_tta.preset.GATED_TCR_IMAGE`); for text queries REST at lr 3e-4 with NNN on the scores and the
-        degenerate-batch rule (protocol v4); for audio and video queries TCR, DN and the safety layer at the
+        previous defaults are :data:`hf_tta.preset.REST_DN_IMAGE` and :data:`hf_tta.preset.GATED_TCR_IMAGE`); for
+        text queries REST at lr 3e-4 with NNN on the scores and the degenerate-batch rule (protocol v4); for audio and video queries TCR, DN and the safety layer at the
         modality's default lr (protocol v2, unmeasured). ``overrides`` replace fields.
 
         Example:

@@ -36,17 +36,6 @@ from typing import Any
 RECOMMENDED: dict[str, Any] = {"objective": "tcr", "score_transform": "dn", "safety": {}}
 #: The safety layer's degenerate-batch rule alone (no agreement or drift rollback).
 SAFETY_DEGENERATE_ONLY: dict[str, Any] = {"min_agreement": 0, "max_agreement_drop": 1}
-#: Image queries: protocol v4's sixth registered round (issue 48; ``choices/default-study-r6.json``) chose TCR at lr
-#: 3e-2 behind the shift gate (two-sample statistic, threshold 4), with source-anchored answers (margin 0.01, momentum
-#: 0.8, temperature 0.01) and the safety layer's degenerate-batch rule. It needs ``tta.fit_shift_gate(clean_queries)``.
-RECOMMENDED_IMAGE: dict[str, Any] = {"objective": "tcr", "lr": 3e-2, "safety": SAFETY_DEGENERATE_ONLY, "score_transform": None,
-                                     "shift_gate": {"statistic": "batch_mean", "threshold": 4.0},
-                                     "source_anchor": {"margin": 0.01, "momentum": 0.8, "temperature": 0.01}}
-#: The image default of rounds 4-5 (``choices/default-study-r4.json``): REST at lr 1e-3 with DN on the scores and the
-#: whole safety layer. It needs no reference queries; on the selection split it wins back 19.4 % of the lost recall
-#: against the current default's 41.9 %. Opt in with ``TTAConfig.recommended("image", **REST_DN_IMAGE)``.
-REST_DN_IMAGE: dict[str, Any] = {"objective": "rest", "lr": 1e-3, "score_transform": "dn", "safety": {}, "shift_gate": None,
-                                 "source_anchor": None}
 #: The image default of protocol v4's first three rounds (``choices/default-study.json``): TCR at lr 3e-2 behind the
 #: shift gate's two-sample statistic at threshold 4 with the degenerate-batch rule: the current default without its
 #: source anchor. It keeps clean and degenerate streams exactly at the source, but harms a style shift (Noto) and some
@@ -54,6 +43,16 @@ REST_DN_IMAGE: dict[str, Any] = {"objective": "rest", "lr": 1e-3, "score_transfo
 #: ``tta.fit_shift_gate(clean_queries)``. Opt in with ``TTAConfig.recommended("image", **GATED_TCR_IMAGE)``.
 GATED_TCR_IMAGE: dict[str, Any] = {"objective": "tcr", "lr": 3e-2, "safety": SAFETY_DEGENERATE_ONLY, "score_transform": None,
                                    "shift_gate": {"statistic": "batch_mean", "threshold": 4.0}, "source_anchor": None}
+#: Image queries: protocol v4's sixth registered round (issue 48; ``choices/default-study-r6.json``) chose the gated TCR
+#: with source-anchored answers (margin 0.01, momentum 0.8, temperature 0.01). It needs
+#: ``tta.fit_shift_gate(clean_queries)``.
+RECOMMENDED_IMAGE: dict[str, Any] = {**GATED_TCR_IMAGE,
+                                     "source_anchor": {"margin": 0.01, "momentum": 0.8, "temperature": 0.01}}
+#: The image default of rounds 4-5 (``choices/default-study-r4.json``): REST at lr 1e-3 with DN on the scores and the
+#: whole safety layer. It needs no reference queries; on the selection split it wins back 19.4 % of the lost recall
+#: against the current default's 41.9 %. Opt in with ``TTAConfig.recommended("image", **REST_DN_IMAGE)``.
+REST_DN_IMAGE: dict[str, Any] = {"objective": "rest", "lr": 1e-3, "score_transform": "dn", "safety": {}, "shift_gate": None,
+                                 "source_anchor": None}
 #: Text queries: protocol v4's default study chose REST at lr 3e-4 with NNN on the scores and the safety layer's
 #: degenerate-batch rule (no gate: on caption queries no gated candidate won more, ``choices/default-study.json``).
 RECOMMENDED_TEXT: dict[str, Any] = {"objective": "rest", "lr": 3e-4, "score_transform": "nnn", "safety": SAFETY_DEGENERATE_ONLY}

@@ -27,6 +27,7 @@ softmax runs over each view's candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -59,7 +60,6 @@ class SourceAnchor(BatchPolicy):
 
     def __init__(self, config: SourceAnchorConfig):
         self.config = config
-        self._logs: dict[str, float] = {}
 
     @staticmethod
     def evidence(wrapper: Any) -> float:
@@ -80,8 +80,6 @@ class SourceAnchor(BatchPolicy):
         adapted = e > c.margin
         logs = {**answer.logs, "source_anchor.evidence": e, "source_anchor.adapted_answers": float(adapted)}
         if adapted:
-            answer.logs = logs
-            return answer
+            return dataclasses.replace(answer, logs=logs)
         logger.debug("source_anchor: evidence %.4g <= margin %s: the source answers", e, c.margin)
-        return Answer(source, source.scores, answer.loss, answer.num_updates, answer.n_selected, answer.skipped, logs,
-                      answer.update_state, answer.report_safety)
+        return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept

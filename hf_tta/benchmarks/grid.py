@@ -79,6 +79,9 @@ RECOMMENDED = "recommended"
 #: :mod:`hf_tta.source_anchor`). Each maps to its :class:`RowSpec` field.
 ROW_OPTIONS = {"gd": "gd", "safe": "safe", "route": "route", "all": "all_params", "key": "key", "gate": "gate", "ens": "ens",
                "anchor": "anchor"}
+#: The row switches (:class:`RowSpec` fields) that turn on a :class:`~hf_tta.TTAConfig` feature whose settings are the
+#: run's (``hf-tta run --safety / --shift_gate / --weight_ensemble / --source_anchor``), and that field.
+ROW_FEATURES = {"safe": "safety", "gate": "shift_gate", "ens": "weight_ensemble", "anchor": "source_anchor"}
 #: Score transforms a row may add on top of its objective, one per row (``tcr+nnn``): :attr:`RowSpec.score_transform`,
 #: ``TTAConfig.score_transform``. Alone they are rows of their own: ``dn``, ``nnn``, ``qbnorm`` are the source model
 #: with the transform and nothing adapted (training-free objectives).

@@ -39,6 +39,7 @@ from .grid import (
     DEGENERATE_BATCHES,
     GALLERY_MODALITY,
     QUERY_MODALITY,
+    ROW_FEATURES,
     SOURCE,
     Condition,
     Job,
@@ -201,7 +202,7 @@ class GridRunner:
             from ..preset import recommended_fields
 
             fields = recommended_fields(modality)
-            base.update({k: fields.get(k) for k in ("safety", "shift_gate", "weight_ensemble", "source_anchor")})
+            base.update({k: fields.get(k) for k in ROW_FEATURES.values()})
         transform = spec.score_transform or base.get("score_transform")
         safety = base.get("safety")
         return TTAConfig(**nest({
@@ -218,9 +219,9 @@ class GridRunner:
             "score_transform": transform,
             "score_transform_config": base.get("score_transform_config", {}) if transform == base.get("score_transform") else {},
             "safety": {**(safety or {}), **s.safety} if spec.safe and not spec.preset else safety,
-            "shift_gate": dict(base.get("shift_gate") or {}) if spec.gate else base.get("shift_gate"),
-            "weight_ensemble": dict(base.get("weight_ensemble") or {}) if spec.ens else base.get("weight_ensemble"),
-            "source_anchor": dict(base.get("source_anchor") or {}) if spec.anchor else base.get("source_anchor"),
+            # a row's switch turns its feature on with the run's settings ({} = the feature's defaults)
+            **{name: dict(base.get(name) or {}) if getattr(spec, flag) else base.get(name)
+               for flag, name in ROW_FEATURES.items() if name != "safety"},
             "update_budget": {"fraction": spec.budget} if spec.budget is not None else base.get("update_budget"),
             # the supervised ceilings are prequential: each batch is scored before its labels train the model
             "scoring": "before_update" if objective == "oracle" else base.get("scoring", "after_update"),

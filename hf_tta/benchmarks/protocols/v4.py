@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...data.corruptions import CHAR_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
+from ..grid import ROW_FEATURES
 
 REPO = Path(__file__).resolve().parents[3]
 REGISTRATIONS = Path("model_cards/results/protocol-v4/registrations")
@@ -40,6 +41,8 @@ STREAM_SEEDS = (3, 4, 5, 11, 12)
 DEGENERATE_BATCHES = 50
 #: The safety layer with its degenerate-batch rule only (no drift rollback): the candidates' ``+safe``.
 SAFE_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
+#: The shift gate of rounds 3-6: the two-sample statistic at threshold 4 (``--shift_gate``).
+GATE_MEAN4 = ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def fourth_round_runs() -> list[Run]:
     shift), image queries; chosen by the registration's rule (clean, degenerate and Noto not below)."""
     study = "default-study-r4"
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
     pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
     return [
         Run("sel-i2t/r4-incumbent", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@3e-2", "tcr+gate+safe@1e-2"))),
@@ -207,7 +210,7 @@ def fifth_round_runs() -> list[Run]:
     round's choice, whose committed ``r4-previous`` rows it reads."""
     study = "default-study-r5"
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
     pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
     return [
         Run("sel-i2t/r5-gate-full", study, (*sel, "--safety", "{}", *gate, *_objectives(
@@ -222,7 +225,7 @@ def sixth_round_runs() -> list[Run]:
     two TCR lrs, on the fourth round's selection split (with Noto); its incumbent is the fourth round's choice."""
     study = "default-study-r6"
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
+    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
     anchor = lambda m: ["--source_anchor", json.dumps({"margin": m, "momentum": 0.8, "temperature": 0.01})]  # noqa: E731
     rows = _objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")
     return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *lite, *gate, *anchor(m), *rows)) for m in (0.01, 0.02)]
@@ -266,8 +269,6 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
 DESCRIPTIVE = frozenset({"main-job-r6"})
-#: the run-level settings a chosen row runs with (``hf-tta run --<field> <json>``)
-RUN_LEVEL = ("safety", "shift_gate", "weight_ensemble", "source_anchor")
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
@@ -278,7 +279,7 @@ def sixth_round_report_runs(choice: dict) -> list[Run]:
     if not c or not c.get("config") or not c["default"].startswith("r6-"):
         return []
     cfg, study = c["config"], "default-study-r6"
-    settings = [a for k in RUN_LEVEL if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
+    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
     members = {"chosen": [*settings, *_objectives(c["default"].split("/", 1)[1])], "tcr": _objectives("tcr@3e-2"),
                "previous": ["--safety", "{}", *_objectives("rest+dn+safe@1e-3")]}
     streams = ("clean", "noto", "diverse", "switch", "degenerate")

@@ -174,7 +174,7 @@ def config_of(label: str, direction: str) -> dict:
     """The :class:`~hf_tta.TTAConfig` fields a selection row ran with (``<run>/<row>``): its row name's objective, lr,
     score transform and switches, with its run's ``--safety`` / ``--shift_gate`` / ``--weight_ensemble`` /
     ``--source_anchor`` settings."""
-    from ..grid import row_spec
+    from ..grid import ROW_FEATURES, row_spec
     from .v4 import selection_runs
 
     run_name, _, row = label.partition("/")
@@ -187,11 +187,9 @@ def config_of(label: str, direction: str) -> dict:
     fields = {"objective": spec.objective, "lr": spec.lr}
     if spec.score_transform:
         fields["score_transform"] = spec.score_transform
-    for on, name, flag in ((spec.safe, "safety", "--safety"), (spec.gate, "shift_gate", "--shift_gate"),
-                           (spec.ens, "weight_ensemble", "--weight_ensemble"),
-                           (spec.anchor, "source_anchor", "--source_anchor")):
-        if on:
-            fields[name] = setting(flag)
+    for switch, name in ROW_FEATURES.items():
+        if getattr(spec, switch):
+            fields[name] = setting(f"--{name}")
     return fields
 
 
