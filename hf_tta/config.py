@@ -309,6 +309,11 @@ class TTAConfig(ConfigMixin):
             if getattr(self, name) is not None and self.reset_policy == "episodic":
                 raise ValueError(f"`{name}` acts over a continual stream; with reset_policy='episodic' every batch "
                                  f"starts from the source: drop {name} or set reset_policy='never'.")
+        anchor = self.build_source_anchor_config()
+        if anchor is not None and anchor.ensemble_weight > 0 and self.score_transform is not None:
+            raise ValueError(f"`source_anchor` ensemble_weight > 0 mixes two models' scores, which score_transform "
+                             f"{self.score_transform!r} would recompute from one model's embeddings: set "
+                             "ensemble_weight=0 or score_transform=None.")
 
     def build_shift_gate_config(self) -> ShiftGateConfig | None:
         return build_feature_config("shift_gate", ShiftGateConfig, self.shift_gate)

@@ -384,10 +384,18 @@ class SourceAnchorConfig(ConfigMixin):
     temperature: float = field(
         default=0.01, metadata={"help": "T of softmax(cos / T) over the gallery (CLIP's logit scale 100 = 1 / 0.01)."}
     )
+    ensemble_weight: float = field(
+        default=0.0,
+        metadata={"help": "While the evidence is at or below the margin, the answer's scores are (1 - w) s_source + "
+                  "w s_adapted (0: the source answers alone)."},
+    )
 
     def __post_init__(self):
         check_field_types(self)
         check_positive("temperature", self.temperature, owner="SourceAnchorConfig")
+        if not 0.0 <= self.ensemble_weight < 1.0:
+            raise ValueError(f"SourceAnchorConfig `ensemble_weight` must be in [0, 1) (1 would be the adapted answer "
+                             f"alone, i.e. no anchor); got {self.ensemble_weight}.")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"SourceAnchorConfig `momentum` must be in [0, 1) (1 would never move); got {self.momentum}.")
         if not -1.0 < self.margin < 1.0:

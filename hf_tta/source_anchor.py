@@ -10,12 +10,15 @@ the gallery. The batch's evidence is the difference of their mean top-1 softmax 
              - \\frac{1}{B}\\sum_{i} \\max_j \\operatorname{softmax}(s^{S}_{i\\cdot}/T)_j ,
 
 and its moving average over the stream :math:`e_t = m\\,e_{t-1} + (1 - m)\\,d_t` (:math:`e_0 = 0`: the source).
-The adapted model answers batch :math:`t` when :math:`e_t > \\text{margin}`; otherwise the source's scores answer it.
+The adapted model answers batch :math:`t` when :math:`e_t > \\text{margin}`; otherwise the source's scores answer it,
+or with ``ensemble_weight`` :math:`w > 0` the two models' scores mixed, :math:`(1 - w)\\,s^{S} + w\\,s^{A}` (an output
+ensemble with the source: where the two disagree, the one with the larger score gap wins the query; default-study-r7
+chose :math:`w = 0.3`). The mix needs both models' scores over the same items: a dense gallery, no score transform.
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
 (TCR on a blurred stream); one that only drifts does not (a style the source hardly knows, on which its
 pseudo-labels are mostly wrong), and then the source's answers are kept. It is a design of this library, not of a
-paper: the design probe and the registered study that chose its settings are in ``model_cards/`` (protocol v4,
-default-study-r6).
+paper: the design probes and the registered studies that chose its settings are in ``model_cards/`` (protocol v4,
+default-study-r6 and -r7).
 
 The evidence :math:`e_t` is adapted state (``AdapterState``'s selector part, key ``source_anchor.evidence``): saved
 with the checkpoint, restored by a safety rollback, and back at :math:`e_0 = 0` after :meth:`~hf_tta.TTAWrapper.reset`.
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from .config_features import SourceAnchorConfig
+from .gallery.base import GalleryBackend
 from .policies.base import Answer, BatchPolicy
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,11 @@ class SourceAnchor(BatchPolicy):
     def __init__(self, config: SourceAnchorConfig):
         self.config = config
 
+    def check(self, batch: Any) -> None:
+        if self.config.ensemble_weight > 0 and isinstance(batch.gallery, GalleryBackend):
+            raise ValueError("source_anchor ensemble_weight > 0 mixes the two models' scores over the whole gallery; a "
+                             "top-k backend gives each its own candidates: pass the dense gallery or set ensemble_weight=0.")
+
     @staticmethod
     def evidence(wrapper: Any) -> float:
         """The wrapper's current :math:`e` (0 before the first judged batch)."""
@@ -81,5 +90,9 @@ class SourceAnchor(BatchPolicy):
         logs = {**answer.logs, "source_anchor.evidence": e, "source_anchor.adapted_answers": float(adapted)}
         if adapted:
             return dataclasses.replace(answer, logs=logs)
-        logger.debug("source_anchor: evidence %.4g <= margin %s: the source answers", e, c.margin)
-        return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept
+        w = c.ensemble_weight
+        logger.debug("source_anchor: evidence %.4g <= margin %s: the source answers (adapted weight %s)", e, c.margin, w)
+        if w == 0:
+            return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept
+        mixed = torch.lerp(source.scores.detach(), answer.scores.detach().to(source.scores.dtype), w)
+        return dataclasses.replace(answer, scores=mixed, logs=logs)

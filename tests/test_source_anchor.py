@@ -31,6 +31,8 @@ def test_the_evidence_is_a_moving_average_from_zero():
     ({"momentum": 1.0}, r"`momentum` must be in \[0, 1\)"),
     ({"margin": 1.5}, r"`margin` must be in \(-1, 1\)"),
     ({"temperature": 0.0}, "`temperature` must be > 0"),
+    ({"ensemble_weight": 1.0}, r"`ensemble_weight` must be in \[0, 1\)"),
+    ({"ensemble_weight": -0.1}, r"`ensemble_weight` must be in \[0, 1\)"),
 ])
 def test_bad_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -42,6 +44,7 @@ def test_bad_settings_are_refused_in_one_line(fields, message):
     ({"reset_policy": "episodic"}, "episodic"),
     ({"lr_search": {}}, "lr search"),
     ({"source_anchor": {"margn": 0.1}}, "did you mean 'margin'"),
+    ({"source_anchor": {"ensemble_weight": 0.3}, "score_transform": "dn"}, "ensemble_weight=0 or score_transform=None"),
 ])
 def test_the_config_refuses_what_it_cannot_run(extra, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -68,9 +71,9 @@ def _source_scores(batch):
     return fresh.answer(batch, gallery).scores
 
 
-@pytest.mark.parametrize("margin", [-0.99, 0.99])
-def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin):
-    anchored, gallery = _wrapper(source_anchor={"margin": margin, "momentum": 0.5})
+@pytest.mark.parametrize("margin, weight", [(-0.99, 0.0), (0.99, 0.0), (-0.99, 0.3), (0.99, 0.3)])
+def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin, weight):
+    anchored, gallery = _wrapper(source_anchor={"margin": margin, "momentum": 0.5, "ensemble_weight": weight})
     plain, gallery_p = _wrapper()
     e = 0.0
     for x in STREAM[:3]:
@@ -82,7 +85,8 @@ def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin)
         assert SourceAnchor.evidence(anchored) == pytest.approx(e, abs=1e-9)
         adapted = e > margin
         assert out.logs["source_anchor.adapted_answers"] == float(adapted)
-        assert torch.allclose(out.scores, ref.scores if adapted else source, atol=1e-6)
+        closed = (1 - weight) * source + weight * ref.scores  # (1 - w) s^S + w s^A; w = 0: the source alone
+        assert torch.allclose(out.scores, ref.scores if adapted else closed, atol=1e-6)
         assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
     assert all(torch.equal(p, plain.params[n]) for n, p in anchored.params.items())
 
@@ -105,6 +109,19 @@ def test_reset_returns_the_evidence_to_zero_and_a_refused_batch_changes_nothing(
     assert SourceAnchor.evidence(tta) == e
     tta.reset()
     assert SourceAnchor.evidence(tta) == 0.0
+
+
+def test_a_mixed_answer_refuses_a_top_k_backend_and_changes_nothing():
+    from hf_tta.gallery import ChunkedGallery
+
+    tta, gallery = _wrapper(source_anchor={"ensemble_weight": 0.3})
+    tta.adapt_step(STREAM[0], gallery)
+    before = {n: p.clone() for n, p in tta.params.items()}
+    e, index = SourceAnchor.evidence(tta), tta.batch_index
+    with pytest.raises(ValueError, match="pass the dense gallery or set ensemble_weight=0"):
+        tta.adapt_step(STREAM[1], ChunkedGallery(gallery.embeddings, "text", k=5))
+    assert SourceAnchor.evidence(tta) == e and tta.batch_index == index
+    assert all(torch.equal(p, before[n]) for n, p in tta.params.items())
 
 
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path):

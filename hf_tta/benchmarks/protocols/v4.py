@@ -231,10 +231,28 @@ def sixth_round_runs() -> list[Run]:
     return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *lite, *gate, *anchor(m), *rows)) for m in (0.01, 0.02)]
 
 
+#: default-study-r7's anchor settings: the sixth round's choice, with the weight of the adapted scores in the answer
+#: while the evidence is at or below the margin (0: the source alone, the sixth round's choice re-run on this split)
+def r7_anchor(weight: float) -> list[str]:
+    return ["--source_anchor", json.dumps({"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight})]
+
+
+def seventh_round_runs() -> list[Run]:
+    """``default-study-r7``: source-anchored answers that mix the source's and the adapted scores while the evidence is
+    low (``ensemble_weight`` 0.3, 0.5) against the sixth round's choice (0), on the selection split with the diverse
+    stream added (validation corruptions, batch by batch)."""
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"))
+    lite = ["--safety", SAFE_LITE]
+    rows = {0: ("tcr+gate+anchor+safe@3e-2",), 0.3: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2"),
+            0.5: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")}
+    return [Run(f"sel-i2t/r7-w{w}", "default-study-r7", (*sel, *lite, *GATE_MEAN4, *r7_anchor(w), *_objectives(*r)))
+            for w, r in rows.items()]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
-            + sixth_round_runs())
+            + sixth_round_runs() + seventh_round_runs())
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -268,7 +286,7 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6"})
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7"})
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
@@ -293,6 +311,33 @@ def sixth_round_report_runs(choice: dict) -> list[Run]:
     return runs + [Run(f"rep-i2t/main-s{MAIN_JOB_SEED}", "main-job-r6", (*main, *members["chosen"]))]
 
 
+#: default-study-r7's report seeds: new ones (the sixth round's report rows were read before its registration)
+R7_HEADLINE_SEEDS, R7_STREAM_SEEDS = (8,), (17, 18)
+
+
+def seventh_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r7``'s report runs, from its committed choice, when it is not the incumbent (``r7-w0``): the
+    chosen row with its run-level settings, TCR at 3e-2 and the incumbent (the sixth round's choice), each in a
+    folder of its own, on seed 8's 30-column headline and seeds 17 and 18's default grid with the five streams; and
+    the main job's run of the chosen default (main-job-r7)."""
+    c = choice.get("i2t")
+    if not c or not c.get("config") or not c["default"].startswith("r7-") or c["default"].startswith("r7-w0/"):
+        return []
+    cfg, study = c["config"], "default-study-r7"
+    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
+    chosen = [*settings, *_objectives(c["default"].split("/", 1)[1])]
+    members = {"chosen": chosen, "tcr": _objectives("tcr@3e-2"),
+               "previous": ["--safety", SAFE_LITE, *GATE_MEAN4, *r7_anchor(0), *_objectives("tcr+gate+anchor+safe@3e-2")]}
+    streams = ("clean", "noto", "diverse", "switch", "degenerate")
+    runs = [Run(f"rep-i2t/r7-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
+            for seed in R7_HEADLINE_SEEDS for k, a in members.items()]
+    runs += [Run(f"rep-i2t/r7-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
+                                                                             default_grid=True), *a))
+             for seed in R7_STREAM_SEEDS for k, a in members.items()]
+    main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
+    return runs + [Run(f"rep-i2t/main-r7-s{MAIN_JOB_SEED}", "main-job-r7", (*main, *chosen))]
+
+
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
 #: commits): a run that names that row cannot run again once ``TTAConfig.recommended("image")`` is another preset
 #: (the fourth round's choice), or its new rows would join the old ones under the same name (:func:`check_preset`).
@@ -314,8 +359,9 @@ def check_preset(run: Run) -> None:
 
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
+    r7 = load_choice("default-study-r7")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
-            + (sixth_round_report_runs(r6) if r6 else []))
+            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []))
 
 
 # ------------------------------------------------------------------------------------------ registration

@@ -31,11 +31,12 @@ MARGIN = 0.5
 TIE = 1.0
 #: Each registered choice: the selection runs it reads (their name prefixes; ``()``: every run that no later round
 #: claims), the streams that must be not below, and the tie width in share points (``registrations/<study>.json``).
-#: Rounds 5 and 6 read their own runs and the fourth round's choice, their incumbent.
+#: Rounds 5 and 6 read their own runs and the fourth round's choice, their incumbent; round 7 re-runs its incumbent.
 ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r4": (("r4-",), ("clean", "degenerate", "noto"), 0.5),
                "default-study-r5": (("r5-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5),
-               "default-study-r6": (("r6-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5)}
+               "default-study-r6": (("r6-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5),
+               "default-study-r7": (("r7-",), ("clean", "degenerate", "noto", "diverse"), 0.5)}
 
 
 def in_study(study: str, run: str) -> bool:
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", default=None, help="add this direction's choice to a choices/<study>.json file")
     p.add_argument("--previous-preset", default=None, help="the preset row the choice replaces (recorded)")
     p.add_argument("--study", default="default-study", choices=tuple(ROUND_RULES),
-                   help="whose registered rule: default-study (rounds 1-3 together), default-study-r4, -r5 or -r6")
+                   help="whose registered rule: default-study (rounds 1-3 together), default-study-r4, -r5, -r6 or -r7")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
     _, required, tie = ROUND_RULES[args.study]
