@@ -13,7 +13,9 @@ and its moving average over the stream :math:`e_t = m\\,e_{t-1} + (1 - m)\\,d_t`
 The adapted model answers batch :math:`t` when :math:`e_t > \\text{margin}`; otherwise the source's scores answer it,
 or with ``ensemble_weight`` :math:`w > 0` the two models' scores mixed, :math:`(1 - w)\\,s^{S} + w\\,s^{A}` (an output
 ensemble with the source: where the two disagree, the one with the larger score gap wins the query; default-study-r7
-chose :math:`w = 0.3`). The mix needs both models' scores over the same items: a dense gallery, no score transform.
+chose :math:`w = 0.3` on the selection split). The mix needs both models' scores over the same items: no score
+transform (refused), and a dense gallery (with a top-k backend each model has its own candidates: the source alone
+answers while the anchor holds, logged once).
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
 (TCR on a blurred stream); one that only drifts does not (a style the source hardly knows, on which its
 pseudo-labels are mostly wrong), and then the source's answers are kept. It is a design of this library, not of a
@@ -37,7 +39,6 @@ from typing import Any
 import torch
 
 from .config_features import SourceAnchorConfig
-from .gallery.base import GalleryBackend
 from .policies.base import Answer, BatchPolicy
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,7 @@ class SourceAnchor(BatchPolicy):
 
     def __init__(self, config: SourceAnchorConfig):
         self.config = config
-
-    def check(self, batch: Any) -> None:
-        if self.config.ensemble_weight > 0 and isinstance(batch.gallery, GalleryBackend):
-            raise ValueError("source_anchor ensemble_weight > 0 mixes the two models' scores over the whole gallery; a "
-                             "top-k backend gives each its own candidates: pass the dense gallery or set ensemble_weight=0.")
+        self._told = False  # the top-k backend's fallback is logged once
 
     @staticmethod
     def evidence(wrapper: Any) -> float:
@@ -91,6 +88,13 @@ class SourceAnchor(BatchPolicy):
         if adapted:
             return dataclasses.replace(answer, logs=logs)
         w = c.ensemble_weight
+        if w > 0 and source.candidate_ids is not None:  # a top-k backend: each view holds its own candidates
+            if not self._told:
+                logger.warning("source_anchor: with a top-k gallery backend each model scores its own candidates, so "
+                               "ensemble_weight %s cannot mix them: the source alone answers while the anchor holds "
+                               "(pass the dense gallery for the mix)", w)
+                self._told = True
+            w = 0.0
         logger.debug("source_anchor: evidence %.4g <= margin %s: the source answers (adapted weight %s)", e, c.margin, w)
         if w == 0:
             return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept

@@ -255,8 +255,6 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """One batch's driver, inside :meth:`adapt_step`'s pinned gallery (a subclass's seam: routing steps each
         domain's sub-batch through it); call :meth:`adapt_step`, not this."""
         batch = self.prepare_batch(queries, gallery, labels)
-        for policy in self.policies:
-            policy.check(batch)
         ctx = BatchContext(self, batch, scoring, self._recover, partial(self._reported_view, batch))
         if self.safety.last_good is None:  # (what it snapshots, ROLLBACK, no policy's answer changes)
             self.safety.remember(self)

@@ -7,8 +7,9 @@ import pytest
 from hf_tta.benchmarks.protocols import v4_tables
 
 N = 200
-DEFAULT = "tcr+gate+anchor+safe@3e-2"  # the image default's row name in protocol v4's runs (the sixth round's choice)
-SHOWN = "recommended: tcr+gate+anchor+safe@3e-2"  # as the tables name it
+DEFAULT = "tcr+gate+anchor+safe@3e-2"  # the row name of the sixth and seventh rounds' image defaults in their runs
+SHOWN = "tcr+gate+anchor+safe@3e-2 (default of round 6)"  # as the tables name the sixth round's
+CURRENT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3"  # and the seventh's, today's default
 PREVIOUS = "rest+dn+safe@1e-3"  # the image default of the fourth and fifth rounds
 PREVIOUS_SHOWN = "rest+dn+safe@1e-3 (default of rounds 4-5)"
 FIRST_SHOWN = "tcr+gate+safe@3e-2 (default of rounds 1-3)"  # what the first rounds' row `recommended` ran
@@ -58,6 +59,11 @@ def test_the_streams_table_and_the_main_table():
     assert v4_tables.main_table(main_run) == main
     elsewhere = [{**r, "run": "rep-i2t/other-s3"} if r["run"] == "rep-i2t/main-s3" else r for r in main_run]
     assert f"| {SHOWN} |" not in v4_tables.main_table(elsewhere)  # nor a run of another name
+    # the seventh round's main-job run (main-job-r7: rep-i2t/main-r7-s3) is today's default, listed first
+    both = main_run + [{**r, "run": "rep-i2t/main-r7-s3", "hits": _bits(190) if r["shift"] == "contrast" else r["hits"]}
+                       for r in main_run if r["run"] == "rep-i2t/main-s3"]
+    lines = v4_tables.main_table(both).splitlines()
+    assert lines[3].startswith(f"| {CURRENT} | 100.0 | 95.0 | 87.5 % |") and lines[4].startswith(f"| {SHOWN} | 100.0 | 80.0 |")
 
 
 def test_export_and_refresh_of_a_card(tmp_path):
@@ -82,6 +88,8 @@ def test_export_and_refresh_of_a_card(tmp_path):
     ("r4streams", "streams", "streams-s3", "r4-streams-s3"),  # the fourth round's report streams
     ("r6streams", "streams", "streams-s3", "r6-streams-chosen-s3"),  # the sixth round's (a folder per row)
     ("r6headline", "headline", "headline-s3", "r6-headline-chosen-s3"),  # and its headline
+    ("r7streams", "streams", "streams-s3", "r7-streams-previous-s3"),  # the seventh round's
+    ("r7headline", "headline", "headline-s3", "r7-headline-previous-s3"),
 ])
 def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, table, first, own):
     rows = _rows()
@@ -92,16 +100,20 @@ def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, tab
     assert f"| {SHOWN} |" not in v4_tables.summarise(tmp_path / "rows.jsonl", "i2t", part)  # the first rounds' runs are not its
 
 
-@pytest.mark.parametrize(("objective", "shown"), [("recommended", FIRST_SHOWN), (PREVIOUS, PREVIOUS_SHOWN), (DEFAULT, SHOWN)])
-def test_the_tables_name_what_each_image_row_ran(objective, shown):
+@pytest.mark.parametrize(("objective", "run", "shown"), [("recommended", "streams-s3", FIRST_SHOWN),
+                                                         (PREVIOUS, "streams-s3", PREVIOUS_SHOWN),
+                                                         (DEFAULT, "streams-s3", SHOWN), (DEFAULT, "r7-streams-chosen-s3", CURRENT)])
+def test_the_tables_name_what_each_image_row_ran(objective, run, shown):
     """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds, the fourth round's choice
-    ran as ``rest+dn+safe@1e-3`` and the sixth's (today's ``TTAConfig.recommended("image")``) under its own row name;
-    the tables say which default each was and name the sixth round's the default. Text rows keep their names."""
-    rows = [{**r, "objective": objective} if r["objective"] == DEFAULT else r for r in _rows()]
-    table = v4_tables.streams(rows, "i2t")
+    ran as ``rest+dn+safe@1e-3``, the sixth's under its own row name and the seventh's (today's
+    ``TTAConfig.recommended("image")``) under the sixth's row name with another run-level setting, in runs of its own;
+    the tables say which default each was and name the seventh round's the default. Text rows keep their names."""
+    rows = [{**r, "objective": objective, "run": f"rep-i2t/{run}"} if r["objective"] == DEFAULT else r for r in _rows()]
+    rows = [{**r, "run": f"rep-i2t/{run}"} if r["run"] == "rep-i2t/streams-s3" else r for r in rows]
+    table = v4_tables.streams(rows, "i2t", run.removesuffix("-s3"))
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [shown]
     text = [{**r, "direction": "t2i", "run": r["run"].replace("i2t", "t2i")} for r in rows]
-    assert [line.split("|")[1].strip() for line in v4_tables.streams(text, "t2i").splitlines()[2:]] == [objective]
+    assert [line.split("|")[1].strip() for line in v4_tables.streams(text, "t2i", run.removesuffix("-s3")).splitlines()[2:]] == [objective]
 
 
 def _headline(run, seed, hits):
@@ -136,6 +148,11 @@ TARGET_RUNS = [
     *_headline("r6-headline-tcr-s8", 8, {"tcr@3e-2": 100}),
     *_streams("r6-streams-chosen-s15", 15, {DEFAULT: 170}),
     *_streams("r6-streams-previous-s15", 15, {PREVIOUS: 180}),
+    *_headline("r7-headline-chosen-s8", 8, {DEFAULT: 170}),
+    *_headline("r7-headline-tcr-s8", 8, {"tcr@3e-2": 180}),
+    *_headline("r7-headline-previous-s8", 8, {DEFAULT: 160}),
+    *_streams("r7-streams-chosen-s17", 17, {DEFAULT: 180}),
+    *_streams("r7-streams-previous-s17", 17, {DEFAULT: 160}),
 ]
 
 
@@ -149,13 +166,19 @@ TARGET_RUNS = [
     # the sixth round's default on seed 7 wins back 60 of 100 (60 %), TCR at 3e-2 80 (80 %: 75 % of it), the previous
     # default 20 (20 %: 300 %); the default grid on seed 15: the default's contrast R@1 85 (25 of 40 lost: 62.5 %), the
     # previous default's 90 (30 of 40: 75 %; its fourth-round streams on seeds 3 and 13 are not read)
-    ("targets", {SHOWN: ["7", "60.0 %", "100.0 %", "62.5 %", "+30.0", "not below"],
-                 "tcr@3e-2": ["7", "80.0 %", "75.0 %", "–", "+40.0", "–"],
-                 PREVIOUS_SHOWN: ["7", "20.0 %", "300.0 %", "75.0 %", "+10.0", "not below"]}),
+    ("targets6", {SHOWN: ["7", "60.0 %", "100.0 %", "62.5 %", "+30.0", "not below"],
+                  "tcr@3e-2": ["7", "80.0 %", "75.0 %", "–", "+40.0", "–"],
+                  PREVIOUS_SHOWN: ["7", "20.0 %", "300.0 %", "75.0 %", "+10.0", "not below"]}),
+    # the seventh round's default on seed 8 wins back 70 of 100 (70 %), TCR at 3e-2 80 (87.5 % of it), the sixth
+    # round's default (the same row name, another run-level setting, a folder of its own) 60 (116.7 %); the default
+    # grid on seed 17: contrast R@1 90 against 80 (75 % and 50 % of the 80 lost)
+    ("targets", {CURRENT: ["8", "70.0 %", "100.0 %", "75.0 %", "+35.0", "not below"],
+                 "tcr@3e-2": ["8", "80.0 %", "87.5 %", "–", "+40.0", "–"],
+                 SHOWN: ["8", "60.0 %", "116.7 %", "50.0 %", "+30.0", "not below"]}),
 ])
 def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_same_seeds(tmp_path, part, expected):
-    """Issue 48's targets by hand, for the current image default (part ``targets``) and the fourth round's
-    (``targets4``): on the headline (the default's round's seed) each row's pooled share and the default's share as a
+    """Issue 48's targets by hand, for the current image default (part ``targets``), the sixth round's (``targets6``)
+    and the fourth round's (``targets4``): on the headline (the default's round's seed) each row's pooled share and the default's share as a
     share of it; the default grid over the stream runs' seeds; a headline seed only a comparator ran is not read, nor
     another round's runs."""
     table = v4_tables.targets(TARGET_RUNS, "i2t", part)

@@ -111,17 +111,18 @@ def test_reset_returns_the_evidence_to_zero_and_a_refused_batch_changes_nothing(
     assert SourceAnchor.evidence(tta) == 0.0
 
 
-def test_a_mixed_answer_refuses_a_top_k_backend_and_changes_nothing():
+def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_and_it_is_logged_once(caplog):
+    """Each model scores its own candidates there, so the mix falls back to the sixth round's answer (weight 0)."""
     from hf_tta.gallery import ChunkedGallery
 
-    tta, gallery = _wrapper(source_anchor={"ensemble_weight": 0.3})
-    tta.adapt_step(STREAM[0], gallery)
-    before = {n: p.clone() for n, p in tta.params.items()}
-    e, index = SourceAnchor.evidence(tta), tta.batch_index
-    with pytest.raises(ValueError, match="pass the dense gallery or set ensemble_weight=0"):
-        tta.adapt_step(STREAM[1], ChunkedGallery(gallery.embeddings, "text", k=5))
-    assert SourceAnchor.evidence(tta) == e and tta.batch_index == index
-    assert all(torch.equal(p, before[n]) for n, p in tta.params.items())
+    mixed, gallery = _wrapper(source_anchor={"margin": 0.99, "ensemble_weight": 0.3})
+    alone, _ = _wrapper(source_anchor={"margin": 0.99})
+    backend = ChunkedGallery(gallery.embeddings, "text", k=5)
+    with caplog.at_level("WARNING", logger="hf_tta.source_anchor"):
+        for x in STREAM[:3]:
+            got, want = mixed.adapt_step(x, backend).topk, alone.adapt_step(x, backend).topk
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
+    assert caplog.text.count("cannot mix them: the source alone answers") == 1
 
 
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path):

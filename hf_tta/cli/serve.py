@@ -7,6 +7,7 @@ The answering process answers every query at once from the published adapted sta
     hf-tta serve --state-dir /tmp/hf_tta_serve --port 8000             # the emoji benchmark's model
     hf-tta serve --model ./my-clip --config tta.yaml --gallery captions.txt --state-dir /srv/tta
     hf-tta serve --no-adapt                                             # the same service, answering only
+    hf-tta serve --recommended --gate-reference clean_photos/ --state-dir /srv/tta   # the library's default
     HF_TTA_SERVICE_TOKEN=... hf-tta serve --tenants --max-tenants 32    # gallery edits and admin need it
 
 ``recipes/serve.py`` is a thin caller of :func:`main` (the same options).
@@ -27,6 +28,8 @@ from hf_tta.service.auth import load_token
 from hf_tta.service.builders import build_wrapper, load_config, pretrained_encoders, pretrained_model
 from hf_tta.service.limits import Limits
 from hf_tta.service.service import ServiceConfig
+
+logger = logging.getLogger("hf_tta.serve")
 
 DEFAULT_TTA = {"objective": "tcr", "query_modality": "image", "safety": {}}
 
@@ -53,8 +56,45 @@ def emoji_encoders() -> dict[str, Any]:
     return {"image": image, "text": text}
 
 
+#: image files ``--gate-reference`` reads from a folder
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def gate_reference_items(path: str, modality: str, minimum: int) -> list:
+    """``--gate-reference``'s clean queries: a folder of images (image queries) or a text file, one query per line;
+    at least ``minimum`` of them (``ShiftGateConfig.min_reference``)."""
+    from pathlib import Path
+
+    where = Path(path)
+    if modality == "image":
+        if not where.is_dir():
+            raise ValueError(f"--gate-reference {path}: not a folder (image queries need a folder of clean images)")
+        from PIL import Image
+
+        files = sorted(f for f in where.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        items = [Image.open(f).convert("RGB") for f in files]
+    else:
+        if not where.is_file():
+            raise ValueError(f"--gate-reference {path}: not a file (text queries need a file, one clean query per line)")
+        items = [line.rstrip("\n") for line in where.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(items) < minimum:
+        raise ValueError(f"--gate-reference {path} holds {len(items)} {modality} queries; the shift gate needs at least "
+                         f"{minimum} clean ones (ShiftGateConfig.min_reference), a few hundred is better")
+    return items
+
+
+def tta_config(args: argparse.Namespace) -> TTAConfig:
+    """The served ``TTAConfig``: ``--config``, ``--recommended`` (the library's default for image queries) or TCR with
+    the safety layer."""
+    if args.config and args.recommended:
+        raise ValueError("--config and --recommended both name the TTAConfig: pass one")
+    if args.recommended:
+        return TTAConfig.recommended("image")
+    return load_config(args.config) if args.config else TTAConfig(**DEFAULT_TTA)
+
+
 def build_config(args: argparse.Namespace) -> ServiceConfig:
-    tta = load_config(args.config) if args.config else TTAConfig(**DEFAULT_TTA)
+    tta = tta_config(args)
     if args.model and not args.gallery:
         raise ValueError("--model needs --gallery (a text file, one gallery caption per line)")
     if args.gallery:
@@ -70,9 +110,19 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         factory, encode = partial(pretrained_model, args.model), pretrained_encoders(args.model)
     else:
         factory, encode = emoji_model, emoji_encoders()
+    reference = None
+    if args.gate_reference:
+        if tta.shift_gate is None:
+            raise ValueError("--gate-reference fits the shift gate, which this TTAConfig does not have: add shift_gate "
+                             "to --config, or pass --recommended")
+        minimum = tta.build_shift_gate_config().min_reference
+        reference = encode[tta.query_modality](gate_reference_items(args.gate_reference, tta.query_modality, minimum))
+    elif tta.shift_gate is not None and args.adapt:
+        logger.warning("the TTAConfig has a shift gate and no --gate-reference: until it is fitted the source model "
+                       "answers every query and nothing adapts (pass --gate-reference with clean queries)")
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_pixels=args.max_pixels, timeout=args.timeout)
     return ServiceConfig(
-        partial(build_wrapper, factory, tta), encode, items, state_dir=args.state_dir, tenants=args.tenants,
+        partial(build_wrapper, factory, tta, reference), encode, items, state_dir=args.state_dir, tenants=args.tenants,
         max_tenants=args.max_tenants, adapt=args.adapt, batch_size=args.batch_size, min_batch=args.min_batch,
         max_wait=args.max_wait, queue_capacity=args.queue_capacity, checkpoint_every=args.checkpoint_every,
         worker_nice=args.worker_nice, max_state_lag=args.max_state_lag, limits=limits,
@@ -94,6 +144,11 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="a dual-encoder checkpoint (folder or Hub id; default: the emoji model)")
     p.add_argument("--config", default=None, help="a TTAConfig as JSON or YAML (default: TCR on the image tower, safety on)")
+    p.add_argument("--recommended", action="store_true",
+                   help="serve TTAConfig.recommended('image'), the library's default (it needs --gate-reference)")
+    p.add_argument("--gate-reference", default=None,
+                   help="clean, in-distribution queries that fit the shift gate: a folder of images (image queries) "
+                        "or a text file, one query per line")
     p.add_argument("--gallery", default=None, help="text file, one gallery caption per line (default: the emoji captions)")
     p.add_argument("--state-dir", default=None, help="checkpoint folder (resumed when it exists)")
     p.add_argument("--checkpoint-every", type=float, default=30.0, help="seconds between checkpoints (0: on shutdown only)")

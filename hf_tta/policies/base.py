@@ -56,9 +56,6 @@ class BatchPolicy:
     #: state parts a safety *reset* leaves as they are (the lr search keeps its choice: ``{"selector"}``)
     keeps_on_reset: frozenset[str] = frozenset()
 
-    def check(self, batch: Any) -> None:
-        """Refuse a batch this policy cannot answer (a ``ValueError`` naming the fix), before anything changes."""
-
     def begin(self, ctx: BatchContext) -> Answer | None:
         """Answer the batch without the wrapper's steps (``None``: the batch goes on)."""
         return None

@@ -20,9 +20,14 @@ from ..config import TTAConfig
 from ..wrapper import TTAWrapper
 
 
-def build_wrapper(model_factory: Callable[[], torch.nn.Module], config: TTAConfig) -> TTAWrapper:
-    """The wrapper at its source state."""
-    return TTAWrapper(model_factory(), config)
+def build_wrapper(model_factory: Callable[[], torch.nn.Module], config: TTAConfig,
+                  gate_reference: dict[str, torch.Tensor] | None = None) -> TTAWrapper:
+    """The wrapper at its source state; with ``gate_reference`` (clean queries' model inputs) its shift gate fitted
+    on them (:meth:`~hf_tta.TTAWrapper.fit_shift_gate`)."""
+    wrapper = TTAWrapper(model_factory(), config)
+    if gate_reference is not None:
+        wrapper.fit_shift_gate(gate_reference)
+    return wrapper
 
 
 def load_config(path: str | Path) -> TTAConfig:

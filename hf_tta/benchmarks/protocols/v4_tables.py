@@ -37,13 +37,29 @@ from .v4_choice import summarise as summarise_selection
 SOURCE = "source"
 #: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
 #: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
-#: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's, now
-#: ``TTAConfig.recommended("image")``, ran under their own row names.
+#: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's ran under
+#: their own row names. The seventh round's choice runs the sixth's row name with another run-level setting
+#: (``ensemble_weight`` 0.3): its runs are named in :data:`CURRENT_DEFAULT_RUNS`.
 IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
                    "rest+dn+safe@1e-3": "rest+dn+safe@1e-3 (default of rounds 4-5)",
-                   "tcr+gate+anchor+safe@3e-2": "recommended: tcr+gate+anchor+safe@3e-2"}
-PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "targets", "targets4", "headline", "streams",
-         "main", "v3verdicts")
+                   "tcr+gate+anchor+safe@3e-2": "tcr+gate+anchor+safe@3e-2 (default of round 6)"}
+#: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row is the current image
+#: default, ``TTAConfig.recommended("image")`` (default-study-r7's choice), and the name the tables give it.
+CURRENT_DEFAULT_RUNS = ("r7-headline-chosen", "r7-streams-chosen", "main-r7-")
+CURRENT_DEFAULT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3"
+
+
+def row_name(r: dict) -> str:
+    """The name a report row goes by in the tables (see :data:`IMAGE_ROW_NAMES`)."""
+    if r["direction"] != "i2t":
+        return r["objective"]
+    if r["objective"] == "tcr+gate+anchor+safe@3e-2" and r["run"].split("/", 1)[1].startswith(CURRENT_DEFAULT_RUNS):
+        return CURRENT_DEFAULT
+    return IMAGE_ROW_NAMES.get(r["objective"], r["objective"])
+
+
+PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "targets",
+         "targets6", "targets4", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -93,7 +109,7 @@ def _report(rows: list[dict], direction: str, runs: str) -> tuple[dict, dict]:
                 raise ValueError(f"two source rows of {key} differ in their hits.")
             src[key] = r
         else:
-            by[IMAGE_ROW_NAMES.get(r["objective"], r["objective"]) if direction == "i2t" else r["objective"]][key] = r
+            by[row_name(r)][key] = r
     return src, by
 
 
@@ -223,7 +239,7 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
 
 def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     """The main job's rows (report seed 3, the default grid and the clean stream): R@1 per column, share, verdict; from
-    the report's streams runs and the main job's own run of the current default (``main-s3``, main-job-r6)."""
+    the report's streams runs and the main job's own runs of the image defaults (``main-s3``, main-job-r6; ``main-r7-s3``, main-job-r7)."""
     src, by = _merged(rows, direction, ("streams", "main-"))
     keys = sorted({k for k in src if k[1] == seed and k[0][0] not in ("noto", "diverse", "switch", "degenerate")}, key=str)
     grid = [k for k in keys if k[0][0] != "clean"]
@@ -245,15 +261,18 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
     return "\n".join(lines)
 
 
-#: Issue 48's targets, per (table part, query modality): the default's row name in the runs, the comparators it is
+#: Issue 48's targets, per (table part, query modality): the default's row name in the tables, the comparators it is
 #: measured against (image: the best labelled fixed lr and the previous defaults; text: NNN alone and REST at its lr)
 #: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seed only: the
-#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r6's report on
-#: seeds 7, 15 and 16); ``targets4``: the fourth round's default on its report seeds (6, 13, 14 and the first streams).
-TARGET_ROWS = {("targets", "i2t"): ("tcr+gate+anchor+safe@3e-2", ("tcr@3e-2", "rest+dn+safe@1e-3"), ("r6-headline",),
-                                    ("r6-streams",)),
+#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r7's report on
+#: seeds 8, 17 and 18); ``targets6`` and ``targets4``: the sixth and fourth rounds' defaults on their report seeds.
+TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"]),
+                                    ("r7-headline",), ("r7-streams",)),
                ("targets", "t2i"): ("recommended", ("nnn", "rest@1e-4"), ("headline",), ("streams",)),
-               ("targets4", "i2t"): ("rest+dn+safe@1e-3", ("tcr@3e-2", "recommended"), ("r4-headline",), ("streams", "r4-streams"))}
+               ("targets6", "i2t"): (IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"], ("tcr@3e-2", IMAGE_ROW_NAMES["rest+dn+safe@1e-3"]),
+                                     ("r6-headline",), ("r6-streams",)),
+               ("targets4", "i2t"): (IMAGE_ROW_NAMES["rest+dn+safe@1e-3"], ("tcr@3e-2", IMAGE_ROW_NAMES["recommended"]),
+                                     ("r4-headline",), ("streams", "r4-streams"))}
 
 
 def _merged(rows: list[dict], direction: str, prefixes: tuple) -> tuple[dict, dict]:
@@ -274,25 +293,24 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
     """The default against issue 48's targets: on the headline columns (the seeds the default ran, every row on those
     seeds) its pooled share, each comparator's and the ratio, its worst column; on the default grid (image) the same
     over every stream seed; each stream's verdict; forward + backward passes per query against the first comparator."""
-    default, others, head, stream = TARGET_ROWS[(part, direction)]
-    name = IMAGE_ROW_NAMES.get(default, default) if direction == "i2t" else default
+    name, others, head, stream = TARGET_ROWS[(part, direction)]
     src, by = _merged(rows, direction, head)
     lines = ["| row | headline seeds | headline share | the default's ÷ this | default-grid share | worst headline column "
              "| clean | noto | diverse | switch | degenerate | passes per query |", "|---|---:|---:|---:|---:|---|---|---|---|---|---|---:|"]
     seeds = sorted({s for _, s in by.get(name, {})})
     ssrc, sby = _merged(rows, direction, stream)
-    for row_name in (name, *(IMAGE_ROW_NAMES.get(o, o) if direction == "i2t" else o for o in others)):
-        row = by.get(row_name, {})
+    for shown in (name, *others):
+        row = by.get(shown, {})
         keys = [k for k in row if k in src and k[1] in seeds and k[0][0] not in STREAMS]
         if not keys:
             continue
         cols = sorted({c for c, _ in keys}, key=str)
         clean = float(np.mean([100 * hits(src[(("clean", None), s)]).mean() for s in seeds]))
         sh = shares({c: _r1(row, keys, c) for c in cols}, {c: _r1(src, keys, c) for c in cols}, clean)
-        if row_name == name:
+        if shown == name:
             base = sh.pooled
         worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
-        srow = sby.get(row_name, {})
+        srow = sby.get(shown, {})
         skeys = [k for k in srow if k in ssrc or k[0] == ("degenerate", None)]
         grid = sorted({c for c, _ in skeys if c[0] not in STREAMS}, key=str)
         gshare = "–"
@@ -306,7 +324,7 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
             ks = [k for k in skeys if k[0] == (st, None)]
             words.append(compare(_diffs(srow, ssrc, ks)).words() if ks else "–")
         ratio = round_figure(base / sh.pooled, percent=True) if sh.pooled > 0 else "–"
-        lines.append(f"| {row_name} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
+        lines.append(f"| {shown} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
                      f"{_name(sh.worst)}: {round_figure(worst.delta, sign=True)} [{round_figure(worst.lower, sign=True)}] "
                      f"{worst.words()} | " + " | ".join(words) + f" | {round_figure(_passes(row, keys), digits=2)} |")
     return "\n".join(lines)
@@ -359,13 +377,19 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return headline(rows, direction, "r6-headline")
     if part == "r6streams":  # and on seeds 15 and 16
         return streams(rows, direction, "r6-streams")
+    if part == "r7":  # default-study-r7's selection table and choice (its incumbent re-run among its runs)
+        return selection(rows, direction, "default-study-r7")
+    if part == "r7headline":  # its report: the chosen row, TCR at 3e-2 and the incumbent on seed 8
+        return headline(rows, direction, "r7-headline")
+    if part == "r7streams":  # and on seeds 17 and 18
+        return streams(rows, direction, "r7-streams")
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
-    if part in ("targets", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
+    if part in ("targets", "targets6", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
         return targets(rows, direction, part)
     if part == "v3verdicts":
         return v3_verdicts(rows, direction)
