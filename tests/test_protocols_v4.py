@@ -112,12 +112,14 @@ def test_every_registered_run_is_on_its_split():
         part = args[args.index("--concepts") + 1]
         assert part == run.split
         seeds = {int(s) for s in args[args.index("--seeds") + 1].split(",")}
-        # rounds 4 and 6 report on new seeds (report rows were read before they were registered), each on its own
+        # rounds 4, 6 and 7 report on new seeds (report rows were read before they were registered), each on its own
         fresh = {"default-study-r4": set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS),
-                 "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS)}
+                 "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS),
+                 "default-study-r7": set(v4.R7_HEADLINE_SEEDS) | set(v4.R7_STREAM_SEEDS)}
         allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
         assert seeds <= allowed and (part == "report" or seeds == {0})
-        assert not fresh["default-study-r4"] & fresh["default-study-r6"]
+        rounds = list(fresh.values())
+        assert all(not a & b for i, a in enumerate(rounds) for b in rounds[i + 1:])
         assert not set().union(*fresh.values()) & (set(v4.STREAM_SEEDS) | {0})
         assert args[args.index("--scoring") + 1] == "before_update"
         assert v4.registration_path(run.study).is_file()
