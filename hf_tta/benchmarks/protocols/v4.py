@@ -286,7 +286,7 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7"})
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "headline-paper-lr"})
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
@@ -296,19 +296,32 @@ def sixth_round_report_runs(choice: dict) -> list[Run]:
     c = choice.get("i2t")
     if not c or not c.get("config") or not c["default"].startswith("r6-"):
         return []
-    cfg, study = c["config"], "default-study-r6"
-    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
-    members = {"chosen": [*settings, *_objectives(c["default"].split("/", 1)[1])], "tcr": _objectives("tcr@3e-2"),
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"),
                "previous": ["--safety", "{}", *_objectives("rest+dn+safe@1e-3")]}
+    # with what the main job prints with this default (registrations/main-job-r6.json: descriptive, read by no choice)
+    return _member_runs("r6", "default-study-r6", members, R6_HEADLINE_SEEDS, R6_STREAM_SEEDS, f"main-s{MAIN_JOB_SEED}",
+                        "main-job-r6")
+
+
+def _chosen(choice: dict) -> list[str]:
+    """The chosen row of a committed image choice with its run-level settings (``--<field> <json>``)."""
+    cfg = choice["config"]
+    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
+    return [*settings, *_objectives(choice["default"].split("/", 1)[1])]
+
+
+def _member_runs(tag: str, study: str, members: dict, headline_seeds, stream_seeds, main_run: str, main_study: str) -> list[Run]:
+    """A round's report runs, a folder per member (``rep-i2t/<tag>-headline-<member>-s<seed>`` on the 30-column
+    headline, ``<tag>-streams-...`` on the default grid with the five streams) and the main job's run of the chosen
+    member (``rep-i2t/<main_run>``: the report concepts, seed 3, the default grid and the clean stream)."""
     streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/r6-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
-            for seed in R6_HEADLINE_SEEDS for k, a in members.items()]
-    runs += [Run(f"rep-i2t/r6-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                             default_grid=True), *a))
-             for seed in R6_STREAM_SEEDS for k, a in members.items()]
-    # what the main job prints with this default (registrations/main-job-r6.json: descriptive, read by no choice)
+    runs = [Run(f"rep-i2t/{tag}-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
+            for seed in headline_seeds for k, a in members.items()]
+    runs += [Run(f"rep-i2t/{tag}-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
+                                                                               default_grid=True), *a))
+             for seed in stream_seeds for k, a in members.items()]
     main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
-    return runs + [Run(f"rep-i2t/main-s{MAIN_JOB_SEED}", "main-job-r6", (*main, *members["chosen"]))]
+    return runs + [Run(f"rep-i2t/{main_run}", main_study, (*main, *members["chosen"]))]
 
 
 #: default-study-r7's report seeds: new ones (the sixth round's report rows were read before its registration)
@@ -323,19 +336,10 @@ def seventh_round_report_runs(choice: dict) -> list[Run]:
     c = choice.get("i2t")
     if not c or not c.get("config") or not c["default"].startswith("r7-") or c["default"].startswith("r7-w0/"):
         return []
-    cfg, study = c["config"], "default-study-r7"
-    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
-    chosen = [*settings, *_objectives(c["default"].split("/", 1)[1])]
-    members = {"chosen": chosen, "tcr": _objectives("tcr@3e-2"),
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"),
                "previous": ["--safety", SAFE_LITE, *GATE_MEAN4, *r7_anchor(0), *_objectives("tcr+gate+anchor+safe@3e-2")]}
-    streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/r7-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
-            for seed in R7_HEADLINE_SEEDS for k, a in members.items()]
-    runs += [Run(f"rep-i2t/r7-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                             default_grid=True), *a))
-             for seed in R7_STREAM_SEEDS for k, a in members.items()]
-    main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
-    return runs + [Run(f"rep-i2t/main-r7-s{MAIN_JOB_SEED}", "main-job-r7", (*main, *chosen))]
+    return _member_runs("r7", "default-study-r7", members, R7_HEADLINE_SEEDS, R7_STREAM_SEEDS,
+                        f"main-r7-s{MAIN_JOB_SEED}", "main-job-r7")
 
 
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
@@ -357,11 +361,18 @@ def check_preset(run: Run) -> None:
                          "they are (register a new run, naming the rows explicitly, to measure again).")
 
 
+def paper_lr_runs() -> list[Run]:
+    """``headline-paper-lr`` (issue 47, descriptive): TCR and REST at the papers' lr for image queries (3e-4, TCR's
+    App. B.2 and code; REST states none and TCR's code is used) on the 30-column headline of report seeds 3, 4, 5."""
+    return [Run(f"rep-i2t/headline-paper-s{seed}", "headline-paper-lr",
+                (*split_arguments("report", "i2t", (seed,)), *_objectives("tcr@3e-4", "rest@3e-4"))) for seed in REPORT_SEEDS]
+
+
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
     r7 = load_choice("default-study-r7")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
-            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []))
+            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []) + paper_lr_runs())
 
 
 # ------------------------------------------------------------------------------------------ registration
