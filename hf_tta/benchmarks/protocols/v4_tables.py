@@ -361,28 +361,23 @@ def _source_key(src: dict, k: tuple) -> dict | None:
     return src.get(k) or src.get((("clean", None), k[1]))
 
 
+#: The later rounds' parts: ``r<k>`` default-study-r<k>'s selection table and choice (its runs and its incumbent's),
+#: ``r<k>headline`` / ``r<k>streams`` its report (the chosen row, TCR at 3e-2 and the incumbent, a folder each) on its
+#: new seeds.
+ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
+               "r5": (selection, "default-study-r5"),
+               **{f"r{k}{kind}": (table, arg) for k in (6, 7) for kind, table, arg in
+                  (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
+                   ("streams", streams, f"r{k}-streams"))}}
+
+
 def summarise(rows_path: Path, direction: str, part: str) -> str:
     rows = read(rows_path)
     if part == "selection":
         return selection(rows, direction)
-    if part == "r4":  # default-study-r4's selection table and choice
-        return selection(rows, direction, "default-study-r4")
-    if part == "r4streams":  # its report streams, on its new seeds
-        return streams(rows, direction, "r4-streams")
-    if part == "r5":  # default-study-r5's selection table and choice (its runs and its incumbent's)
-        return selection(rows, direction, "default-study-r5")
-    if part == "r6":  # default-study-r6's selection table and choice (its runs and its incumbent's)
-        return selection(rows, direction, "default-study-r6")
-    if part == "r6headline":  # its report: the chosen row, TCR at 3e-2 and the incumbent on seed 7
-        return headline(rows, direction, "r6-headline")
-    if part == "r6streams":  # and on seeds 15 and 16
-        return streams(rows, direction, "r6-streams")
-    if part == "r7":  # default-study-r7's selection table and choice (its incumbent re-run among its runs)
-        return selection(rows, direction, "default-study-r7")
-    if part == "r7headline":  # its report: the chosen row, TCR at 3e-2 and the incumbent on seed 8
-        return headline(rows, direction, "r7-headline")
-    if part == "r7streams":  # and on seeds 17 and 18
-        return streams(rows, direction, "r7-streams")
+    if part in ROUND_PARTS:  # a later round's selection table and choice, or its report on its new seeds
+        table, arg = ROUND_PARTS[part]
+        return table(rows, direction, arg)
     if part == "headline":
         return headline(rows, direction) + ("\n\n" + shift_specific(rows) if direction == "t2i" else "")
     if part == "streams":
