@@ -368,11 +368,20 @@ def paper_lr_runs() -> list[Run]:
                 (*split_arguments("report", "i2t", (seed,)), *_objectives("tcr@3e-4", "rest@3e-4"))) for seed in REPORT_SEEDS]
 
 
+def ceiling_all_runs() -> list[Run]:
+    """``default-study``'s all-parameter prequential ceiling (``oracle_all@3e-4``: every parameter of the query tower,
+    protocol v3's selected lr, not re-selected), registered with the study's report rows and cut for compute before any
+    ran (said in the results card); run on the 30-column headline of report seeds 3, 4, 5, one folder per seed."""
+    return [Run(f"rep-i2t/headline-all-s{seed}", "default-study",
+                (*split_arguments("report", "i2t", (seed,)), *_objectives("oracle_all@3e-4"))) for seed in REPORT_SEEDS]
+
+
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
     r7 = load_choice("default-study-r7")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
-            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []) + paper_lr_runs())
+            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []) + paper_lr_runs()
+            + ceiling_all_runs())
 
 
 # ------------------------------------------------------------------------------------------ registration
