@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import gzip
 import io
 import os
 import signal
@@ -298,21 +299,38 @@ def main(argv=None) -> None:
             writer.writerows(rows)
 
 
+def open_loop_table(rows: list[dict], shares: dict, captions_of: list[list[int]], services, rates) -> str:
+    """The open-loop table of ``rows`` (one per request) per rate and service, with the on/off ratios; ``shares``
+    (rate -> (adapted share, dropped share)) is read from ``/health`` during the run, not from the rows."""
+    lines = ["| rate/s | service | answered | errors | p50 ms | p95 ms | p99 ms | adapted share | dropped | state age p50/p95 s | R@1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rate in rates:
+        stats = {label: summarise([x for x in rows if x["rate"] == rate and x["service"] == label], captions_of) for label in services}
+        for label, s in stats.items():
+            on = label == "adaptation on"
+            share = f"{100 * shares[rate][0]:.1f} %" if on else "—"
+            dropped = f"{100 * shares[rate][1]:.1f} %" if on else "—"
+            age = f"{s['age50']:.2f} / {s['age95']:.2f}" if on else "—"
+            lines.append(f"| {rate:g} | {label} | {s['n']} | {s['errors']} | {s['p50']:.1f} | {s['p95']:.1f} | {s['p99']:.1f} | {share} "
+                         f"| {dropped} | {age} | {s['r1']:.1f} |")
+        a, b = stats["adaptation on"], stats["adaptation off"]
+        lines.append(f"| {rate:g} | ratio on/off | | | {a['p50'] / b['p50']:.2f}x | {a['p95'] / b['p95']:.2f}x | {a['p99'] / b['p99']:.2f}x | | | | |")
+    return "\n".join(lines)
+
+
+def read_rows(path) -> list[dict]:
+    """The request rows of a ``--rows`` CSV (plain or ``.gz``), typed as the run wrote them."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as fh:
+        return [{**r, "rate": float(r["rate"]), "status": int(r["status"]), "latency_ms": float(r["latency_ms"]),
+                 "query": int(r["query"]), "top1": int(r["top1"]), "state_age_s": r["state_age_s"] or None}
+                for r in csv.DictReader(fh)]
+
+
 def print_open_loop(args, rows: list[dict], shares: dict, captions_of: list[list[int]], services: dict) -> None:
     print(f"open loop, {args.requests} requests per service and rate in {args.rounds} alternating blocks, {args.shift} "
           f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}")
-    print("| rate/s | service | answered | errors | p50 ms | p95 ms | p99 ms | adapted share | dropped | state age p50/p95 s | R@1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for rate in args.rates:
-        stats = {label: summarise([x for x in rows if x["rate"] == rate and x["service"] == label], captions_of) for label in services}
-        for label, s in stats.items():
-            share = f"{100 * shares[rate][0]:.1f} %" if label == "adaptation on" else "—"
-            dropped = f"{100 * shares[rate][1]:.1f} %" if label == "adaptation on" else "—"
-            age = f"{s['age50']:.2f} / {s['age95']:.2f}" if label == "adaptation on" else "—"
-            print(f"| {rate:g} | {label} | {s['n']} | {s['errors']} | {s['p50']:.1f} | {s['p95']:.1f} | {s['p99']:.1f} | {share} | {dropped} | {age} | {s['r1']:.1f} |")
-        a, b = stats["adaptation on"], stats["adaptation off"]
-        print(f"| {rate:g} | ratio on/off | | | {a['p50'] / b['p50']:.2f}x | {a['p95'] / b['p95']:.2f}x | {a['p99'] / b['p99']:.2f}x | | | | |")
-
+    print(open_loop_table(rows, shares, captions_of, services, args.rates))
 
 if __name__ == "__main__":
     main()

@@ -314,3 +314,41 @@ def test_every_figure_of_the_v4_prose_is_printed_from_the_rows(card, section):
     assert quoted
     missing = [f for f in quoted if f not in V4_SETTINGS and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
     assert not missing, f"{card}: figures printed by no table of the v4 rows: {missing}"
+
+
+#: Blocks whose tables a test recomputes from committed rows: the serving card's open-loop and capacity tables
+#: (``tests/test_serve_recipe.py``) and its batch-size table (``test_the_recipe_blocks_are_recomputed_from_their_rows``).
+RECOMPUTED_BLOCK = re.compile(r"<!-- (?P<kind>serving-open-loop|serving-capacity|batch-size): \S+ -->.*?<!-- /(?P=kind) -->", re.S)
+#: A one-off measurement as it was printed (a timing or memory peak on a named machine: times are not rows a test can
+#: recompute): ``<!-- measured: <commit> [<commit> ...] <how: a recipe path, hf-tta, or words> -->...<!-- /measured -->``.
+MEASURED_BLOCK = re.compile(r"<!-- measured: (?P<how>[^>]*?) -->(?P<body>.*?)<!-- /measured -->", re.S)
+#: Figures of these cards' prose that are settings, thresholds or targets, not measurements: the state store's tick
+#: (0.25 s), issue 27's batch-1 target (80 %) and "more than 100 %", the intervals' level (95 %), the example weight
+#: of gradient decoupling (0.3), the render factor (2.5), the tests' recall floors for approximate indexes (0.9, 0.85).
+OPERATIONS_SETTINGS = {"0.25", "80 %", "100 %", "95 %", "0.3", "2.5", "0.9", "0.85"}
+
+
+@pytest.mark.parametrize("card", ["serving.md", "scaling.md", "architecture.md"])
+def test_every_figure_of_the_operations_cards_is_recomputed_or_a_declared_measurement(card):
+    """Issue 50: each figure in the serving, scaling and architecture cards' prose is printed by a block a test
+    recomputes from committed rows, is a named setting, or sits in a declared one-off measurement whose commits exist
+    (and whose recipe, where it names one, is in ``recipes/``)."""
+    import subprocess
+
+    text = (CARDS / card).read_text()
+    for block in MEASURED_BLOCK.finditer(text):
+        words = block["how"].split()
+        commits = [w for w in words if re.fullmatch(r"[0-9a-f]{7,40}", w)]
+        assert commits and words[: len(commits)] == commits, f"{card}: a measured block names no commit first: {block['how']}"
+        for commit in commits:
+            found = subprocess.run(["git", "-C", str(CARDS.parent), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+            assert found.returncode == 0, f"{card}: measured at {commit}, which is not in the repository's history"
+        for recipe in (w for w in words if w.startswith("recipes/")):
+            assert (CARDS.parent / recipe).is_file(), f"{card}: {recipe} does not exist"
+        assert FIGURE.search(block["body"]), f"{card}: a measured block without a figure: {block['how']}"
+    printed = "\n".join(b.group(0) for b in RECOMPUTED_BLOCK.finditer(text)).replace(" %", "%").replace("-", "−")
+    prose = MEASURED_BLOCK.sub("", RECOMPUTED_BLOCK.sub("", text))
+    prose = re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+|\d+\.\d+\.\d+\.\d+|<!-- .*? -->", "", prose)
+    quoted = [f.strip() for f in FIGURE.findall(prose) if "." in f or "%" in f]
+    missing = [f for f in quoted if f not in OPERATIONS_SETTINGS and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    assert not missing, f"{card}: figures neither recomputed from rows nor a declared measurement or setting: {missing}"

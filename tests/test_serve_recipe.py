@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -80,14 +81,9 @@ CAPACITY = REPO / "model_cards" / "results" / "serving" / "capacity"
 def test_the_serving_cards_capacity_table_is_recomputed_from_its_rows():
     """Issue 49: each cell of the committed capacity run is its own request rows' (in the order the run wrote them),
     and the serving card's capacity table is what the recipe prints from those cells."""
-    import csv
-    import gzip
-
     lt = _load("serve_loadtest", "serve_loadtest.py")
     cells = lt.read_cells(str(CAPACITY / "cells.csv"))
-    with gzip.open(CAPACITY / "rows.csv.gz", "rt", newline="") as fh:
-        rows = [{**r, "status": int(r["status"]), "latency_ms": float(r["latency_ms"]), "query": int(r["query"]),
-                 "top1": int(r["top1"]), "state_age_s": r["state_age_s"] or None} for r in csv.DictReader(fh)]
+    rows = lt.read_rows(CAPACITY / "rows.csv.gz")
     start = 0
     for cell in cells:
         n = int(cell["n"] + cell["errors"])
@@ -100,3 +96,24 @@ def test_the_serving_cards_capacity_table_is_recomputed_from_its_rows():
     bound = float(json.loads((CAPACITY / "run.json").read_text())["capacity_p99_ms"])
     table = lt.capacity_table(cells, bound, int(max(c["repeat"] for c in cells)) + 1)
     assert table in (REPO / "model_cards" / "serving.md").read_text()
+
+
+OPEN_LOOP = re.compile(r"<!-- serving-open-loop: (?P<rows>\S+) -->\n(?P<body>.*?)<!-- /serving-open-loop -->", re.S)
+
+
+def test_the_serving_cards_open_loop_tables_are_recomputed_from_their_rows():
+    """Issue 50: each open-loop table of the serving card is what the recipe prints from its committed request rows
+    (answered, errors, latency percentiles, state age, R@1 and the on/off ratios); only the adapted and dropped shares,
+    read from ``/health`` during the run, are taken from the table itself."""
+    from hf_tta.benchmarks import load_emoji_benchmark
+
+    lt = _load("serve_loadtest", "serve_loadtest.py")
+    captions_of = load_emoji_benchmark().image_to_captions
+    blocks = list(OPEN_LOOP.finditer((REPO / "model_cards" / "serving.md").read_text()))
+    assert len(blocks) == 2
+    for block in blocks:
+        rows = lt.read_rows(REPO / "model_cards" / block["rows"])
+        on = [line.split("|") for line in block["body"].splitlines() if "| adaptation on |" in line]
+        shares = {float(c[1]): (float(c[8].strip(" %")) / 100, float(c[9].strip(" %")) / 100) for c in on}
+        rates = sorted({r["rate"] for r in rows})
+        assert block["body"].strip() == lt.open_loop_table(rows, shares, captions_of, ("adaptation on", "adaptation off"), rates)
