@@ -4,7 +4,7 @@
 The adapting side captures the served parts after each adapted batch (the adapted parameters, the objective's and
 score transform's state, the RNG and the batch counter: what :meth:`~hf_tta.TTAWrapper.answer` reads; not the
 optimiser, the safety layer's snapshots or the lr search, which only adaptation reads). A :class:`ReaderPool` keeps
-readers: answering copies of the wrapper that share every frozen tensor with it (:func:`frozen_copy`), made from a
+readers: answering wrappers built from it that share every frozen tensor with it (:func:`frozen_copy`), made from a
 template taken once, so a new reader is needed only when more answers run at once than readers exist, never per
 published version. :meth:`ReaderPool.reading` hands out a reader that holds the requested state, applying it by exact
 copies to an idle reader when none holds it; while a reader is handed out nobody writes it, so every answer is the
@@ -15,7 +15,6 @@ is ``exclusive`` (a reader whose answer writes it).
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -24,10 +23,10 @@ from .state import SERVED, AdapterState
 
 
 def frozen_copy(wrapper: Any) -> Any:
-    """A copy of ``wrapper`` that shares every tensor that adaptation never changes (``requires_grad=False``
-    parameters and buffers) and owns the rest: a reader, or the template readers are copied from."""
-    shared = [t for t in (*wrapper.model.parameters(), *wrapper.model.buffers()) if not t.requires_grad]
-    return copy.deepcopy(wrapper, memo={id(t): t for t in shared})
+    """A wrapper that answers as ``wrapper`` does now and shares every tensor that adaptation never changes (frozen
+    parameters and buffers): a reader, or the template readers are made from (:meth:`hf_tta.TTAWrapper.reader`: built
+    by the constructor and given ``wrapper``'s state, never a deep copy of it)."""
+    return wrapper.reader()
 
 
 @dataclass

@@ -19,11 +19,11 @@ adapted only by the worker; after each adapted batch the worker publishes the st
 :class:`~hf_tta.state.AdapterState` of :data:`~hf_tta.state.SERVED`: the adapted parameters, the objective's and score
 transform's state, RNG and counter; not the optimiser or the safety snapshots) and swaps the reference in one
 assignment. An answer reads the reference once and runs its whole forward on a *reader* that holds that state
-(:mod:`hf_tta.readers`: a copy of the wrapper sharing every frozen tensor, made once and reused across versions; the
-state is copied into an idle one), which nobody writes while the answer runs; so every answer is the scores of
-exactly one published version (:attr:`SearchResult.version`), answering never waits for a backward pass, and the
-adapting thread never waits for an answer. A routed wrapper publishes a frozen copy of itself per version (its
-domains' states and router are not served parts), used by one answer at a time (its own lock). Chosen over a
+(:mod:`hf_tta.readers`: a wrapper built by :meth:`~hf_tta.TTAWrapper.reader`, sharing every frozen tensor, made once
+and reused across versions; the state is copied into an idle one), which nobody writes while the answer runs; so
+every answer is the scores of exactly one published version (:attr:`SearchResult.version`), answering never waits for
+a backward pass, and the adapting thread never waits for an answer. A routed wrapper publishes a reader of itself per
+version (its domains' states and router are not served parts), used by one answer at a time (its own lock). Chosen over a
 readers-writer lock on one model: that would make answers wait for the whole ``adapt_step`` (3 forward+backward
 passes) or need a second copy anyway.
 
@@ -353,7 +353,7 @@ class OnlineRetriever:
 
     def _publish(self, version: int) -> Published:
         counts = dict(self.wrapper.safety_counts)
-        if self.routed:  # the domains' states and the router are not served parts: a frozen copy answers
+        if self.routed:  # the domains' states and the router are not served parts: a reader built with all of them answers
             reader = frozen_copy(self.wrapper)
             return Published(version, None, state_fingerprint(reader), counts, reader, threading.Lock())
         state = ReaderPool.capture(self.wrapper)

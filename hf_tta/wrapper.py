@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -29,7 +30,7 @@ from .gallery.cache import GalleryCache
 from .logging import tqdm
 from .loop import GradientDecoupling, LoopResult, StepLoop
 from .models.base import ModelAdapter, get_adapter
-from .models.peft_interop import PeftExportMixin, unwrap_peft
+from .models.peft_interop import PeftExportMixin, light_copy, unwrap_peft
 from .objectives.base import ObjectiveInputs, build_objective
 from .outputs import PassCounts, TTAOutput, float_logs
 from .policies import Answer, BatchContext, BatchPolicy
@@ -405,6 +406,23 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """AdamW keeps ``step`` on the CPU unless fused or capturable (then on the parameters' device)."""
         opt = self.optimizer
         return opt is None or not any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+
+    def reader(self) -> TTAWrapper:
+        """A new wrapper that answers exactly as this one does now (:mod:`hf_tta.readers`), built as
+        :meth:`from_pretrained` builds one, without a disk: this class's constructor around a copy of the *source*
+        model that shares every frozen tensor with this one (LoRA's layers taken out of the copy, then added again by
+        the constructor from the config's seed), then this wrapper's checkpoint payload loaded into it (its
+        ``AdapterState``, the safety monitor's and the shift gate's tensors; a routed wrapper's domains and router).
+        Not a deep copy of this wrapper: the optimiser, loop and snapshots are the new wrapper's own."""
+        with self.disabled():  # the source values in the model (LN / BitFit: frozen stand-ins, copied, never shared)
+            own = [self.model.get_parameter(n) for n in self.params]
+            adapter, peft_copy = light_copy((self.adapter, self.peft_model), own, model=self.model)
+        if peft_copy is not None:
+            peft_copy.unload()  # the copy's LoRA layers out (its base weights shared with this model, unmerged)
+        config, tensors, meta = self.checkpoint_payload()
+        reader = type(self)(adapter, **self._init_kwargs(dict(config)))
+        reader.load_checkpoint(checkpoint.Checkpoint(Path("."), config, tensors, meta))
+        return reader
 
     def checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
         """The checkpoint of this wrapper: its resolved config, its :data:`~hf_tta.state.ALL` state's tensors and the

@@ -219,10 +219,11 @@ def test_no_module_or_recipe_edits_sys_path():
 
 def test_deep_copies_are_the_known_few():
     """No copy of adapted state outside :class:`~hf_tta.state.AdapterState` (issue 46): ``copy.deepcopy`` runs in the
-    state module (plain optimiser values), the one place a reader of published states is made (``frozen_copy``, once
-    per concurrent answer, not per version), a LoRA model's light copy, the preset's dicts, the CLI's defaults and the
-    benchmark's fresh model per row. A new deep copy of a wrapper or a state fails here."""
+    state module (plain optimiser values), a model's light copy (``light_copy``: LoRA exports, and the source model a
+    reader is built around, ``TTAWrapper.reader``), the preset's dicts, the CLI's defaults and the benchmark's fresh
+    model per row. No wrapper is deep-copied: a reader is built by the constructor and given the state. A new deep
+    copy of a wrapper or a state fails here."""
     assert _functions_calling(_called("deepcopy")) == {
-        "state.py:apply", "state.py:capture", "state.py:copy", "state.py:from_tensors", "readers.py:frozen_copy",
+        "state.py:apply", "state.py:capture", "state.py:copy", "state.py:from_tensors",
         "models/peft_interop.py:light_copy", "preset.py:recommended_fields", "cli/arguments.py:parse_known_args",
         "benchmarks/runner.py:_wrapper"}

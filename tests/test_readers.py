@@ -3,13 +3,14 @@ holds exactly the state it was handed and nobody writes it while it is handed ou
 
 import threading
 
+import pytest
 import torch
 
-from hf_tta import TTAConfig, TTAWrapper
+from hf_tta import RoutedTTAWrapper, TTAConfig, TTAWrapper
 from hf_tta.readers import ReaderPool
-from hf_tta.state import SERVED, AdapterState
+from hf_tta.state import ALL, SERVED, AdapterState
 from support import dense_gallery, image_stream
-from tiny_models import batch, make_model
+from tiny_models import batch, image_batch, make_model
 
 
 def _adapted(n: int) -> tuple[TTAWrapper, list[AdapterState]]:
@@ -78,3 +79,51 @@ def test_an_exclusive_pool_never_hands_one_reader_to_two_answers():
     shared = ReaderPool(tta)
     with shared.reading(states[0]) as a, shared.reading(states[0]) as b:
         assert a is b
+
+
+MLP = ".*vision_model.*mlp.fc[12]"
+
+
+@pytest.mark.parametrize("tuning", [{}, {"method": "bias"}, {"method": "lora", "target_modules": MLP}], ids=["ln", "bias", "lora"])
+def test_a_reader_is_built_by_the_constructor_and_equals_the_wrapper(tuning):
+    """Issue 46: ``TTAWrapper.reader`` (what every reader is) builds a new wrapper around a copy of the source model
+    and loads the wrapper's state into it; no deep copy of the wrapper. It holds exactly the wrapper's state (the
+    shift gate's reference included), shares its frozen tensors, owns its adapted ones and its optimiser, has the same
+    source (a reset answers as the wrapper's source view), goes on exactly as the wrapper does, and leaves the wrapper
+    bit-identical."""
+    cfg = TTAConfig(objective="tcr", lr=5e-2, query_modality="image", tuning=tuning, shift_gate={"threshold": 1e-6})
+    tta, gallery = TTAWrapper(make_model("clip"), cfg), dense_gallery()
+    tta.fit_shift_gate(image_batch(64, seed=7))
+    for q in image_stream(2):
+        tta.adapt_step(q, gallery)
+    before = AdapterState.capture(tta, ALL)
+    reader = tta.reader()
+    assert type(reader) is TTAWrapper and AdapterState.capture(tta, ALL).equals(before)
+    assert AdapterState.capture(reader, ALL).equals(before) and reader.optimizer is not tta.optimizer
+    probe = batch("image", 4, 77)
+    assert torch.equal(reader.answer(probe, gallery).scores, tta.answer(probe, gallery).scores)
+    mine = {id(t) for t in (*tta.model.parameters(), *tta.model.buffers())}
+    assert not any(id(p) in mine for p in reader.params.values())
+    assert all(id(t) in mine for t in reader.model.parameters() if not t.requires_grad)  # frozen: shared, not copied
+    gate_tensors = tta.checkpoint_payload()[1]
+    assert torch.equal(reader.checkpoint_payload()[1]["shift_gate.mean"], gate_tensors["shift_gate.mean"])
+    nxt = batch("image", 8, 91)
+    assert torch.equal(reader.adapt_step(nxt, gallery).scores, tta.adapt_step(nxt, gallery).scores)
+    assert AdapterState.capture(reader, ALL).equals(AdapterState.capture(tta, ALL))
+    with tta.disabled():
+        source = tta.embed_and_score(probe, gallery)[1]
+    reader.reset()
+    assert torch.equal(reader.embed_and_score(probe, gallery)[1], source)
+
+
+def test_a_routed_wrappers_reader_holds_every_domain_and_the_router():
+    tta = RoutedTTAWrapper(make_model("clip"), TTAConfig(objective="tcr", lr=5e-2, query_modality="image"))
+    gallery = dense_gallery()
+    for i, q in enumerate(image_stream(3)):
+        tta.adapt_step(q, gallery, domain=[i % 2] * q["pixel_values"].shape[0])
+    reader = tta.reader()
+    assert type(reader) is RoutedTTAWrapper and reader.domain_keys == tta.domain_keys == [0, 1]
+    for key in tta.domain_keys:
+        assert reader.domain_state(key).equals(tta.domain_state(key))
+    probe = batch("image", 4, 5)
+    assert torch.equal(reader.answer(probe, gallery, domain=[1] * 4).scores, tta.answer(probe, gallery, domain=[1] * 4).scores)

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import warnings
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -46,12 +46,14 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.merge_and_unload()
 
 
-def light_copy(model: nn.Module, own: Iterable[torch.Tensor]) -> nn.Module:
-    """A deep copy of ``model`` that owns copies of the tensors in ``own`` and shares every other parameter and buffer
-    with ``model`` (so copying a large model costs only its module objects and ``own``)."""
+def light_copy(obj: Any, own: Iterable[torch.Tensor], model: nn.Module | None = None) -> Any:
+    """A deep copy of ``obj`` (a model, or objects holding one: ``model``) that owns copies of the tensors in ``own``
+    and shares every other parameter and buffer of ``model`` (so copying a large model costs only its module objects
+    and ``own``)."""
+    model = obj if model is None else model
     mine = {id(t) for t in own}
     shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in mine}
-    return copy.deepcopy(model, memo=shared)
+    return copy.deepcopy(obj, memo=shared)
 
 
 def merged_lora_copy(peft_model: PeftModel) -> nn.Module:

@@ -4,8 +4,8 @@ A polling thread reads the channel's version (a few bytes) every ``poll`` second
 whole blob (a lock-free seqlock read: :mod:`hf_tta.service.channel`), decodes it into each tenant's published
 :class:`~hf_tta.state.AdapterState` (its :data:`~hf_tta.state.SERVED` parts) and replaces the dict of answering
 states in one assignment. An answer reads that dict once and runs its whole forward (``TTAWrapper.answer``, no grad)
-on a reader holding that tenant's state (:class:`hf_tta.readers.ReaderPool`: copies of the source wrapper sharing
-every frozen tensor, made once and reused across versions and tenants), which nothing writes while it answers: every
+on a reader holding that tenant's state (:class:`hf_tta.readers.ReaderPool`: wrappers built from the source wrapper,
+sharing every frozen tensor, made once and reused across versions and tenants), which nothing writes while it answers: every
 answer is one published version's, and answers never wait for adaptation. A tenant with no state yet is answered by
 the source model (version 0).
 
