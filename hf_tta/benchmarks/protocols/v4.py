@@ -286,7 +286,7 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "headline-paper-lr"})
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "headline-paper-lr", "headline-paper-lr-text"})
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
@@ -362,10 +362,11 @@ def check_preset(run: Run) -> None:
 
 
 def paper_lr_runs() -> list[Run]:
-    """``headline-paper-lr`` (issue 47, descriptive): TCR and REST at the papers' lr for image queries (3e-4, TCR's
-    App. B.2 and code; REST states none and TCR's code is used) on the 30-column headline of report seeds 3, 4, 5."""
-    return [Run(f"rep-i2t/headline-paper-s{seed}", "headline-paper-lr",
-                (*split_arguments("report", "i2t", (seed,)), *_objectives("tcr@3e-4", "rest@3e-4"))) for seed in REPORT_SEEDS]
+    """``headline-paper-lr`` and ``headline-paper-lr-text`` (issue 47, descriptive): TCR and REST at the papers' lr
+    (3e-4 for image queries and for a dual encoder's text queries, TCR's App. B.2 and code; REST states none and TCR's
+    code is used) on the 30-column image headline and the 10-column text headline of report seeds 3, 4, 5."""
+    return [Run(f"rep-{d}/headline-paper-s{seed}", study, (*split_arguments("report", d, (seed,)), *_objectives("tcr@3e-4", "rest@3e-4")))
+            for d, study in (("i2t", "headline-paper-lr"), ("t2i", "headline-paper-lr-text")) for seed in REPORT_SEEDS]
 
 
 def ceiling_all_runs() -> list[Run]:
