@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from . import tuning
 from .lr_search_config import DEFAULT_HYPERGRADIENT_RATE, ONLINE_RULES, check_online  # noqa: F401 (their old home)
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,33 @@ class OnlineMixin:
     config: Any
     candidates: list[float]
     base_lr: float
-    _state: dict[str, torch.Tensor]
+    wrapper: Any
+    active: float | None
+
+    @property
+    def _state(self) -> dict[str, torch.Tensor]:
+        return self.wrapper.selector_state
+
+    @property
+    def _committed(self) -> bool:
+        return int(self._state.get("chosen", -1)) >= 0
+
+    @property
+    def probing(self) -> bool:
+        """Whether the next batch is a probe batch (no lr chosen since the last reset; never with ``probe_batches=0``)."""
+        return self.config.probe_batches > 0 and not self._committed
+
+    def set_lr(self, lr: float) -> None:
+        """Put ``lr`` (times each group's ``lr_multipliers`` factor) into the wrapper's optimiser; a rebuilt optimiser
+        (a reset, SAR's recovery inside a shadow's steps) gets it too (:attr:`active`)."""
+        w = self.wrapper
+        self.active = lr
+        if w.optimizer is None:
+            return
+        factors = [g["lr"] for g in tuning.param_groups(w.params, 1.0, w.config.tuning.lr_multipliers)]
+        for i, group in enumerate(w.optimizer.param_groups):
+            group["lr"] = lr * (factors[i] if i < len(factors) else 1.0)
+
 
     @property
     def online_rule(self) -> HypergradientRule | None:
@@ -160,11 +187,10 @@ class OnlineMixin:
             return len(self.candidates) - 1
         return min(range(len(self.candidates)), key=lambda k: (abs(math.log(self.candidates[k] / self.base_lr)), k))
 
-    @property
-    def trace(self) -> dict[str, float | int | None]:
-        """The lr trace's summary since the start or commit: ``lr`` in use, ``lr_min``, ``lr_max`` and ``updates`` (steps
-        the online rule ran on: those with a last step); ``None`` values before the start."""
-        st, lr = self._state, self.lr
+    def trace_of(self, lr: float | None) -> dict[str, float | int | None]:
+        """The lr trace's summary since the start or commit, ``lr`` being the lr in use: ``lr``, ``lr_min``, ``lr_max``
+        and ``updates`` (steps the online rule ran on: those with a last step); ``None`` values before the start."""
+        st = self._state
         return {"lr": lr, "lr_min": float(st.get("online.lr_min", lr)) if lr is not None else None,
                 "lr_max": float(st.get("online.lr_max", lr)) if lr is not None else None,
                 "updates": int(st.get("online.updates", 0))}
@@ -174,13 +200,14 @@ class OnlineMixin:
         if "online.u" in self._state:
             self.wrapper.selector_state = {k: v for k, v in self._state.items() if k != "online.u"}
 
-    def batch_logs(self) -> dict[str, float]:
-        """The lr's entries of a served batch's ``TTAOutput.logs`` (see :mod:`hf_tta.lr_online`)."""
-        if self.lr is None:
+    def batch_logs(self, lr: float | None) -> dict[str, float]:
+        """The lr's entries of a served batch's ``TTAOutput.logs`` (see :mod:`hf_tta.lr_online`), ``lr`` being the lr
+        in use (``None`` before the commit: none)."""
+        if lr is None:
             return {}
-        logs = {"lr_search.lr": float(self.lr)}
+        logs = {"lr_search.lr": float(lr)}
         if self.config.online is not None:
-            rule, trace = getattr(self, "_rule", None), self.trace
+            rule, trace = getattr(self, "_rule", None), self.trace_of(lr)
             cosines = rule.cosines if rule is not None else []
             logs.update({"lr_search.lr_min": trace["lr_min"], "lr_search.lr_max": trace["lr_max"]})
             if cosines:  # (absent when no step had a last step to compare with)

@@ -97,7 +97,7 @@ from typing import Any
 
 import torch
 
-from . import tuning, window
+from . import window
 from .lr_online import OnlineMixin
 from .lr_search_config import PROXIES, LRSearchConfig, choose
 from .policies import Answer, BatchContext, BatchPolicy
@@ -161,7 +161,7 @@ class LRSearch(OnlineMixin, BatchPolicy):
         self.back_off(self._lr_start, decision.action)
 
     def logs(self) -> dict[str, float]:
-        return self.batch_logs()
+        return self.batch_logs(self.lr)
 
     def recovered(self) -> None:  # the online rule's last step led elsewhere
         self.forget_update()
@@ -176,19 +176,6 @@ class LRSearch(OnlineMixin, BatchPolicy):
 
     # ---------------------------------------------------------------------------------------- what it exposes
     @property
-    def _state(self) -> dict[str, torch.Tensor]:
-        return self.wrapper.selector_state
-
-    @property
-    def _committed(self) -> bool:
-        return int(self._state.get("chosen", -1)) >= 0
-
-    @property
-    def probing(self) -> bool:
-        """Whether the next batch is a probe batch (no lr chosen since the last reset; never with ``probe_batches=0``)."""
-        return self.config.probe_batches > 0 and not self._committed
-
-    @property
     def chosen(self) -> float | None:
         """The lr the probe chose (without a probe: the start, :meth:`start_index`); ``None`` before."""
         return self.candidates[int(self._state["chosen"])] if self._committed else None
@@ -197,6 +184,11 @@ class LRSearch(OnlineMixin, BatchPolicy):
     def lr(self) -> float | None:
         """The lr in use after the commit (the chosen lr, moved by the online rule and the back-off); ``None`` before."""
         return float(self._state["lr"]) if self._committed else None
+
+    @property
+    def trace(self) -> dict[str, float | int | None]:
+        """The lr trace's summary since the start or commit (:meth:`~hf_tta.lr_online.OnlineMixin.trace_of`)."""
+        return self.trace_of(self.lr)
 
     @property
     def probed(self) -> int:
@@ -251,17 +243,6 @@ class LRSearch(OnlineMixin, BatchPolicy):
                 "backward_per_query": b / q if q else 0.0}
 
     # ---------------------------------------------------------------------------------------- the lr in use
-    def set_lr(self, lr: float) -> None:
-        """Put ``lr`` (times each group's ``lr_multipliers`` factor) into the wrapper's optimiser; a rebuilt optimiser
-        (a reset, SAR's recovery inside a shadow's steps) gets it too (:attr:`active`)."""
-        w = self.wrapper
-        self.active = lr
-        if w.optimizer is None:
-            return
-        factors = [g["lr"] for g in tuning.param_groups(w.params, 1.0, w.config.tuning.lr_multipliers)]
-        for i, group in enumerate(w.optimizer.param_groups):
-            group["lr"] = lr * (factors[i] if i < len(factors) else 1.0)
-
     def before_steps(self) -> None:
         """Before a committed batch's steps: the lr in use into the optimiser (a reset or a rebuilt optimiser starts
         from the base lr). Without a probe (``probe_batches=0``) the first batch starts at :meth:`start_index`."""

@@ -78,10 +78,20 @@ class Adaptable(Protocol):
     generator: torch.Generator
     batch_index: int
     selector_state: dict[str, torch.Tensor]
-
-    def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+    params: dict[str, torch.Tensor]
 
     def rebuild_optimizer(self) -> None: ...
+
+
+def named_optimized(optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``optimizer`` steps in its order (its groups: ``lr_multipliers``): the adapted ``params`` by name,
+    then other tensors it steps (ClipTTA's alpha: ``optimizer.extra.<i>``); ``params`` alone without an optimiser."""
+    if optimizer is None:
+        return list(params.items())
+    names = {id(p): n for n, p in params.items()}
+    ordered = [p for g in optimizer.param_groups for p in g["params"]]
+    extra = [p for p in ordered if id(p) not in names]
+    return [(names[id(p)], p) for p in ordered if id(p) in names] + [(f"{EXTRA_PREFIX}{i}", p) for i, p in enumerate(extra)]
 
 
 @dataclass
@@ -116,7 +126,7 @@ class AdapterState:
         """Copy ``parts`` of ``target``'s state. With ``into`` (an earlier capture of the same parts and layout) the
         tensors are copied into its buffers with one foreach call, and ``into`` is returned."""
         parts = frozenset(parts)
-        named = target.named_optimized_parameters() if parts & {PARAMS, OPTIMIZER} else []
+        named = named_optimized(target.optimizer, target.params) if parts & {PARAMS, OPTIMIZER} else []
         opt = target.optimizer if OPTIMIZER in parts else None
         live: list[tuple[tuple[str, ...], torch.Tensor]] = []
         plain: dict[str, dict[str, Any]] = {}
@@ -221,7 +231,7 @@ class AdapterState:
         objective and transform state are replaced by copies (by new dicts of the same tensors for a :meth:`view`, whose
         tensors are never written in place). ``target`` keeps what was not captured."""
         if PARAMS in self.parts and self.params:
-            live = dict(target.named_optimized_parameters())
+            live = dict(named_optimized(target.optimizer, target.params))
             missing = sorted(set(self.params) - set(live))
             if missing:
                 raise ValueError(f"The captured state adapts {missing[:2]}, which this wrapper does not: another model or config?")
@@ -231,7 +241,7 @@ class AdapterState:
             if self.optimizer is None or self.optimizer.fresh or target.optimizer is None:
                 target.rebuild_optimizer()
             else:
-                live = dict(target.named_optimized_parameters())
+                live = dict(named_optimized(target.optimizer, target.params))
                 opt = target.optimizer
                 for p in live.values():
                     opt.state.pop(p, None)

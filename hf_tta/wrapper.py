@@ -36,7 +36,7 @@ from .outputs import PassCounts, TTAOutput, float_logs
 from .policies import Answer, BatchContext, BatchPolicy
 from .policies.build import build_policies
 from .safety import SafetyDecision, build_monitor
-from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState
+from .state import ALL, OPTIMIZER, PARAMS, ROLLBACK, AdapterState, named_optimized
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +168,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
     def named_optimized_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The optimised tensors in the optimiser's order (its groups: ``lr_multipliers``): the adapted parameters by
         name, then other tensors it steps (ClipTTA's alpha: ``optimizer.extra.<i>``)."""
-        if self.optimizer is None:
-            return list(self.params.items())
-        names = {id(p): n for n, p in self.params.items()}
-        ordered = [p for g in self.optimizer.param_groups for p in g["params"]]
-        extra = [p for p in ordered if id(p) not in names]
-        return [(names[id(p)], p) for p in ordered if id(p) in names] + [(f"optimizer.extra.{i}", p) for i, p in enumerate(extra)]
+        return named_optimized(self.optimizer, self.params)
 
     @property
     def fast_path_active(self) -> bool:
@@ -256,7 +251,8 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """One batch's driver, inside :meth:`adapt_step`'s pinned gallery (a subclass's seam: routing steps each
         domain's sub-batch through it); call :meth:`adapt_step`, not this."""
         batch = self.prepare_batch(queries, gallery, labels)
-        ctx = BatchContext(self, batch, scoring, self._recover, partial(self._reported_view, batch))
+        ctx = BatchContext(self, batch, scoring, self._recover, self._source_state,
+                           [n for n, _ in self.named_optimized_parameters()], self.step_on_cpu())
         if self.safety.last_good is None:  # (what it snapshots, ROLLBACK, no policy's answer changes)
             self.safety.remember(self)
         for policy in self.policies:  # TTAConfig.update_budget's skip, TTAConfig.lr_search's probe (hf_tta.policies)
@@ -284,7 +280,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         result = ctx.result = ctx.run_steps(partial(self.forward.inputs, batch, source_cache=cache), rules[0] if rules else None)
         if result.skipped:
             logger.info("adapt_step skipped %s", "; ".join(result.skipped))
-        inputs, scores = self._reported_view(batch, result)
+        inputs, scores = ctx.reported_view(result)
         window.record(self.state, self.config.window, inputs, scores, source)
         decision = self.safety.after(inputs, scores)
         self._apply(ctx, decision)
@@ -333,14 +329,6 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """A training-free objective: nothing is adapted (:meth:`hf_tta.forward.BatchForward.training_free`)."""
         inputs, res, scores = self.forward.training_free(batch, source)
         return inputs, LoopResult(inputs, scores, None, 0, res.n_selected, logs=float_logs(res.logs))
-
-    def _reported_view(self, batch: batching.Batch, result: LoopResult) -> tuple[ObjectiveInputs, torch.Tensor]:
-        """The last step's forward (TCR's protocol), or for an objective with ``score_after_update`` (ClipTTA's own
-        protocol) a fresh forward after the last update."""
-        if getattr(self.objective, "score_after_update", False):
-            inputs = self.forward.view(batch, self.config.steps)
-            return inputs, inputs.scores
-        return result.inputs, result.scores
 
     def _recover(self) -> None:  # an objective's model recovery (SAR): source parameters, fresh optimiser
         self._source_state.only({PARAMS, OPTIMIZER}).apply(self)

@@ -227,3 +227,58 @@ def test_deep_copies_are_the_known_few():
         "state.py:apply", "state.py:capture", "state.py:copy", "state.py:from_tensors",
         "models/peft_interop.py:light_copy", "preset.py:recommended_fields", "cli/arguments.py:parse_known_args",
         "benchmarks/runner.py:_wrapper"}
+
+
+def _climbs(run) -> set[tuple[str, str]]:
+    """The calls that go up the layers while ``run()`` runs: from a function of an hf_tta module to a function of a
+    module that imports it (directly or not), ``(caller module:function, callee module:function)`` each once."""
+    import sys
+
+    above = {m: {a for a in GRAPH if m in _reach(a)} for m in GRAPH}
+    files = {str(p.resolve()): _module_name(p) for p in ROOT.rglob("*.py")}
+    found: set[tuple[str, str]] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None:
+            callee, caller = files.get(frame.f_code.co_filename), files.get(frame.f_back.f_code.co_filename)
+            if callee and caller and callee in above[caller]:
+                found.add((f"{caller}:{frame.f_back.f_code.co_name}", f"{callee}:{frame.f_code.co_name}"))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+CALL_PATH_CONFIGS = {
+    "tcr": {}, "leader": {"lr_search": {"serve": "leader"}}, "budget": {"update_budget": {"fraction": 0.5}},
+    "online": {"lr_search": {"serve": "leader", "online": "hypergradient", "probe_batches": 2}},
+    "safe": {"safety": {}, "weight_ensemble": {}}, "cliptta": {"objective": "cliptta"}, "recommended": None, "routed": "routed",
+}
+
+
+@pytest.mark.parametrize("name", list(CALL_PATH_CONFIGS))
+def test_the_call_path_of_adapt_step_climbs_at_most_seven_times(name):
+    """Issue 46: while ``adapt_step`` runs a stream (the lr search's probe and commit, the online rule, the budget's
+    skips, the safety layer, the recommended default with an open gate, a routed wrapper), at most 7 distinct calls go
+    from a module up to one that imports it (hooks the loop calls, a model adapter's override, the wrapper rebuilding
+    its optimiser for a state), and none reaches a private name of the wrapper. Before, the lr search alone made 11."""
+    from hf_tta import RoutedTTAWrapper, TTAConfig, TTAWrapper
+    from support import dense_gallery, image_stream
+    from tiny_models import image_batch, make_model
+
+    extra = CALL_PATH_CONFIGS[name]
+    if extra is None:  # the default, its gate open on every batch (a near-zero threshold), fitted on clean queries
+        cfg = TTAConfig.recommended("image", shift_gate={"statistic": "batch_mean", "threshold": 1e-6})
+    else:
+        cfg = TTAConfig(**{"objective": "tcr", "lr": 1e-2, "query_modality": "image", **({} if extra == "routed" else extra)})
+    tta = (RoutedTTAWrapper if extra == "routed" else TTAWrapper)(make_model("clip"), cfg)
+    if extra is None:
+        tta.fit_shift_gate(image_batch(64, seed=7))
+    gallery, stream = dense_gallery(), image_stream(6)
+    tta.adapt_step(stream[0], gallery)
+    climbs = _climbs(lambda: [tta.adapt_step(q, gallery) for q in stream[1:]])
+    assert len(climbs) <= 7, sorted(climbs)
+    assert not [c for c in climbs if c[1].startswith("hf_tta.wrapper:_")], sorted(climbs)

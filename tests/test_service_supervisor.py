@@ -3,7 +3,10 @@ skips the batches still queued for the worker (answered, dropped from adaptation
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 from functools import partial
 
@@ -70,6 +73,36 @@ def test_a_stop_skips_the_batches_still_queued_and_saves(tmp_path, gallery):
         saved.load(str(checkpoint))  # saved on the way out
         assert saved.version == 0
     finally:
+        channel.close()
+
+
+def test_a_stop_under_real_cpu_load_ends_the_worker_by_its_own_exit_and_saves(tmp_path, gallery):
+    """Item 4 under load: a busy process per core holds the machine while batches are queued for a real adapting
+    process; ``stop()`` ends it by its own exit (exit code 0: not terminated after the timeout), the batches it had
+    not started are not adapted on, and the state it saved holds the batches it reported done."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    channel = SharedMemoryChannel.create(1 << 20)
+    checkpoint = tmp_path / "tenants.safetensors"
+    q = AdaptQueue(capacity=1024, batch_size=8, min_batch=8, max_wait=0.01)
+    sup = Supervisor(WorkerSpec(BUILD, {"kind": "shm", "name": channel.name}, checkpoint=str(checkpoint), nice=0), q, lambda: (0, {}))
+    try:
+        sup.set_gallery(gallery.embeddings.numpy())
+        sup.start(wait=300)
+        assert wait_for(sup.started.is_set, timeout=300)
+        for i in range(100):  # a hundred batches of 8 queries
+            q.put("default", _arrays(i % 16))
+        assert wait_for(lambda: sup.counters["batches_done"] >= 1, timeout=300)
+        sup.stop(timeout=120)
+        assert sup.proc.exitcode == 0  # (-15 when terminated)
+        done = sup.counters["batches_done"]
+        assert done < 100 and done + sup.counters["skipped_at_stop"] + len(q) // 8 <= 100
+        saved = TenantAdapters(BUILD(), 8)
+        saved.load(str(checkpoint))
+        assert saved.version == channel.read().version == done
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
         channel.close()
 
 

@@ -24,7 +24,11 @@ class BatchContext:
     batch: Any
     scoring: str | None
     recover: Callable[[], None]
-    reported: Callable[[Any], tuple[Any, torch.Tensor]]
+    #: the captured source state (:attr:`hf_tta.TTAWrapper.source_state`; read it, do not change it)
+    source_state: AdapterState = field(repr=False)
+    #: the optimised tensors' names in the optimiser's order and where AdamW keeps ``step`` (a saved state's layout)
+    optimized_names: list[str] = field(repr=False)
+    step_on_cpu: bool = True
     source: Any = field(default=None, repr=False)
     #: the steps' :class:`~hf_tta.loop.LoopResult` once they ran (``None`` before, and on a batch answered without them)
     result: Any = field(default=None, repr=False)
@@ -34,7 +38,6 @@ class BatchContext:
     safety = property(lambda self: self.wrapper.safety)
     params = property(lambda self: self.wrapper.params)
     config = property(lambda self: self.wrapper.config)
-    source_state = property(lambda self: self.wrapper.source_state)
     batch_index = property(lambda self: self.wrapper.batch_index)
 
     def view(self, steps: int | None = None, source: bool = False) -> Any:
@@ -54,8 +57,12 @@ class BatchContext:
             return self.loop.run(self.wrapper, self.params, make_inputs, self.recover, rule)
 
     def reported_view(self, result: Any) -> tuple[Any, torch.Tensor]:
-        """The view a batch whose steps ran reports (the last step's, or a forward after the update)."""
-        return self.reported(result)
+        """The view a batch whose steps ran reports: the last step's forward (TCR's protocol), or for an objective
+        with ``score_after_update`` (ClipTTA's own protocol) a fresh forward after the last update."""
+        if getattr(self.forward.objective, "score_after_update", False):
+            inputs = self.forward.view(self.batch, self.config.steps)
+            return inputs, inputs.scores
+        return result.inputs, result.scores
 
     def capture(self, parts: frozenset[str]) -> AdapterState:
         """A copy of the wrapper's ``parts`` (:mod:`hf_tta.state`)."""
@@ -71,5 +78,4 @@ class BatchContext:
 
     def state_from_tensors(self, tensors: dict[str, torch.Tensor], parts: frozenset[str], **kwargs: Any) -> AdapterState:
         """An :class:`AdapterState` of the wrapper's parameters from saved tensors (optimiser step on the right device)."""
-        names = [n for n, _ in self.wrapper.named_optimized_parameters()]
-        return AdapterState.from_tensors(tensors, {}, parts, names, step_on_cpu=self.wrapper.step_on_cpu(), **kwargs)
+        return AdapterState.from_tensors(tensors, {}, parts, self.optimized_names, step_on_cpu=self.step_on_cpu, **kwargs)
