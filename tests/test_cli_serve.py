@@ -56,7 +56,8 @@ def _blip_folder_and_gallery(tmp_path):
 
 def test_recommended_serves_the_default_with_its_gate_fitted_on_the_reference_folder(tmp_path, caplog):
     """``--recommended --gate-reference <folder>``: the service's wrapper is ``TTAConfig.recommended("image")`` with its
-    shift gate fitted on the folder's images, in each process that builds it; without the reference the start logs
+    shift gate fitted on the folder's images (once, its statistics sent to each process that builds it); without the
+    reference the start logs
     that the source answers every query until the gate is fitted."""
     from hf_tta import TTAConfig
     from hf_tta.cli.serve import build_config, parser
@@ -64,9 +65,13 @@ def test_recommended_serves_the_default_with_its_gate_fitted_on_the_reference_fo
     folder, gallery = _blip_folder_and_gallery(tmp_path)
     reference = _clean_folder(tmp_path)
     argv = ["--model", str(folder), "--gallery", str(gallery), "--recommended"]
-    built = build_config(parser().parse_args([*argv, "--gate-reference", str(reference)])).build()
+    service = build_config(parser().parse_args([*argv, "--gate-reference", str(reference)]))
+    built = service.build()
     assert built.config.to_dict() == TTAConfig.recommended("image").to_dict()
     assert built.shift_gate.fitted and built.shift_gate.count == 32
+    # a spawned process is sent the fitted statistics (kilobytes), not the reference images' input tensors
+    sent = [a for a in service.build.args if isinstance(a, dict)]
+    assert [sorted(d) for d in sent] == [["shift_gate.count", "shift_gate.mean", "shift_gate.var"]]
     with caplog.at_level("WARNING", logger="hf_tta.serve"):
         bare = build_config(parser().parse_args(argv)).build()
     assert not bare.shift_gate.fitted and "pass --gate-reference with clean queries" in caplog.text

@@ -116,13 +116,15 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
             raise ValueError("--gate-reference fits the shift gate, which this TTAConfig does not have: add shift_gate "
                              "to --config, or pass --recommended")
         minimum = tta.build_shift_gate_config().min_reference
-        reference = encode[tta.query_modality](gate_reference_items(args.gate_reference, tta.query_modality, minimum))
+        inputs = encode[tta.query_modality](gate_reference_items(args.gate_reference, tta.query_modality, minimum))
+        # fitted once here: every process that builds the wrapper gets the statistics, not the images' tensors
+        reference = build_wrapper(factory, tta, inputs).shift_gate.state_tensors()
     elif tta.shift_gate is not None and args.adapt:
         logger.warning("the TTAConfig has a shift gate and no --gate-reference: until it is fitted the source model "
                        "answers every query and nothing adapts (pass --gate-reference with clean queries)")
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_pixels=args.max_pixels, timeout=args.timeout)
     return ServiceConfig(
-        partial(build_wrapper, factory, tta, reference), encode, items, state_dir=args.state_dir, tenants=args.tenants,
+        partial(build_wrapper, factory, tta, None, reference), encode, items, state_dir=args.state_dir, tenants=args.tenants,
         max_tenants=args.max_tenants, adapt=args.adapt, batch_size=args.batch_size, min_batch=args.min_batch,
         max_wait=args.max_wait, queue_capacity=args.queue_capacity, checkpoint_every=args.checkpoint_every,
         worker_nice=args.worker_nice, max_state_lag=args.max_state_lag, limits=limits,

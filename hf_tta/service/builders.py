@@ -21,12 +21,16 @@ from ..wrapper import TTAWrapper
 
 
 def build_wrapper(model_factory: Callable[[], torch.nn.Module], config: TTAConfig,
-                  gate_reference: dict[str, torch.Tensor] | None = None) -> TTAWrapper:
+                  gate_reference: dict[str, torch.Tensor] | None = None,
+                  gate_statistics: dict[str, torch.Tensor] | None = None) -> TTAWrapper:
     """The wrapper at its source state; with ``gate_reference`` (clean queries' model inputs) its shift gate fitted
-    on them (:meth:`~hf_tta.TTAWrapper.fit_shift_gate`)."""
+    on them (:meth:`~hf_tta.TTAWrapper.fit_shift_gate`), or with ``gate_statistics`` (a fitted gate's
+    ``state_tensors()``: a few kilobytes, what a spawned process is sent instead of the reference's inputs) given them."""
     wrapper = TTAWrapper(model_factory(), config)
     if gate_reference is not None:
         wrapper.fit_shift_gate(gate_reference)
+    if gate_statistics is not None:
+        wrapper.shift_gate.load_state_tensors(gate_statistics)
     return wrapper
 
 
