@@ -177,6 +177,7 @@ def capacity_run(args, services, clients, payloads, order, captions_of, deadline
                 c = cell(label, services[label][1], rate, repeat, "ladder")
                 if c["errors"] or not c["p99"] <= args.capacity_p99_ms:
                     break
+            time.sleep(args.cooldown)  # the next ladder starts on a machine at rest, not behind an overloaded rung
     caps = [capacity([c for c in cells if c["kind"] == "ladder" and c["repeat"] == r and c["service"] == "adaptation off"],
                      args.capacity_p99_ms) for r in range(args.repeats)]
     half = float(np.median(caps)) / 2
@@ -231,9 +232,10 @@ def main(argv=None) -> None:
     p.add_argument("--capacity-p99-ms", type=float, default=None, help="capacity mode: the p99 bound (ms) of a sustained rate")
     p.add_argument("--repeats", type=int, default=3, help="capacity mode: ladders per service")
     p.add_argument("--cells", default=None, help="capacity mode: CSV of one row per cell")
+    p.add_argument("--cooldown", type=float, default=20.0, help="capacity mode: seconds of rest after each ladder")
     args = p.parse_args(argv)
-    if args.capacity_p99_ms is not None and (args.capacity_p99_ms <= 0 or args.repeats < 1):
-        p.error("--capacity-p99-ms must be positive and --repeats at least 1")
+    if args.capacity_p99_ms is not None and (args.capacity_p99_ms <= 0 or args.repeats < 1 or args.cooldown < 0):
+        p.error("--capacity-p99-ms must be positive, --repeats at least 1 and --cooldown >= 0")
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.requests or min(args.rates) <= 0:
         p.error("--requests, --concurrency and --rates must be positive, --warmup >= 0, 1 <= --rounds <= --requests")
     import httpx
