@@ -325,8 +325,9 @@ MEASURED_BLOCK = re.compile(r"<!-- measured: (?P<how>[^>]*?) -->(?P<body>.*?)<!-
 #: Figures of these cards' prose that are settings, thresholds or targets, not measurements: the state store's tick
 #: (0.25 s), issue 27's batch-1 target (80 %) and "more than 100 %", the intervals' level (95 %), the example weight
 #: of gradient decoupling (0.3), the render factor (2.5), the tests' recall floors for approximate indexes (0.9, 0.85),
-#: the safety layer's defaults (0.1, 0.5, 0.2, 0.9: :class:`hf_tta.SafetyConfig`, checked below).
-OPERATIONS_SETTINGS = {"0.25", "80 %", "100 %", "95 %", "0.3", "2.5", "0.9", "0.85", "0.1", "0.5", "0.2"}
+#: the safety layer's defaults (0.1, 0.5, 0.2, 0.9: :class:`hf_tta.SafetyConfig`, checked below), issue 49's capacity
+#: targets (90 %, 1.5).
+OPERATIONS_SETTINGS = {"0.25", "80 %", "100 %", "95 %", "0.3", "2.5", "0.9", "0.85", "0.1", "0.5", "0.2", "90 %", "1.5"}
 #: Licences and package versions, which the figure pattern would read as numbers.
 NOT_FIGURES = r"(?:CC BY-SA\s+|cc-by-sa-|Apache-|License |by-sa/|OpenMoji )\d+\.\d+|\d+\.\d+\.\d+[\w.]*"
 
