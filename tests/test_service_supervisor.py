@@ -80,7 +80,7 @@ def test_a_stop_under_real_cpu_load_ends_the_worker_by_its_own_exit_and_saves(tm
     """Item 4 under load: a busy process per core holds the machine while batches are queued for a real adapting
     process; ``stop()`` ends it by its own exit (exit code 0: not terminated after the timeout), the batches it had
     not started are not adapted on, and the state it saved holds the batches it reported done."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    busy: list[subprocess.Popen] = []
     channel = SharedMemoryChannel.create(1 << 20)
     checkpoint = tmp_path / "tenants.safetensors"
     q = AdaptQueue(capacity=1024, batch_size=8, min_batch=8, max_wait=0.01)
@@ -89,6 +89,7 @@ def test_a_stop_under_real_cpu_load_ends_the_worker_by_its_own_exit_and_saves(tm
         sup.set_gallery(gallery.embeddings.numpy())
         sup.start(wait=300)
         assert wait_for(sup.started.is_set, timeout=300)
+        busy += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
         for i in range(100):  # a hundred batches of 8 queries
             q.put("default", _arrays(i % 16))
         assert wait_for(lambda: sup.counters["batches_done"] >= 1, timeout=300)
