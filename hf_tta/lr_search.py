@@ -84,8 +84,11 @@ with a training-free objective, ``reset_policy="episodic"``, ``update_budget`` (
 ``backoff`` without the safety layer, and by :class:`~hf_tta.RoutedTTAWrapper` and ``DistributedTTAWrapper``.
 
 **State.** Everything lives in the :data:`~hf_tta.state.SELECTOR` part of the wrapper's
-:class:`~hf_tta.state.AdapterState` (``selector.*`` in a checkpoint): saved and resumed bit-exactly mid-probe,
-cleared by ``reset()``, restored by a rollback, kept (its choice) by a safety reset.
+:class:`~hf_tta.state.AdapterState` (``selector.*`` in a checkpoint): the scores, choice and lr in
+``wrapper.selector_state``, the shadows as the slots of one :class:`~hf_tta.slots.SlotBank` (``wrapper.selector_shadows``,
+keyed by candidate index, no monitors of their own: the probe's one switch; ``selector.shadow.<k>.*`` in a
+checkpoint, as before the bank). Saved and resumed bit-exactly mid-probe, cleared by ``reset()``, restored by a
+rollback, kept (its choice) by a safety reset.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ from . import window
 from .lr_online import OnlineMixin
 from .lr_search_config import PROXIES, LRSearchConfig, choose
 from .policies import Answer, BatchContext, BatchPolicy
-from .state import SELECTOR, SHADOW, AdapterState
+from .slots import SlotBank
+from .state import SELECTOR, SHADOW
 
 __all__ = ["LRSearch", "LRSearchConfig", "PROXIES", "choose", "proxy_value", "proxy_values"]
 logger = logging.getLogger(__name__)
@@ -143,6 +147,8 @@ class LRSearch(OnlineMixin, BatchPolicy):
         self.base_lr = float(wrapper.lr)
         self.candidates = config.resolved_candidates(self.base_lr)
         self.active: float | None = None  # the lr last put into the optimiser
+        #: the shadows, keyed by candidate index (hf_tta.slots; the wrapper's selector_shadows)
+        self.shadows = SlotBank(wrapper, SHADOW, monitors=False)
         self._lr_start: float | None = None  # the lr in use when the batch's steps started (what a back-off scales)
 
     # ---------------------------------------------------------------------------------------- the policy's hooks
@@ -276,29 +282,34 @@ class LRSearch(OnlineMixin, BatchPolicy):
         """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts. An
         error on the way leaves the wrapper as the batch found it."""
         w = self.wrapper
-        before, rng = dict(self._state), w.generator.get_state()
+        undo = (dict(self._state), self.shadows.stored(), w.generator.get_state())
         try:
-            return self._probe(ctx, before, rng)
+            return self._probe(ctx, undo)
         except BaseException:
-            ctx.load_source(SHADOW)  # the served state during the probe
-            w.selector_state = before
-            w.generator.set_state(rng)
+            self._undo(ctx, undo)
             raise
 
-    def _probe(self, ctx: BatchContext, before: dict[str, torch.Tensor], rng: torch.Tensor) -> Answer:
-        w, cfg, batch = self.wrapper, self.config, ctx.batch
+    def _undo(self, ctx: BatchContext, undo: tuple) -> None:
+        """The search's state, its shadows and the RNG as the batch found them; the source (served) in the model."""
+        ctx.load_source(SHADOW)
+        self.wrapper.selector_state = undo[0]
+        self.shadows.restore(undo[1])
+        self.wrapper.generator.set_state(undo[2])
+
+    def _probe(self, ctx: BatchContext, undo: tuple) -> Answer:
+        w, cfg, batch, before = self.wrapper, self.config, ctx.batch, undo[0]
         start = w.passes.copy()  # the query tower's passes the probe runs (TTAWrapper.passes, hf_tta.outputs.PassCounts)
         source = ctx.source_view()  # the answer, rule 1, agreement
         decision = w.safety.before(source)
         if decision.action == "skip_degenerate":  # not probed: the source answers, the batch leaves no trace
             return self._answer((source, 0.0), decision.action, {})
-        state = {k: v for k, v in before.items() if not k.startswith("shadow.")} or self._fresh()
+        state = dict(before) or self._fresh()
         cache = [source.scores] if source.candidate_ids is None else []
         dense_mean = source.gallery_emb.mean(0, dtype=torch.float64) if source.candidate_ids is None else None
         values, losses, logs = [], [], {}
         lead, served = self.leader, (source, 0.0)  # serve="leader": the leader by the scores before this batch
         for k, lr in enumerate(self.candidates):
-            self._load(ctx, before, k)
+            self._load(k)  # stores the shadow before it (after its steps), as the bank's switch does
             self.set_lr(lr)
             first: list[Any] = []
 
@@ -315,16 +326,14 @@ class LRSearch(OnlineMixin, BatchPolicy):
                 served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
                                               scores=first[0].scores.detach()), lr)
             losses.append(result.first_loss)
-            tensors, meta = AdapterState.capture(w, SHADOW).to_tensors(f"shadow.{k}.", optimizer_keys="name")
-            if meta.get("optim_plain"):
+            if any(not torch.is_tensor(v) for st in w.optimizer.state.values() for v in st.values()):
                 raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
                                  "has other state: drop lr_search.")
-            state.update(tensors)
             logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})
+        self.shadows.deactivate()  # the last shadow stored
         ctx.load_source(SHADOW)  # the served state: the source, until the commit
         if all(v is not None and not math.isfinite(v) for v in losses):  # garbage in: nothing changes
-            w.selector_state = before
-            w.generator.set_state(rng)
+            self._undo(ctx, undo)
             logger.warning("lr_search: every candidate's loss is not finite on this batch: not probed")
             return self._answer(served, None, logs)
         vals = torch.stack(values, dim=1)  # (proxies, candidates)
@@ -358,25 +367,22 @@ class LRSearch(OnlineMixin, BatchPolicy):
                 "valid": torch.ones(len(PROXIES), k, dtype=torch.bool), **counters,
                 "chosen": torch.tensor(-1), "lr": torch.tensor(self.base_lr, dtype=torch.float64)}
 
-    def _load(self, ctx: BatchContext, state: dict[str, torch.Tensor], k: int) -> None:
-        """Shadow ``k`` into the wrapper (the source before its first probe batch)."""
-        prefix = f"shadow.{k}."
-        if not any(key.startswith(prefix) for key in state):
-            ctx.load_source(SHADOW)
-            return
-        tensors = {key[len(prefix):]: v for key, v in state.items() if key.startswith(prefix)}
-        ctx.load(ctx.state_from_tensors(tensors, SHADOW, optimizer_keys="name"))
+    def _load(self, k: int) -> None:
+        """Shadow ``k`` into the wrapper (the source before its first probe batch): the bank's switch."""
+        if k not in self.shadows:
+            self.shadows.add(k)
+        self.shadows.set_active(k)
 
     def _commit(self, ctx: BatchContext) -> None:
         """The proxy's choice becomes the adapted state; the other shadows are dropped (logged)."""
         w, st = self.wrapper, self._state
         means = self._means()[PROXIES.index(self.config.proxy)]
         k = choose(self.config.proxy, self.candidates, means, [True] * len(means), self.base_lr, self.config.floor)
-        self._load(ctx, st, k)
+        self._load(k)
+        self.shadows.clear()  # the chosen shadow is the adapted state now; the others are dropped
         lr = self.candidates[k]
         self.set_lr(lr)
-        w.selector_state = {**{key: v for key, v in st.items() if not key.startswith("shadow.")},
-                            "chosen": torch.tensor(k), "lr": torch.tensor(lr, dtype=torch.float64)}
+        w.selector_state = {**st, "chosen": torch.tensor(k), "lr": torch.tensor(lr, dtype=torch.float64)}
         if not any(map(math.isfinite, means)):
             logger.warning("lr_search: no candidate could be scored by %s (diverged, or no loss): the lowest lr %.3g is "
                            "used", self.config.proxy, lr)

@@ -5,8 +5,9 @@ model of a :class:`~hf_tta.TTAWrapper`. :meth:`SlotBank.set_active` is the one s
 stored from the model, the new key's state (the source state for a key that never adapted) is put into it by exact
 copies and its monitor becomes the wrapper's; :attr:`SlotBank.active` is the read-only key whose state is in the
 model. So a key's results are bit-identical to a wrapper that saw only its batches. Routing's domains
-(:mod:`hf_tta.routing`) and the service's tenants (:mod:`hf_tta.service.tenants`) are slots of a bank; the lr search's
-candidates are shadows of one stream that never answer and stay in its own state part (:mod:`hf_tta.lr_search`).
+(:mod:`hf_tta.routing`), the service's tenants (:mod:`hf_tta.service.tenants`) and the lr search's candidates
+(:mod:`hf_tta.lr_search`: shadows of one stream, a bank without monitors of its own, saved in the
+:data:`~hf_tta.state.SELECTOR` part) are slots of a bank.
 
 This is the only module that puts a key's monitor into the wrapper (``wrapper.safety``), as peft's ``set_adapter`` is
 the only switch of its adapters.
@@ -41,10 +42,14 @@ class SlotBank:
         reuse_buffers (`bool`): store the active key's state into its slot's tensors instead of new ones (no
             allocation per switch). Only for a bank whose stored states no one else holds: a tenant's history does.
         source (`AdapterState`, *optional*): a new key's state (default: the wrapper's source state).
+        monitors (`bool`): each key has its own safety monitor, which :meth:`set_active` makes the wrapper's (default);
+            ``False``: the wrapper's monitor stays whatever the key (the lr search's shadows, judged as one stream).
     """
 
-    def __init__(self, wrapper: Any, parts: frozenset[str] = ALL, reuse_buffers: bool = False, source: AdapterState | None = None):
+    def __init__(self, wrapper: Any, parts: frozenset[str] = ALL, reuse_buffers: bool = False, source: AdapterState | None = None,
+                 monitors: bool = True):
         self._wrapper, self.parts, self.reuse_buffers = wrapper, frozenset(parts), bool(reuse_buffers)
+        self.monitors = bool(monitors)
         self._source = source
         self._slots: dict[Hashable, Slot] = {}
         self._active: Hashable | None = None
@@ -81,7 +86,7 @@ class SlotBank:
         """A new slot at the source state, with a fresh monitor of the wrapper's thresholds."""
         if key in self._slots:
             raise ValueError(f"slot {key!r} exists already")
-        self._slots[key] = Slot(key, None, self._wrapper.safety.fresh())
+        self._slots[key] = Slot(key, None, self._wrapper.safety.fresh()) if self.monitors else Slot(key)
         return self._slots[key]
 
     # ------------------------------------------------------------------------------------------ the switch
@@ -92,7 +97,8 @@ class SlotBank:
             return slot
         self.store()
         (slot.state or self.source).only(self.parts).apply(self._wrapper)
-        self._wrapper.safety = slot.safety
+        if self.monitors:
+            self._wrapper.safety = slot.safety
         self._active = key
         return slot
 
@@ -125,9 +131,29 @@ class SlotBank:
             slot.safety = safety
 
     def clear(self) -> None:
-        """Drop every slot; the wrapper gets a fresh monitor (the dropped slots keep theirs)."""
+        """Drop every slot; the wrapper gets a fresh monitor (the dropped slots keep theirs; a bank without
+        ``monitors`` leaves the wrapper's as it is)."""
         self._slots, self._active = {}, None
-        self._wrapper.safety = self._wrapper.safety.fresh()
+        if self.monitors:
+            self._wrapper.safety = self._wrapper.safety.fresh()
+
+    def stored(self) -> dict[Hashable, AdapterState | None]:
+        """Every key's stored state, by reference (``None``: the source), after storing the active key's (no key is
+        active afterwards). With ``reuse_buffers`` off a stored state is never written again, so this is a snapshot
+        that :meth:`restore` puts back at no copy (the lr search's undo of a failed batch)."""
+        self.deactivate()
+        return {key: slot.state for key, slot in self._slots.items()}
+
+    def restore(self, states: dict[Hashable, AdapterState | None]) -> None:
+        """Exactly the keys and stored states of ``states`` (:meth:`stored`'s, or a checkpoint's), no key active:
+        the model's state is not stored first (what it holds is the caller's to replace). A kept key keeps its
+        monitor; a new one gets a fresh monitor."""
+        if self.reuse_buffers:
+            raise ValueError("restore() needs a bank whose stored states are not reused as buffers")
+        old, self._slots, self._active = self._slots, {}, None
+        for key, state in states.items():
+            slot = Slot(key, None, old[key].safety) if key in old else self.add(key)
+            slot.state, self._slots[key] = state, slot
 
     @contextlib.contextmanager
     def computing_as(self, key: Hashable | None) -> Iterator[AdapterState]:

@@ -13,8 +13,9 @@ objective  the objective's state (TCR's queue, SAR's EMA, ...)
 transform  the score transform's state (DN's query mean)
 rng        the wrapper's random generator
 counter    the batch counter
-selector   the learning-rate search's state (:mod:`hf_tta.lr_search`, issue 37): one shadow copy of the
-           :data:`SHADOW` parts per candidate lr during the probe, the proxy's running scores, the chosen lr and
+selector   the learning-rate search's state (:mod:`hf_tta.lr_search`, issue 37): its shadows during the probe (one
+           :data:`SHADOW` state per candidate lr, the slots of its :class:`~hf_tta.slots.SlotBank`, in
+           ``shadows``), the proxy's running scores, the chosen lr and
            the probe's cost counters, the lr in use and the online rule's last step (:mod:`hf_tta.lr_online`);
            empty when ``TTAConfig.lr_search`` is off or after a reset
 ========== ==============================================================================================
@@ -44,7 +45,8 @@ written in place (every objective of the registry is checked: ``tests/test_objec
 optimiser moments are written in place by the optimiser and cannot be viewed (nor can the selector's shadows).
 :meth:`AdapterState.apply` puts a capture or a view back (copies again), :meth:`AdapterState.copy` gives an independent exact copy of a capture. :meth:`AdapterState.to_tensors` writes
 the checkpoint's keys (``param.*``, ``optim.<pid>.*`` or ``optim.<name>.*``, ``objective.*``, ``score_transform.*``,
-``wrapper.batch_index``, ``wrapper.rng_state``, ``selector.*``) and :meth:`AdapterState.from_tensors` reads them back.
+``wrapper.batch_index``, ``wrapper.rng_state``, ``selector.*`` with each shadow under ``selector.shadow.<k>.``) and
+:meth:`AdapterState.from_tensors` reads them back.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ ANSWER = frozenset({OBJECTIVE, TRANSFORM, RNG})
 SERVED = ANSWER | {PARAMS, COUNTER}
 VIEWABLE = frozenset({OBJECTIVE, TRANSFORM, RNG, COUNTER})  # the parts that are replaced, never written in place
 EXTRA_PREFIX = "optimizer.extra."
+SHADOW_PREFIX = "selector.shadow."  # the lr search's shadows in a checkpoint: selector.shadow.<k>.<a SHADOW state's keys>
 
 
 class Adaptable(Protocol):
@@ -78,6 +81,7 @@ class Adaptable(Protocol):
     generator: torch.Generator
     batch_index: int
     selector_state: dict[str, torch.Tensor]
+    selector_shadows: Any  # the lr search's SlotBank of shadows (hf_tta.slots), None without an lr search
     params: dict[str, torch.Tensor]
 
     def rebuild_optimizer(self) -> None: ...
@@ -117,6 +121,7 @@ class AdapterState:
     rng: torch.Tensor | None = None
     batch_index: int = 0
     selector: dict[str, torch.Tensor] = field(default_factory=dict)
+    shadows: dict[int, AdapterState] = field(default_factory=dict)  # the lr search's, by candidate (SELECTOR part)
     shared: bool = False  # a view: its tensors are the target's (applied as new dicts, not cloned)
 
     # ------------------------------------------------------------------------------------------ capture / apply
@@ -169,6 +174,8 @@ class AdapterState:
             out.batch_index = int(target.batch_index)
         if SELECTOR in parts:
             out.selector = {k: v.clone() for k, v in target.selector_state.items()}
+            bank = target.selector_shadows
+            out.shadows = {k: bank.state(k) for k in bank.keys} if bank is not None else {}
         return out
 
     @classmethod
@@ -200,6 +207,7 @@ class AdapterState:
             transform=clone(self.transform) if TRANSFORM in p else {},
             rng=self.rng.clone() if RNG in p and self.rng is not None else None, batch_index=self.batch_index,
             selector=clone(self.selector) if SELECTOR in p else {},
+            shadows={k: v.copy() for k, v in self.shadows.items()} if SELECTOR in p else {},
         )
 
     def only(self, parts: Iterable[str]) -> AdapterState:
@@ -258,6 +266,11 @@ class AdapterState:
             target.batch_index = self.batch_index
         if SELECTOR in self.parts:
             target.selector_state = {k: v.clone() for k, v in self.selector.items()}
+            bank = target.selector_shadows
+            if bank is None and self.shadows:
+                raise ValueError("The state holds lr-search shadows and this wrapper runs no lr search: set TTAConfig.lr_search as saved.")
+            if bank is not None:
+                bank.restore({k: v.copy() for k, v in self.shadows.items()})
 
     # ------------------------------------------------------------------------------------------ checkpoint layout
     def to_tensors(self, prefix: str = "", optimizer_keys: str = "pid") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -290,6 +303,12 @@ class AdapterState:
             tensors[f"{prefix}wrapper.rng_state"] = self.rng
         if SELECTOR in self.parts:
             tensors.update({f"{prefix}selector.{k}": v for k, v in self.selector.items()})
+            for k, shadow in self.shadows.items():
+                shadow_tensors, shadow_meta = shadow.to_tensors(f"{prefix}selector.shadow.{k}.", optimizer_keys="name")
+                if shadow_meta.get("optim_plain"):
+                    raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
+                                     "has other state: drop lr_search.")
+                tensors.update(shadow_tensors)
         return tensors, meta
 
     @classmethod
@@ -333,7 +352,11 @@ class AdapterState:
         if "wrapper.rng_state" in entries:
             out.rng = entries["wrapper.rng_state"].cpu().clone()
         if SELECTOR in parts:
-            out.selector = {k[len("selector.") :]: v.clone() for k, v in entries.items() if k.startswith("selector.")}
+            out.selector = {k[len("selector.") :]: v.clone() for k, v in entries.items()
+                            if k.startswith("selector.") and not k.startswith(SHADOW_PREFIX)}
+            ks = sorted({int(k[len(SHADOW_PREFIX) :].split(".", 1)[0]) for k in entries if k.startswith(SHADOW_PREFIX)})
+            out.shadows = {k: cls.from_tensors(entries, {}, SHADOW, names, f"{SHADOW_PREFIX}{k}.", "name", step_on_cpu)
+                           for k in ks}
         return out
 
     def equals(self, other: AdapterState) -> bool:
@@ -362,6 +385,8 @@ class AdapterState:
             RNG not in p or same(self.rng, other.rng),
             COUNTER not in p or self.batch_index == other.batch_index,
             SELECTOR not in p or same(self.selector, other.selector),
+            SELECTOR not in p or (self.shadows.keys() == other.shadows.keys()
+                                  and all(v.equals(other.shadows[k]) for k, v in self.shadows.items())),
             OPTIMIZER not in p or (opt_a is None) == (opt_b is None),
             OPTIMIZER not in p or opt_a is None or (opt_a[0] == opt_b[0] and same(opt_a[1], opt_b[1]) and opt_a[2] == opt_b[2]),
         ]

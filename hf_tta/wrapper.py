@@ -161,6 +161,12 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         for policy in getattr(self, "policies", ()):  # (the lr search's lr in use)
             policy.optimizer_rebuilt()
 
+    @property
+    def selector_shadows(self) -> Any:
+        """The lr search's shadows during its probe (a :class:`~hf_tta.slots.SlotBank` keyed by candidate index,
+        :mod:`hf_tta.lr_search`; part of the :data:`~hf_tta.state.SELECTOR` state), ``None`` without an lr search."""
+        return self.lr_search.shadows if getattr(self, "lr_search", None) is not None else None
+
     def policy(self, name: str) -> BatchPolicy | None:
         """The batch policy called ``name`` (``"update_budget"``, ``"lr_search"``; :mod:`hf_tta.policies`), or ``None``."""
         return next((p for p in self.policies if p.name == name), None)

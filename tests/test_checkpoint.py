@@ -449,3 +449,28 @@ def test_checkpoints_written_before_the_policy_driver_load_and_continue_as_they_
     assert {k: t.version for k, t in adapters.tenants.items()} == {"x": 2, "y": 1}
     got = torch.cat([adapters.adapt("xy"[i % 2], q, g).scores for i, q in enumerate(image_stream(2, seed=600))])
     assert torch.equal(got, want["tenants"])
+
+
+def test_an_lr_search_saved_mid_probe_before_the_slot_bank_loads_and_continues_as_it_did(tmp_path):
+    """tests/data/pre_bank (written at c40d6a8, when the lr search's shadows were tensors inside its selector state):
+    today's shadows are slots of a SlotBank, saved under the same keys; the old checkpoint loads into the bank, and the
+    stream goes on with the scores and the choice that commit computed. Saving it again writes the same keys."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from support import batch
+
+    folder = Path(__file__).parent / "data" / "pre_bank"
+    want = load_file(folder / "continued.safetensors")
+    tta = TTAWrapper.from_pretrained(make_model("clip"), folder / "mid_probe")
+    assert tta.lr_search.probed == 2 and tta.selector_shadows.keys == [0, 1, 2]
+    assert not any(k.startswith("shadow.") for k in tta.selector_state)
+    tta.save_pretrained(tmp_path / "again")
+    keys = [set(safe_open(f / "tta_state.safetensors", "pt").keys()) for f in (folder / "mid_probe", tmp_path / "again")]
+    assert keys[0] == keys[1]
+    g = tta.encode_gallery(batch("text", 20, seed=1))
+    got = torch.cat([tta.adapt_step(batch("image", 8, seed=70 + i), g).scores for i in range(2, 6)])
+    assert torch.equal(got, want["scores"]) and tta.lr_search.chosen == float(want["chosen"])
+    assert len(tta.selector_shadows) == 0  # the commit dropped them

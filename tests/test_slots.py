@@ -84,3 +84,28 @@ def test_clear_drops_every_slot_and_gives_the_wrapper_a_fresh_monitor(active_a):
     monitor = tta.safety
     bank.clear()
     assert len(bank) == 0 and bank.active is None and tta.safety is not monitor
+
+
+def test_a_bank_without_monitors_leaves_the_wrappers_monitor_and_restores_what_it_stored():
+    """The lr search's bank (``monitors=False``): switching and clearing keep the wrapper's one monitor; ``stored()``
+    is a snapshot by reference that ``restore()`` puts back exactly after more adaptation, dropping a key added since."""
+    tta, gallery, batches = _wrapper(), dense_gallery(), image_stream(3)
+    monitor = tta.safety
+    bank = SlotBank(tta, frozenset({"params", "optimizer", "objective"}), monitors=False)
+    bank.add(0), bank.set_active(0)
+    tta.adapt_step(batches[0], gallery)
+    snapshot = bank.stored()
+    assert bank.active is None and tta.safety is monitor
+    want = state_of(bank.state(0))
+    bank.set_active(0)
+    tta.adapt_step(batches[1], gallery)
+    bank.add(1), bank.set_active(1)
+    tta.adapt_step(batches[2], gallery)
+    assert any(not torch.equal(t, want[k]) for k, t in state_of(bank.state(0)).items())  # it moved on
+    bank.restore(snapshot)
+    assert bank.keys == [0] and bank.active is None and tta.safety is monitor
+    assert_bit_equal(state_of(bank.state(0)), want)
+    bank.clear()
+    assert tta.safety is monitor
+    with pytest.raises(ValueError, match="restore\\(\\) needs a bank whose stored states are not reused"):
+        SlotBank(tta, reuse_buffers=True).restore({})
