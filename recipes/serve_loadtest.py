@@ -109,7 +109,7 @@ def run_open_loop(port: int, payloads: dict[int, str], order: np.ndarray, rate: 
 
 def start_service(adapt: bool, port: int, args) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "recipes" / "serve.py"), "--port", str(port), "--no-access-log",
-           "--worker-nice", str(args.worker_nice)]
+           "--worker-nice", str(args.worker_nice), "--worker-idle" if args.worker_idle else "--no-worker-idle"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(cmd + ([] if adapt else ["--no-adapt"]), env=env)
 
@@ -225,6 +225,7 @@ def main(argv=None) -> None:
     p.add_argument("--shift", default="defocus_blur")
     p.add_argument("--severity", type=int, default=3)
     p.add_argument("--worker-nice", type=int, default=10, help="passed to serve.py")
+    p.add_argument("--worker-idle", action=argparse.BooleanOptionalAction, default=True, help="passed to serve.py")
     p.add_argument("--port", type=int, default=8765, help="adaptation on uses PORT, off uses PORT+1")
     p.add_argument("--max-seconds", type=float, default=1800, help="deadline of the whole run")
     p.add_argument("--seed", type=int, default=0)
@@ -331,7 +332,8 @@ def read_rows(path) -> list[dict]:
 
 def print_open_loop(args, rows: list[dict], shares: dict, captions_of: list[list[int]], services: dict) -> None:
     print(f"open loop, {args.requests} requests per service and rate in {args.rounds} alternating blocks, {args.shift} "
-          f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}")
+          f"{args.severity}, serve.py defaults (batch 32, min batch 8, max wait 1 s), worker nice +{args.worker_nice}"
+          f"{', SCHED_IDLE' if args.worker_idle else ''}")
     print(open_loop_table(rows, shares, captions_of, services, args.rates))
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ def encoders():
 
 
 def service_config(state_dir, **kw) -> ServiceConfig:
+    # worker_idle off: the suite's other tests keep both cores busy, and a SCHED_IDLE worker would wait for them
     kw = {"batch_size": 4, "min_batch": 4, "max_wait": 0.05, "checkpoint_every": 0, "tenants": True, "max_tenants": 2,
-          "token": TOKEN, "worker_nice": 0, "limits": Limits(max_pixels=128 * 128, max_body_bytes=200_000, max_text_chars=100), **kw}
+          "token": TOKEN, "worker_nice": 0, "worker_idle": False, "limits": Limits(max_pixels=128 * 128, max_body_bytes=200_000, max_text_chars=100), **kw}
     return ServiceConfig(partial(build_wrapper, partial(make_model, "clip"), TTA), encoders(), CAPTIONS, str(state_dir), **kw)
 
 

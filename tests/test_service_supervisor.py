@@ -37,7 +37,7 @@ def test_adaptation_holds_its_batches_while_the_answer_path_is_behind(gallery):
     behind = threading.Event()
     behind.set()
     q = AdaptQueue(capacity=64, batch_size=8, min_batch=8, max_wait=0.01)
-    sup = Supervisor(WorkerSpec(BUILD, {"kind": "shm", "name": channel.name}, nice=0), q, lambda: (0, {}), behind=behind.is_set)
+    sup = Supervisor(WorkerSpec(BUILD, {"kind": "shm", "name": channel.name}, nice=0, idle=False), q, lambda: (0, {}), behind=behind.is_set)
     try:
         sup.set_gallery(gallery.embeddings.numpy())
         sup.start(wait=300)
@@ -59,7 +59,7 @@ def test_a_stop_skips_the_batches_still_queued_and_saves(tmp_path, gallery):
     channel = SharedMemoryChannel.create(1 << 20)
     tasks, results, stopping = queue.Queue(), queue.Queue(), threading.Event()
     checkpoint = tmp_path / "tenants.safetensors"
-    spec = WorkerSpec(BUILD, {"kind": "shm", "name": channel.name}, checkpoint=str(checkpoint), nice=0)
+    spec = WorkerSpec(BUILD, {"kind": "shm", "name": channel.name}, checkpoint=str(checkpoint), nice=0, idle=False)  # (this process)
     try:
         tasks.put(("gallery", gallery.embeddings.numpy()))
         tasks.put(("adapt", 7, "default", _arrays(1)))
@@ -78,8 +78,9 @@ def test_a_stop_skips_the_batches_still_queued_and_saves(tmp_path, gallery):
 
 def test_a_stop_under_real_cpu_load_ends_the_worker_by_its_own_exit_and_saves(tmp_path, gallery):
     """Item 4 under load: a busy process per core holds the machine while batches are queued for a real adapting
-    process; ``stop()`` ends it by its own exit (exit code 0: not terminated after the timeout), the batches it had
-    not started are not adapted on, and the state it saved holds the batches it reported done."""
+    process, which runs under SCHED_IDLE (the default) and so gets next to no CPU; ``stop()`` takes it out of that
+    policy and ends it by its own exit (exit code 0: not terminated after the timeout), the batches it had not started
+    are not adapted on, and the state it saved holds the batches it reported done."""
     busy: list[subprocess.Popen] = []
     channel = SharedMemoryChannel.create(1 << 20)
     checkpoint = tmp_path / "tenants.safetensors"
@@ -89,10 +90,11 @@ def test_a_stop_under_real_cpu_load_ends_the_worker_by_its_own_exit_and_saves(tm
         sup.set_gallery(gallery.embeddings.numpy())
         sup.start(wait=300)
         assert wait_for(sup.started.is_set, timeout=300)
-        busy += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        assert wait_for(lambda: os.sched_getscheduler(sup.proc.pid) == os.SCHED_IDLE)  # once started
         for i in range(100):  # a hundred batches of 8 queries
             q.put("default", _arrays(i % 16))
         assert wait_for(lambda: sup.counters["batches_done"] >= 1, timeout=300)
+        busy += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
         sup.stop(timeout=120)
         assert sup.proc.exitcode == 0  # (-15 when terminated)
         done = sup.counters["batches_done"]
@@ -114,3 +116,21 @@ def test_the_service_refuses_a_bad_adapt_yield_in_one_line():
         with pytest.raises(ValueError, match="adapt_yield=.*pass a number of searches in flight >= 0, or None"):
             ServiceConfig(BUILD, {}, [], adapt_yield=bad)
     assert ServiceConfig(BUILD, {}, [], adapt_yield=None).adapt_yield is None  # never holds
+
+
+def test_set_idle_moves_every_thread_of_a_process_in_and_out_of_sched_idle():
+    """:func:`set_idle` on a real process with two threads: both enter SCHED_IDLE, both leave it (what a stop does)."""
+    from hf_tta.service.worker import set_idle
+
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"])
+    try:
+        tasks = f"/proc/{child.pid}/task"
+        assert wait_for(lambda: len(os.listdir(tasks)) == 2)
+        assert set_idle(child.pid, True)
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(tasks)} == {os.SCHED_IDLE}
+        assert set_idle(child.pid, False)
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(tasks)} == {os.SCHED_OTHER}
+    finally:
+        child.kill()
+        child.wait()
+    assert set_idle(child.pid, False)  # gone: nothing to take out of it

@@ -127,7 +127,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         partial(build_wrapper, factory, tta, None, reference), encode, items, state_dir=args.state_dir, tenants=args.tenants,
         max_tenants=args.max_tenants, adapt=args.adapt, batch_size=args.batch_size, min_batch=args.min_batch,
         max_wait=args.max_wait, queue_capacity=args.queue_capacity, checkpoint_every=args.checkpoint_every,
-        worker_nice=args.worker_nice, max_state_lag=args.max_state_lag, limits=limits,
+        worker_nice=args.worker_nice, worker_idle=args.worker_idle, max_state_lag=args.max_state_lag, limits=limits,
         adapt_yield=None if args.adapt_yield < 0 else args.adapt_yield,
         token=load_token(file=args.token_file), search_needs_token=args.search_needs_token, store=args.store,
     )
@@ -162,6 +162,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-tenants", type=int, default=8,
                    help="tenants with their own adapted state; 'default' (requests without X-Tenant) counts once used")
     p.add_argument("--worker-nice", type=int, default=10, help="nice increment of the adapting process (0: none)")
+    p.add_argument("--worker-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="the adapting process under SCHED_IDLE once started (Linux): it uses a core only when answering "
+                        "leaves one idle")
     p.add_argument("--max-state-lag", type=float, default=120.0, help="readiness fails when queued work waited longer (s)")
     p.add_argument("--adapt-yield", type=int, default=2,
                    help="adaptation holds its batches while more searches than this are in flight (-1: never holds)")

@@ -69,6 +69,7 @@ class ServiceConfig:
     queue_capacity: int = 512
     checkpoint_every: float = 30.0
     worker_nice: int = 10
+    worker_idle: bool = True  # the adapting process under SCHED_IDLE once started (Linux; hf_tta.service.worker.set_idle)
     worker_threads: int = 1
     max_state_lag: float = 120.0  # readiness fails when queued adaptation work waited longer than this (s)
     heartbeat_timeout: float = 15.0
@@ -137,7 +138,7 @@ class Service:
             spec = WorkerSpec(
                 cfg.build, self._channel_spec(), cfg.max_tenants,
                 str(self.state_dir / CHECKPOINT_FILE) if self.state_dir else None,
-                cfg.checkpoint_every, cfg.worker_nice, cfg.worker_threads,
+                cfg.checkpoint_every, nice=cfg.worker_nice, idle=cfg.worker_idle, threads=cfg.worker_threads,
             )
             behind = None if cfg.adapt_yield is None else self.answer_path_behind
             self.supervisor = Supervisor(spec, self.queue, self._versions, cfg.max_restarts,

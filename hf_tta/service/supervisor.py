@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .batcher import AdaptQueue
-from .worker import SKIPPED, WorkerSpec, worker_main
+from .worker import SKIPPED, WorkerSpec, set_idle, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class Supervisor:
         with self._cv:
             self._cv.notify_all()
         if self.alive():
+            if self.spec.idle:  # the batch in progress and the save must not wait for an idle core
+                set_idle(self.proc.pid, False)
             self.tasks.put(("stop",))
             self.proc.join(timeout)
             if self.proc.is_alive():
