@@ -1,5 +1,6 @@
 """Issue 46's re-runs after the batch driver, the slot bank and the readers (run at dbb3143), and again after the
-readers built by the constructor and the shorter call path (run at 66e7253): are the per-query hits those of the
+readers built by the constructor and the shorter call path (run at 66e7253), and after the lr search's shadows became
+slots of the bank (run at a4b1eaa): are the per-query hits those of the
 committed rows (or, for the key-routed row that has none, of the code before the refactor, 6d26979)?
 
     python model_cards/results/driver-refactor-rerun/compare.py      # one line per row; exit 1 on any difference
@@ -45,6 +46,9 @@ PAIRS = [  # (re-run, its committed counterpart, what the pair checks)
      "update_budget 25 % vs protocol v3's committed rows"),
     ("rows-66e7253-keys.jsonl", rows(HERE / "rows-keys-before.jsonl"),
      "routed with the stream's keys and with the router vs the same run before the first refactor"),
+    # after the lr search's shadows became slots of the bank (run at a4b1eaa)
+    ("rows-a4b1eaa-v3-rest-leader.jsonl", rows(V3, config="rest-auto+leader"),
+     "lr_search={'serve': 'leader'}, its shadows in the slot bank, vs protocol v3's committed rows"),
 ]
 
 
