@@ -179,11 +179,11 @@ def set_idle(pid: int, idle: bool) -> bool:
     """Every thread of process ``pid`` into (``idle``) or out of the Linux ``SCHED_IDLE`` policy (sched(7)).
 
     Under ``SCHED_IDLE`` the adapting process runs only on a core no ordinary task wants, and an answer that wakes up
-    preempts it at once (``nice`` only shortens its turns: at +10 and +19 the answers' median latency at 80 requests/s
-    stayed 1.5-2x the no-adapt service's; the serving card). The worker enters it once it has started; the supervisor
-    takes it out before a stop, so that the batch in progress and the save do not wait for an idle core. Leaving it
-    needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows the process's nice value: refused, the stop waits as long
-    as the machine stays busy (logged). Returns whether every thread was set."""
+    preempts it at once (``nice`` only shortens its turns; the serving card compares the answers' latency under both).
+    The worker enters it once it has started; the supervisor takes it out before a stop, so that the batch in progress
+    and the save do not wait for an idle core. Leaving it needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows the
+    process's nice value: refused, the stop waits as long as the machine stays busy (logged). Returns whether every
+    thread was set."""
     policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
     try:
         for tid in _threads(pid):
