@@ -238,6 +238,8 @@ class AdapterState:
         state is replaced by copies (state created after the capture is dropped; a ``fresh`` optimiser is rebuilt);
         objective and transform state are replaced by copies (by new dicts of the same tensors for a :meth:`view`, whose
         tensors are never written in place). ``target`` keeps what was not captured."""
+        if SELECTOR in self.parts and self.shadows and target.selector_shadows is None:  # refused before any change
+            raise ValueError("The state holds lr-search shadows and this wrapper runs no lr search: set TTAConfig.lr_search as saved.")
         if PARAMS in self.parts and self.params:
             live = dict(named_optimized(target.optimizer, target.params))
             missing = sorted(set(self.params) - set(live))
@@ -267,8 +269,6 @@ class AdapterState:
         if SELECTOR in self.parts:
             target.selector_state = {k: v.clone() for k, v in self.selector.items()}
             bank = target.selector_shadows
-            if bank is None and self.shadows:
-                raise ValueError("The state holds lr-search shadows and this wrapper runs no lr search: set TTAConfig.lr_search as saved.")
             if bank is not None:
                 bank.restore({k: v.copy() for k, v in self.shadows.items()})
 

@@ -16,7 +16,7 @@ from hf_tta.lr_search import choose, proxy_value
 from hf_tta.lr_search_config import SERVES
 from hf_tta.objectives.base import ObjectiveInputs
 from hf_tta.state import ALL, ROLLBACK, AdapterState
-from support import PassHooks, check_resume, dense_gallery, image_stream, source_scores, state_of
+from support import PassHooks, assert_bit_equal, check_resume, dense_gallery, image_stream, source_scores, state_of
 from tiny_models import batch, make_model
 
 STREAM = [batch("image", 8, seed=70 + i) for i in range(6)]
@@ -438,3 +438,18 @@ def test_the_modules_examples_run():
 
     result = doctest.testmod(hf_tta.lr_search_config)  # LRSearchConfig's (hf_tta.lr_search re-exports it)
     assert result.attempted and not result.failed
+
+
+def test_shadows_applied_to_a_wrapper_without_an_lr_search_are_refused_and_change_nothing():
+    """A mid-probe state (its shadows in the selector part) cannot go into a wrapper whose bank does not exist: one line,
+    before any part of it is applied."""
+    tta, g = _wrapper()
+    tta.adapt_step(STREAM[0], g)
+    mid = AdapterState.capture(tta, ALL)
+    assert len(mid.shadows) == len(LRS)
+    plain, g2 = _fixed(1e-2)
+    plain.adapt_step(STREAM[0], g2)
+    before = state_of(plain)
+    with pytest.raises(ValueError, match="holds lr-search shadows and this wrapper runs no lr search"):
+        mid.apply(plain)
+    assert_bit_equal(state_of(plain), before)
