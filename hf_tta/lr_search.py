@@ -96,7 +96,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -130,6 +130,15 @@ def proxy_values(first: Any, first_loss: float | None, source: Any, gallery_mean
 def proxy_value(proxy: str, first: Any, first_loss: float | None, source: Any) -> torch.Tensor:
     """One proxy of :func:`proxy_values` (a 0-d float64 tensor)."""
     return proxy_values(first, first_loss, source)[PROXIES.index(proxy)]
+
+
+class _Undo(NamedTuple):
+    """What a probe batch found, to put back when it fails: the search's state, its shadows (by reference, from
+    :meth:`~hf_tta.slots.SlotBank.stored`) and the RNG."""
+
+    state: dict[str, torch.Tensor]
+    shadows: dict[int, Any]
+    rng: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------- the selector
@@ -282,22 +291,22 @@ class LRSearch(OnlineMixin, BatchPolicy):
         """One probe batch (see :mod:`hf_tta.lr_search`): the source answers, every shadow is scored then adapts. An
         error on the way leaves the wrapper as the batch found it."""
         w = self.wrapper
-        undo = (dict(self._state), self.shadows.stored(), w.generator.get_state())
+        undo = _Undo(dict(self._state), self.shadows.stored(), w.generator.get_state())
         try:
             return self._probe(ctx, undo)
         except BaseException:
             self._undo(ctx, undo)
             raise
 
-    def _undo(self, ctx: BatchContext, undo: tuple) -> None:
+    def _undo(self, ctx: BatchContext, undo: _Undo) -> None:
         """The search's state, its shadows and the RNG as the batch found them; the source (served) in the model."""
         ctx.load_source(SHADOW)
-        self.wrapper.selector_state = undo[0]
-        self.shadows.restore(undo[1])
-        self.wrapper.generator.set_state(undo[2])
+        self.wrapper.selector_state = undo.state
+        self.shadows.restore(undo.shadows)
+        self.wrapper.generator.set_state(undo.rng)
 
-    def _probe(self, ctx: BatchContext, undo: tuple) -> Answer:
-        w, cfg, batch, before = self.wrapper, self.config, ctx.batch, undo[0]
+    def _probe(self, ctx: BatchContext, undo: _Undo) -> Answer:
+        w, cfg, batch, before = self.wrapper, self.config, ctx.batch, undo.state
         start = w.passes.copy()  # the query tower's passes the probe runs (TTAWrapper.passes, hf_tta.outputs.PassCounts)
         source = ctx.source_view()  # the answer, rule 1, agreement
         decision = w.safety.before(source)
@@ -326,7 +335,7 @@ class LRSearch(OnlineMixin, BatchPolicy):
                 served = (dataclasses.replace(first[0], query_emb=first[0].query_emb.detach(),
                                               scores=first[0].scores.detach()), lr)
             losses.append(result.first_loss)
-            if any(not torch.is_tensor(v) for st in w.optimizer.state.values() for v in st.values()):
+            if k == 0 and any(not torch.is_tensor(v) for st in w.optimizer.state.values() for v in st.values()):  # (one optimiser class for all)
                 raise ValueError("lr_search keeps optimiser states of tensors only (AdamW, SAM); this optimiser "
                                  "has other state: drop lr_search.")
             logs.update({f"lr_search.{p}@{lr:.3g}": v for p, v in zip(PROXIES, values[-1].tolist())})

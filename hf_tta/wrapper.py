@@ -257,8 +257,7 @@ class TTAWrapper(CheckpointMixin, AnswerMixin, PeftExportMixin):
         """One batch's driver, inside :meth:`adapt_step`'s pinned gallery (a subclass's seam: routing steps each
         domain's sub-batch through it); call :meth:`adapt_step`, not this."""
         batch = self.prepare_batch(queries, gallery, labels)
-        ctx = BatchContext(self, batch, scoring, self._recover, self._source_state,
-                           [n for n, _ in self.named_optimized_parameters()], self.step_on_cpu())
+        ctx = BatchContext(self, batch, scoring, self._recover, self._source_state)
         if self.safety.last_good is None:  # (what it snapshots, ROLLBACK, no policy's answer changes)
             self.safety.remember(self)
         for policy in self.policies:  # TTAConfig.update_budget's skip, TTAConfig.lr_search's probe (hf_tta.policies)

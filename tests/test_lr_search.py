@@ -453,3 +453,24 @@ def test_shadows_applied_to_a_wrapper_without_an_lr_search_are_refused_and_chang
     with pytest.raises(ValueError, match="holds lr-search shadows and this wrapper runs no lr search"):
         mid.apply(plain)
     assert_bit_equal(state_of(plain), before)
+
+
+def test_an_optimiser_with_non_tensor_state_is_refused_in_one_line_and_changes_nothing(monkeypatch):
+    """The shadows are saved as tensors: an optimiser that keeps other state is refused on the first probe batch, and
+    the failed batch is undone (the wrapper as it was)."""
+
+    class Noting(torch.optim.AdamW):
+        def step(self, closure=None):
+            out = super().step(closure)
+            for p in self.state:
+                self.state[p]["note"] = "not a tensor"
+            return out
+
+    tta, g = _wrapper()
+    make = tta.objective.make_optimizer
+    monkeypatch.setattr(tta.objective, "make_optimizer", lambda *a, **k: Noting(make(*a, **k).param_groups))
+    before = state_of(tta)
+    with pytest.raises(ValueError, match="lr_search keeps optimiser states of tensors only .*drop lr_search"):
+        tta.adapt_step(STREAM[0], g)
+    assert_bit_equal(state_of(tta), before)
+    assert tta.lr_search.probed == 0 and len(tta.selector_shadows) == 0

@@ -26,9 +26,6 @@ class BatchContext:
     recover: Callable[[], None]
     #: the captured source state (:attr:`hf_tta.TTAWrapper.source_state`; read it, do not change it)
     source_state: AdapterState = field(repr=False)
-    #: the optimised tensors' names in the optimiser's order and where AdamW keeps ``step`` (a saved state's layout)
-    optimized_names: list[str] = field(repr=False)
-    step_on_cpu: bool = True
     source: Any = field(default=None, repr=False)
     #: the steps' :class:`~hf_tta.loop.LoopResult` once they ran (``None`` before, and on a batch answered without them)
     result: Any = field(default=None, repr=False)
@@ -75,7 +72,3 @@ class BatchContext:
     def load_source(self, parts: frozenset[str]) -> None:
         """Put the source state's ``parts`` back into the wrapper."""
         self.source_state.only(parts).apply(self.wrapper)
-
-    def state_from_tensors(self, tensors: dict[str, torch.Tensor], parts: frozenset[str], **kwargs: Any) -> AdapterState:
-        """An :class:`AdapterState` of the wrapper's parameters from saved tensors (optimiser step on the right device)."""
-        return AdapterState.from_tensors(tensors, {}, parts, self.optimized_names, step_on_cpu=self.step_on_cpu, **kwargs)
