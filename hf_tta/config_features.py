@@ -389,10 +389,20 @@ class SourceAnchorConfig(ConfigMixin):
         metadata={"help": "While the evidence is at or below the margin, the answer's scores are (1 - w) s_source + "
                   "w s_adapted (0: the source answers alone)."},
     )
+    source_confidence: float | None = field(
+        default=None,
+        metadata={"help": "With the mix (ensemble_weight > 0): while the evidence is at or below the margin, a query "
+                  "whose source top-1 softmax probability (at temperature T) is at least this keeps the source's "
+                  "scores (None: every query is mixed)."},
+    )
 
     def __post_init__(self):
         check_field_types(self)
         check_positive("temperature", self.temperature, owner="SourceAnchorConfig")
+        if self.source_confidence is not None and not (self.ensemble_weight > 0 and 0.0 < self.source_confidence <= 1.0):
+            raise ValueError("SourceAnchorConfig `source_confidence` must be in (0, 1] and needs ensemble_weight > 0 (it "
+                             "chooses which queries keep the source's scores in the mix); got source_confidence="
+                             f"{self.source_confidence}, ensemble_weight={self.ensemble_weight}.")
         if not 0.0 <= self.ensemble_weight < 1.0:
             raise ValueError(f"SourceAnchorConfig `ensemble_weight` must be in [0, 1) (1 would be the adapted answer "
                              f"alone, i.e. no anchor); got {self.ensemble_weight}.")

@@ -13,7 +13,10 @@ and its moving average over the stream :math:`e_t = m\\,e_{t-1} + (1 - m)\\,d_t`
 The adapted model answers batch :math:`t` when :math:`e_t > \\text{margin}`; otherwise the source's scores answer it,
 or with ``ensemble_weight`` :math:`w > 0` the two models' scores mixed, :math:`(1 - w)\\,s^{S} + w\\,s^{A}` (an output
 ensemble with the source: where the two disagree, the one with the larger score gap wins the query; default-study-r7
-chose :math:`w = 0.3` on the selection split). The mix needs both models' scores over the same items: no score
+chose :math:`w = 0.3` on the selection split). With ``source_confidence`` :math:`\\tau`, a query :math:`i` whose
+source top-1 probability :math:`p^S_i = \\max_j \\operatorname{softmax}(s^S_{i\\cdot}/T)_j \\ge \\tau` keeps the
+source's scores in that mix (the queries the source is sure of are mostly the ones it has right, and the mix flips
+some of them: default-study-r8). The mix needs both models' scores over the same items: no score
 transform (refused), and a dense gallery (with a top-k backend each model has its own candidates: the source alone
 answers while the anchor holds, logged once).
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
@@ -47,9 +50,14 @@ logger = logging.getLogger(__name__)
 EVIDENCE = "source_anchor.evidence"
 
 
+def top1_probability(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """:math:`p_i = \\max_j \\operatorname{softmax}(s_{i\\cdot}/T)_j` of ``(B, N)`` scores, ``(B,)`` in float64."""
+    return (scores.detach().double() / temperature).softmax(dim=-1).amax(dim=-1)
+
+
 def mean_top1_probability(scores: torch.Tensor, temperature: float) -> float:
     """:math:`\\frac{1}{B}\\sum_i \\max_j \\operatorname{softmax}(s_{i\\cdot}/T)_j` of ``(B, N)`` scores, in float64."""
-    return float((scores.detach().double() / temperature).softmax(dim=-1).amax(dim=-1).mean())
+    return float(top1_probability(scores, temperature).mean())
 
 
 def evidence_step(previous: float, d: float, momentum: float) -> float:
@@ -99,4 +107,8 @@ class SourceAnchor(BatchPolicy):
         if w == 0:
             return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept
         mixed = torch.lerp(source.scores.detach(), answer.scores.detach().to(source.scores.dtype), w)
+        if c.source_confidence is not None:  # the queries the source is sure of keep its scores
+            sure = top1_probability(source.scores, c.temperature) >= c.source_confidence
+            mixed = torch.where(sure[:, None], source.scores.detach(), mixed)
+            logs["source_anchor.kept_source"] = float(sure.double().mean())
         return dataclasses.replace(answer, scores=mixed, logs=logs)

@@ -8,7 +8,7 @@ import torch
 
 from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.config_features import SourceAnchorConfig
-from hf_tta.source_anchor import SourceAnchor, evidence_step, mean_top1_probability
+from hf_tta.source_anchor import SourceAnchor, evidence_step, mean_top1_probability, top1_probability
 from support import check_resume
 from tiny_models import image_batch, make_model, text_batch
 
@@ -19,6 +19,7 @@ def test_the_mean_top1_probability_by_hand():
     expected = (1 / (1 + math.exp(-1)) + 0.5) / 2
     assert mean_top1_probability(scores, 0.1) == pytest.approx(expected, abs=1e-7)  # (0.2 and 0.1 in float32)
     assert mean_top1_probability(scores, 1e9) == pytest.approx(0.5)  # a hot softmax is uniform over 2 items
+    assert top1_probability(scores, 0.1).tolist() == pytest.approx([1 / (1 + math.exp(-1)), 0.5], abs=1e-7)
 
 
 def test_the_evidence_is_a_moving_average_from_zero():
@@ -33,6 +34,10 @@ def test_the_evidence_is_a_moving_average_from_zero():
     ({"temperature": 0.0}, "`temperature` must be > 0"),
     ({"ensemble_weight": 1.0}, r"`ensemble_weight` must be in \[0, 1\)"),
     ({"ensemble_weight": -0.1}, r"`ensemble_weight` must be in \[0, 1\)"),
+    ({"source_confidence": 0.7}, "needs ensemble_weight > 0"),
+    ({"source_confidence": 0.0, "ensemble_weight": 0.3}, r"must be in \(0, 1\]"),
+    ({"source_confidence": 1.5, "ensemble_weight": 0.3}, r"must be in \(0, 1\]"),
+    ({"source_confidence": "high", "ensemble_weight": 0.3}, "`source_confidence` must be"),
 ])
 def test_bad_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -91,6 +96,26 @@ def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin,
     assert all(torch.equal(p, plain.params[n]) for n, p in anchored.params.items())
 
 
+def test_the_queries_the_source_is_sure_of_keep_its_scores_in_the_mix_by_hand():
+    """p^S_i >= tau: s^S_i; otherwise (1 - w) s^S_i + w s^A_i (the anchor holds at margin 0.99)."""
+    x = STREAM[0]
+    p = top1_probability(_source_scores(x), 0.01)
+    tau = float(p.median())  # half the batch on each side of the threshold
+    kept, gallery = _wrapper(source_anchor={"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": tau})
+    plain, gallery_p = _wrapper()
+    seen = set()
+    for x in STREAM[:3]:
+        out, ref = kept.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
+        source = _source_scores(x)
+        sure = top1_probability(source, 0.01) >= tau
+        seen |= set(sure.tolist())
+        want = torch.where(sure[:, None], source, 0.7 * source + 0.3 * ref.scores)
+        assert torch.allclose(out.scores, want, atol=1e-6)
+        assert out.logs["source_anchor.kept_source"] == pytest.approx(float(sure.double().mean()))
+    assert seen == {True, False}  # both branches ran
+    assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: the mix is not the source
+
+
 def test_a_batch_answered_without_the_steps_is_not_judged():
     tta, gallery = _wrapper(source_anchor={}, shift_gate={"threshold": 1e9})
     tta.fit_shift_gate(image_batch(64, seed=3))  # the gate stays closed: the source answers, nothing adapts
@@ -125,8 +150,9 @@ def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_an
     assert caplog.text.count("cannot mix them: the source alone answers") == 1
 
 
-def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path):
-    check_resume(lambda: _wrapper(source_anchor={"margin": 0.0}), STREAM, 2, tmp_path)
+@pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5}])
+def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path, anchor):
+    check_resume(lambda: _wrapper(source_anchor=anchor), STREAM, 2, tmp_path)
 
 
 def test_each_routed_domain_keeps_its_own_evidence_and_the_stream_resumes_bit_exact(tmp_path):

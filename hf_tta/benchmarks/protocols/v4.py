@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,9 +29,20 @@ from pathlib import Path
 
 from ...data.corruptions import CHAR_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
 from ..grid import ROW_FEATURES
+from .v4_registry import (
+    CHOICES,
+    REGISTRATIONS,
+    REPO,
+    check_chosen,
+    check_registered,
+    load_choice,
+    registration_path,
+    run_folder,
+)
 
-REPO = Path(__file__).resolve().parents[3]
-REGISTRATIONS = Path("model_cards/results/protocol-v4/registrations")
+__all__ = ["CHOICES", "REGISTRATIONS", "REPO", "check_chosen", "check_registered", "load_choice", "registration_path",
+           "run_folder"]  # the registry's names, read here by the runs' users as before
+
 SCORING = "before_update"
 SELECTION_SEED = 0
 REPORT_SEEDS = (3, 4, 5)
@@ -60,10 +69,10 @@ class Run:
 
 
 def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = True, streams=("clean",),
-                    default_grid: bool = False) -> list[str]:
+                    default_grid: bool = False, severities: str = "5") -> list[str]:
     """``hf-tta run`` arguments of a v4 split in a direction: its concept part, seeds, corruption columns (the
-    selection split's validation / character-level corruptions; the report's test / word-level ones, or the default
-    grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``)."""
+    selection split's validation / character-level corruptions, image ones at ``severities``; the report's test /
+    word-level ones, or the default grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``)."""
     from ...data.corruptions import TEST_IMAGE_CORRUPTIONS
 
     selection = split == "selection"
@@ -75,7 +84,7 @@ def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = 
         elif default_grid:
             args += ["--corruptions", "default"]
         elif selection:
-            args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", "5"]
+            args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", severities]
         else:
             args += ["--corruptions", ",".join(TEST_IMAGE_CORRUPTIONS), "--severities", "3,5"]
     else:
@@ -122,16 +131,6 @@ def default_study_runs() -> list[Run]:
             "rest+gate+safe@3e-4", "rest+gate+safe@1e-3", "rest+gate+nnn+safe@3e-4"))),
     ]
     return runs
-
-
-CHOICES = Path("model_cards/results/protocol-v4/choices")
-
-
-def load_choice(study: str, repo: Path = REPO) -> dict | None:
-    """A study's committed choice (``choices/<study>.json``, written from selection rows by :mod:`.v4_choice`), or
-    ``None`` before it is made."""
-    path = repo / CHOICES / f"{study}.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def report_runs(choice: dict) -> list[Run]:
@@ -249,10 +248,33 @@ def seventh_round_runs() -> list[Run]:
             for w, r in rows.items()]
 
 
+def r8_anchor(weight: float, confidence: float | None) -> list[str]:
+    """default-study-r8's anchor settings: the seventh round's, with ``source_confidence`` (``None``: every query mixed,
+    the seventh round's choice)."""
+    fields = {"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight}
+    return ["--source_anchor", json.dumps(fields if confidence is None else {**fields, "source_confidence": confidence})]
+
+
+#: default-study-r8's candidates: run name -> (ensemble_weight, source_confidence); the incumbent (the seventh round's
+#: choice) first
+R8_CANDIDATES = {"r8-incumbent": (0.3, None), "r8-w0.3-c0.7": (0.3, 0.7), "r8-w0.5-c0.7": (0.5, 0.7),
+                 "r8-w0.5-c0.5": (0.5, 0.5)}
+
+
+def eighth_round_runs() -> list[Run]:
+    """``default-study-r8``: the mix with the queries the source is sure of keeping its scores (``source_confidence``),
+    against the seventh round's choice, on the seventh round's selection split with the validation corruptions at
+    severity 3 added (image queries, TCR at 3e-2, a run per candidate)."""
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities="3,5")
+    row = _objectives("tcr+gate+anchor+safe@3e-2")
+    return [Run(f"sel-i2t/{name}", "default-study-r8", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(w, c), *row))
+            for name, (w, c) in R8_CANDIDATES.items()]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
-            + sixth_round_runs() + seventh_round_runs())
+            + sixth_round_runs() + seventh_round_runs() + eighth_round_runs())
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -286,7 +308,7 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "headline-paper-lr", "headline-paper-lr-text"})
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "headline-paper-lr", "headline-paper-lr-text"})
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
@@ -342,6 +364,26 @@ def seventh_round_report_runs(choice: dict) -> list[Run]:
                         f"main-r7-s{MAIN_JOB_SEED}", "main-job-r7")
 
 
+#: default-study-r8's report seeds: new ones (the seventh round's report rows were read before its registration)
+R8_HEADLINE_SEEDS, R8_STREAM_SEEDS = (9,), (19, 20)
+
+
+def eighth_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r8``'s report runs, from its committed choice, when it is not the incumbent (``r8-incumbent``):
+    the chosen row with its run-level settings and TCR at 3e-2 on seed 9's 30-column headline and seeds 19 and 20's
+    default grid with the five streams, the incumbent (the seventh round's choice) on those streams only (its headline
+    cut for compute, registered so), each in a folder of its own; and the main job's run of the chosen default
+    (main-job-r8)."""
+    c = choice.get("i2t")
+    if not c or not c.get("config") or not c["default"].startswith("r8-") or c["default"].startswith("r8-incumbent/"):
+        return []
+    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.3, None), *_objectives("tcr+gate+anchor+safe@3e-2")]
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
+    runs = _member_runs("r8", "default-study-r8", members, R8_HEADLINE_SEEDS, R8_STREAM_SEEDS,
+                        f"main-r8-s{MAIN_JOB_SEED}", "main-job-r8")
+    return [r for r in runs if r.name != f"rep-i2t/r8-headline-previous-s{R8_HEADLINE_SEEDS[0]}"]
+
+
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
 #: commits): a run that names that row cannot run again once ``TTAConfig.recommended("image")`` is another preset
 #: (the fourth round's choice), or its new rows would join the old ones under the same name (:func:`check_preset`).
@@ -379,62 +421,10 @@ def ceiling_all_runs() -> list[Run]:
 
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
-    r7 = load_choice("default-study-r7")
+    r7, r8 = load_choice("default-study-r7"), load_choice("default-study-r8")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
-            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else []) + paper_lr_runs()
-            + ceiling_all_runs())
-
-
-# ------------------------------------------------------------------------------------------ registration
-def registration_path(study: str, repo: Path = REPO) -> Path:
-    return repo / REGISTRATIONS / f"{study}.json"
-
-
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-
-
-def check_registered(study: str, repo: Path = REPO) -> str:
-    """The commit that registered ``study``; a ``ValueError`` in one line when its registration file is missing, not
-    committed, or changed since its last commit (a run must not start before its study's rules are in git)."""
-    return _committed(registration_path(study, repo), repo, f"study {study!r}", "its registration")
-
-
-def check_chosen(study: str, repo: Path = REPO) -> str:
-    """The commit of ``study``'s choice (``choices/<study>.json``), which its report runs need committed, as
-    :func:`check_registered` checks a registration."""
-    return _committed(repo / CHOICES / f"{study}.json", repo, f"the report of study {study!r}", "its choice")
-
-
-def _committed(path: Path, repo: Path, who: str, what: str) -> str:
-    rel = path.relative_to(repo)
-    if not path.is_file():
-        raise ValueError(f"{who} has no registration ({rel}): write and commit it before its first run."
-                         if what == "its registration" else f"{who} needs {what} ({rel}): make it from selection rows "
-                         "(hf_tta.benchmarks.protocols.v4_choice) and commit it first.")
-    json.loads(path.read_text(encoding="utf-8"))  # JSON; a broken file fails here
-    commit = _git(repo, "log", "-1", "--format=%H", "--", str(rel)).stdout.strip()
-    if not commit:
-        raise ValueError(f"{who}: {what} {rel} is not committed: `git add {rel} && git commit` before its first run.")
-    if _git(repo, "diff", "--quiet", "HEAD", "--", str(rel)).returncode != 0:
-        raise ValueError(f"{who}: {what} {rel} changed since {commit[:7]}: commit the change (and say in the card that "
-                         "it changed after rows were read, if any were) before running.")
-    return commit
-
-
-def run_folder(folder: Path, args: list[str], cache: str, registration: str, device: str = "cpu") -> int:
-    """One ``hf-tta run`` of ``args`` into ``folder`` (one thread, offline, plots off; its command line in
-    ``command.txt``, the registration commit in ``registration.txt``, its output appended to ``log.txt``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "hf_tta.cli", "run", *args, "--output-dir", str(folder), "--cache-dir", cache,
-           "--no-plots", "--quiet", "--threads", "1", *(["--device", device] if device != "cpu" else [])]
-    (folder / "command.txt").write_text(" ".join(cmd) + "\n")
-    (folder / "registration.txt").write_text(registration + "\n")
-    head = _git(REPO, "rev-parse", "HEAD").stdout.strip()
-    dirty = _git(REPO, "status", "--porcelain", "--untracked-files=no", "--", "hf_tta").stdout.strip()
-    (folder / "commit.txt").write_text(head + (" (hf_tta/ modified)" if dirty else "") + "\n")  # the library it ran
-    with open(folder / "log.txt", "a") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else [])
+            + (eighth_round_report_runs(r8) if r8 else []) + paper_lr_runs() + ceiling_all_runs())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,12 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r4": (("r4-",), ("clean", "degenerate", "noto"), 0.5),
                "default-study-r5": (("r5-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5),
                "default-study-r6": (("r6-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5),
-               "default-study-r7": (("r7-",), ("clean", "degenerate", "noto", "diverse"), 0.5)}
+               "default-study-r7": (("r7-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
+               "default-study-r8": (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5)}
+#: A round's stricter eligibility (``registrations/<study>.json``): the required streams' bound must exceed
+#: ``-stream_margin`` (default-study-r8: -0.25, half the protocol's margin), and with ``columns`` every corruption column's
+#: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).
+RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True}}
 
 
 def in_study(study: str, run: str) -> bool:
@@ -81,9 +86,17 @@ class Summary:
     share: float
     streams: dict
     passes: float | None
+    #: each corruption column's (mean difference, one-sided 95 % lower bound) against the source, keyed by its name
+    columns: dict = field(default_factory=dict)
 
-    def not_below(self, stream: str) -> bool:
-        return self.streams[stream][1] > -MARGIN
+    def not_below(self, stream: str, margin: float = MARGIN) -> bool:
+        return self.streams[stream][1] > -margin
+
+    def eligible(self, required: tuple[str, ...], stream_margin: float = MARGIN, columns: bool = False) -> bool:
+        """Every ``required`` stream's bound above ``-stream_margin`` and, with ``columns``, every corruption
+        column's above the protocol's ``-MARGIN``."""
+        return (all(self.not_below(st, stream_margin) for st in required)
+                and (not columns or all(b > -MARGIN for _, b in self.columns.values())))
 
     @property
     def safety(self) -> float:
@@ -123,24 +136,28 @@ def summarise(rows: list[dict], direction: str) -> list[Summary]:
         corr = [c for c in cols if c[0] not in STREAMS]
         lost = sum(clean - hits(sources[c]).mean() for c in corr)
         won = sum(hits(cols[c]).mean() - hits(sources[c]).mean() for c in corr)
-        streams = {}
-        for c in (c for c in cols if c[0] in STREAMS):
+        streams, columns = {}, {}
+        for c in cols:
             # the degenerate stream's hits are its clean part: the same items as the clean column's source row
             ref = sources.get(c) or sources[("clean", None)]
             diff = (hits(cols[c]) - hits(ref)).astype(np.float64)[None, :]
             ni = non_inferiority([diff], margin=MARGIN, samples=RESAMPLES, seed=RNG_SEED)
-            streams[c[0]] = (float(100 * diff.mean()), float(ni.lower))
+            if c[0] in STREAMS:
+                streams[c[0]] = (float(100 * diff.mean()), float(ni.lower))
+            else:
+                columns[f"{c[0]} {c[1]}"] = (float(100 * diff.mean()), float(ni.lower))
         counted = [r["forward_per_query"] + r["backward_per_query"] for r in cols.values()
                    if r.get("forward_per_query") is not None and r.get("backward_per_query") is not None]
         passes = float(np.mean(counted)) if counted else None  # forward + backward passes per query, over its columns
-        out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes))
+        out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes, columns))
     return out
 
 
 def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean", "degenerate"),
-                   tie: float = TIE) -> tuple[Summary | None, list[str]]:
+                   tie: float = TIE, stream_margin: float = MARGIN, columns: bool = False) -> tuple[Summary | None, list[str]]:
     """The registered rule: eligible = every ``required`` stream *not below* (default-study: clean and degenerate;
-    default-study-r4: and Noto); the highest pooled share; ties (within ``tie`` share points, in %: 1.0 for
+    default-study-r4: and Noto; default-study-r8: with its bound above ``-stream_margin`` and, with ``columns``, every
+    corruption column not below); the highest pooled share; ties (within ``tie`` share points, in %: 1.0 for
     default-study, 0.5 for -r4) to the safer (higher smallest bound over the required streams), then fewer passes,
     then the first listed. ``(None, why)`` when none is eligible (the current default stays)."""
     notes = []
@@ -149,8 +166,11 @@ def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean
         missing = [st for st in required if st not in s.streams]
         if missing:
             notes.append(f"{s.label}: no {' or '.join(missing)} stream (not a candidate)")
-        elif not all(s.not_below(st) for st in required):
-            notes.append(f"{s.label}: not eligible (" + ", ".join(f"{st} bound {s.streams[st][1]:+.2f}" for st in required) + ")")
+        elif not s.eligible(required, stream_margin, columns):
+            worst = [f"worst column {k} bound {b:+.2f}" for k, (_, b) in sorted(s.columns.items(), key=lambda kv: kv[1][1])[:1]
+                     if columns]
+            notes.append(f"{s.label}: not eligible (" + ", ".join([f"{st} bound {s.streams[st][1]:+.2f}" for st in required]
+                                                                  + worst) + ")")
         else:
             eligible.append(s)
     if not eligible:
@@ -215,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", default=None, help="add this direction's choice to a choices/<study>.json file")
     p.add_argument("--previous-preset", default=None, help="the preset row the choice replaces (recorded)")
     p.add_argument("--study", default="default-study", choices=tuple(ROUND_RULES),
-                   help="whose registered rule: default-study (rounds 1-3 together), default-study-r4, -r5, -r6 or -r7")
+                   help="whose registered rule: default-study (rounds 1-3 together), default-study-r4, ..., -r8")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
     _, required, tie = ROUND_RULES[args.study]
     rows = [r for r in rows if in_study(args.study, r["run"])]
     summaries = summarise(rows, args.direction)
     print(table(summaries))
-    chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie)
+    chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie,
+                                   **RULE_OPTIONS.get(args.study, {}))
     for n in notes:
         print("-", n)
     print("chosen default:", chosen.label if chosen else "none eligible (the current preset stays)")
