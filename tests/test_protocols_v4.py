@@ -112,10 +112,11 @@ def test_every_registered_run_is_on_its_split():
         part = args[args.index("--concepts") + 1]
         assert part == run.split
         seeds = {int(s) for s in args[args.index("--seeds") + 1].split(",")}
-        # rounds 4, 6 and 7 report on new seeds (report rows were read before they were registered), each on its own
+        # rounds 4, 6, 7 and 8 report on new seeds (report rows were read before they were registered), each on its own
         fresh = {"default-study-r4": set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS),
                  "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS),
-                 "default-study-r7": set(v4.R7_HEADLINE_SEEDS) | set(v4.R7_STREAM_SEEDS)}
+                 "default-study-r7": set(v4.R7_HEADLINE_SEEDS) | set(v4.R7_STREAM_SEEDS),
+                 "default-study-r8": set(v4.R8_HEADLINE_SEEDS) | set(v4.R8_STREAM_SEEDS)}
         allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
         assert seeds <= allowed and (part == "report" or seeds == {0})
         rounds = list(fresh.values())
@@ -236,8 +237,44 @@ def test_the_fourth_rounds_rule_needs_noto_not_below_and_ties_within_half_a_poin
     assert v4_choice.choose_default(b_only, required, tie)[0].label == "r4-x/b"
 
 
+def test_the_eighth_rounds_rule_needs_each_stream_above_a_quarter_point_and_every_column_not_below():
+    """default-study-r8's registered rule by hand: "a" has the best share but its Noto bound (-0.4) is under -0.25
+    (eligible under the seventh round's -0.5); "b" has a column bound at -0.6; "c" is eligible."""
+    S = v4_choice.Summary
+    ok = {"clean": (0.0, 0.0), "degenerate": (0.0, 0.0), "diverse": (1.0, 0.5)}
+    cols = {"blur 5": (10.0, 8.0), "blur 3": (0.0, -0.3)}
+    summaries = [S("r8-a/x", 0.60, {**ok, "noto": (0.1, -0.4)}, 5.0, cols),
+                 S("r8-b/x", 0.55, {**ok, "noto": (0.1, -0.1)}, 5.0, {**cols, "blur 3": (-0.2, -0.6)}),
+                 S("r8-c/x", 0.50, {**ok, "noto": (0.3, 0.0)}, 5.0, cols)]
+    prefix, required, tie = v4_choice.ROUND_RULES["default-study-r8"]
+    options = v4_choice.RULE_OPTIONS["default-study-r8"]
+    assert (prefix, required, tie, options) == (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5,
+                                                {"stream_margin": 0.25, "columns": True})
+    chosen, notes = v4_choice.choose_default(summaries, required, tie, **options)
+    assert chosen.label == "r8-c/x"
+    assert notes[0].startswith("r8-a/x: not eligible (") and "noto bound -0.40" in notes[0]
+    assert notes[1].endswith("worst column blur 3 bound -0.60)")
+    assert v4_choice.choose_default(summaries, required, tie)[0].label == "r8-a/x"  # the seventh round's rule
+
+
+def test_a_selection_summary_holds_each_corruption_columns_bound():
+    rows = _rows({"s/tcr@1e-2": ("1" * 320 + "0" * 80, CLEAN, CLEAN)})
+    (s,) = v4_choice.summarise(rows, "i2t")
+    assert set(s.columns) == {"blur 5"} and s.columns["blur 5"][0] == pytest.approx(30.0) and s.columns["blur 5"][1] > 20
+
+
+def test_the_eighth_rounds_report_leaves_the_incumbents_headline_out_and_names_new_seeds():
+    choice = {"i2t": {"default": "r8-w0.3-c0.7/tcr+gate+anchor+safe@3e-2",
+                      "config": v4_choice.config_of("r8-w0.3-c0.7/tcr+gate+anchor+safe@3e-2", "i2t")}}
+    names = {r.name for r in v4.eighth_round_report_runs(choice)}
+    assert names == {"rep-i2t/r8-headline-chosen-s9", "rep-i2t/r8-headline-tcr-s9", "rep-i2t/main-r8-s3",
+                     *(f"rep-i2t/r8-streams-{k}-s{s}" for k in ("chosen", "tcr", "previous") for s in (19, 20))}
+    assert choice["i2t"]["config"]["source_anchor"]["source_confidence"] == 0.7
+    assert v4.eighth_round_report_runs({"i2t": {**choice["i2t"], "default": "r8-incumbent/tcr+gate+anchor+safe@3e-2"}}) == []
+
+
 @pytest.mark.parametrize(("run", "studies"), [
-    ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}),
+    ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}), ("sel-i2t/r8-incumbent", {"default-study-r8"}),
     ("sel-i2t/r4-incumbent", {"default-study-r4"}),
     ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),
     ("sel-i2t/r5-gate-full", {"default-study-r5"}), ("sel-i2t/r6-anchor0.01", {"default-study-r6"}),
