@@ -9,7 +9,8 @@ from hf_tta.benchmarks.protocols import v4_tables
 N = 200
 DEFAULT = "tcr+gate+anchor+safe@3e-2"  # the row name of the sixth and seventh rounds' image defaults in their runs
 SHOWN = "tcr+gate+anchor+safe@3e-2 (default of round 6)"  # as the tables name the sixth round's
-CURRENT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3"  # and the seventh's, today's default
+ROUND7 = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"  # and the seventh's
+CURRENT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7"  # the eighth's, today's
 PREVIOUS = "rest+dn+safe@1e-3"  # the image default of the fourth and fifth rounds
 PREVIOUS_SHOWN = "rest+dn+safe@1e-3 (default of rounds 4-5)"
 FIRST_SHOWN = "tcr+gate+safe@3e-2 (default of rounds 1-3)"  # what the first rounds' row `recommended` ran
@@ -59,11 +60,13 @@ def test_the_streams_table_and_the_main_table():
     assert v4_tables.main_table(main_run) == main
     elsewhere = [{**r, "run": "rep-i2t/other-s3"} if r["run"] == "rep-i2t/main-s3" else r for r in main_run]
     assert f"| {SHOWN} |" not in v4_tables.main_table(elsewhere)  # nor a run of another name
-    # the seventh round's main-job run (main-job-r7: rep-i2t/main-r7-s3) is today's default, listed first
-    both = main_run + [{**r, "run": "rep-i2t/main-r7-s3", "hits": _bits(190) if r["shift"] == "contrast" else r["hits"]}
-                       for r in main_run if r["run"] == "rep-i2t/main-s3"]
+    # the eighth round's main-job run (main-job-r8: rep-i2t/main-r8-s3) is today's default, listed first; the
+    # seventh's (main-job-r7) is named as the default of its round
+    both = main_run + [{**r, "run": f"rep-i2t/main-r{k}-s3", "hits": _bits(h) if r["shift"] == "contrast" else r["hits"]}
+                       for k, h in ((7, 170), (8, 190)) for r in main_run if r["run"] == "rep-i2t/main-s3"]
     lines = v4_tables.main_table(both).splitlines()
     assert lines[3].startswith(f"| {CURRENT} | 100.0 | 95.0 | 87.5 % |") and lines[4].startswith(f"| {SHOWN} | 100.0 | 80.0 |")
+    assert lines[5].startswith(f"| {ROUND7} | 100.0 | 85.0 | 62.5 % |")
 
 
 def test_export_and_refresh_of_a_card(tmp_path):
@@ -90,6 +93,8 @@ def test_export_and_refresh_of_a_card(tmp_path):
     ("r6headline", "headline", "headline-s3", "r6-headline-chosen-s3"),  # and its headline
     ("r7streams", "streams", "streams-s3", "r7-streams-previous-s3"),  # the seventh round's
     ("r7headline", "headline", "headline-s3", "r7-headline-previous-s3"),
+    ("r8streams", "streams", "streams-s3", "r8-streams-tcr-s3"),  # the eighth round's
+    ("r8headline", "headline", "headline-s3", "r8-headline-tcr-s3"),
 ])
 def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, table, first, own):
     rows = _rows()
@@ -102,12 +107,15 @@ def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, tab
 
 @pytest.mark.parametrize(("objective", "run", "shown"), [("recommended", "streams-s3", FIRST_SHOWN),
                                                          (PREVIOUS, "streams-s3", PREVIOUS_SHOWN),
-                                                         (DEFAULT, "streams-s3", SHOWN), (DEFAULT, "r7-streams-chosen-s3", CURRENT)])
+                                                         (DEFAULT, "streams-s3", SHOWN), (DEFAULT, "r7-streams-chosen-s3", ROUND7),
+                                                         (DEFAULT, "r8-streams-previous-s3", ROUND7),
+                                                         (DEFAULT, "r8-streams-chosen-s3", CURRENT)])
 def test_the_tables_name_what_each_image_row_ran(objective, run, shown):
     """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds, the fourth round's choice
-    ran as ``rest+dn+safe@1e-3``, the sixth's under its own row name and the seventh's (today's
-    ``TTAConfig.recommended("image")``) under the sixth's row name with another run-level setting, in runs of its own;
-    the tables say which default each was and name the seventh round's the default. Text rows keep their names."""
+    ran as ``rest+dn+safe@1e-3``, the sixth's under its own row name and the seventh's and eighth's (today's
+    ``TTAConfig.recommended("image")``) under the sixth's row name with other run-level settings, in runs of their own
+    (the eighth round's report ran the seventh's as ``previous``); the tables say which default each was and name the
+    eighth round's the default. Text rows keep their names."""
     rows = [{**r, "objective": objective, "run": f"rep-i2t/{run}"} if r["objective"] == DEFAULT else r for r in _rows()]
     rows = [{**r, "run": f"rep-i2t/{run}"} if r["run"] == "rep-i2t/streams-s3" else r for r in rows]
     table = v4_tables.streams(rows, "i2t", run.removesuffix("-s3"))
@@ -153,6 +161,11 @@ TARGET_RUNS = [
     *_headline("r7-headline-previous-s8", 8, {DEFAULT: 160}),
     *_streams("r7-streams-chosen-s17", 17, {DEFAULT: 180}),
     *_streams("r7-streams-previous-s17", 17, {DEFAULT: 160}),
+    *_headline("r8-headline-chosen-s9", 9, {DEFAULT: 175}),
+    *_headline("r8-headline-tcr-s9", 9, {"tcr@3e-2": 190}),
+    *_streams("r8-streams-chosen-s19", 19, {DEFAULT: 184}),
+    *_streams("r8-streams-tcr-s19", 19, {"tcr@3e-2": 150}),
+    *_streams("r8-streams-previous-s19", 19, {DEFAULT: 180}),
 ]
 
 
@@ -172,9 +185,9 @@ TARGET_RUNS = [
     # the seventh round's default on seed 8 wins back 70 of 100 (70 %), TCR at 3e-2 80 (87.5 % of it), the sixth
     # round's default (the same row name, another run-level setting, a folder of its own) 60 (116.7 %); the default
     # grid on seed 17: contrast R@1 90 against 80 (75 % and 50 % of the 80 lost)
-    ("targets", {CURRENT: ["8", "70.0 %", "100.0 %", "75.0 %", "+35.0", "not below"],
-                 "tcr@3e-2": ["8", "80.0 %", "87.5 %", "–", "+40.0", "–"],
-                 SHOWN: ["8", "60.0 %", "116.7 %", "50.0 %", "+30.0", "not below"]}),
+    ("targets7", {ROUND7: ["8", "70.0 %", "100.0 %", "75.0 %", "+35.0", "not below"],
+                  "tcr@3e-2": ["8", "80.0 %", "87.5 %", "–", "+40.0", "–"],
+                  SHOWN: ["8", "60.0 %", "116.7 %", "50.0 %", "+30.0", "not below"]}),
 ])
 def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_same_seeds(tmp_path, part, expected):
     """Issue 48's targets by hand, for the current image default (part ``targets``), the sixth round's (``targets6``)
@@ -192,3 +205,16 @@ def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_sa
     assert got == expected and table.splitlines()[2].startswith(f"| {next(iter(expected))} |")  # the default first
     tmp_path.joinpath("rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TARGET_RUNS))
     assert v4_tables.summarise(tmp_path / "rows.jsonl", "i2t", part) == table
+
+
+def test_the_targets_table_gives_a_comparator_without_a_headline_its_streams_alone():
+    """The eighth round (part ``targets``): its default on seed 9 wins back 75 of 100 lost hits (75 %), TCR at 3e-2 90
+    (the default reaches 83.3 % of it); the seventh round's default ran the streams only (its headline registered as
+    cut), so its row has the default grid (seed 19: contrast R@1 90 against 60, 30 of 40 lost: 75 %) and the stream
+    verdicts, and dashes for the headline."""
+    lines = v4_tables.targets(TARGET_RUNS, "i2t", "targets").splitlines()[2:]
+    got = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines)}
+    assert list(got) == [CURRENT, "tcr@3e-2", ROUND7]
+    assert got[CURRENT][:4] == ["9", "75.0 %", "100.0 %", "80.0 %"] and got[CURRENT][4].startswith("gaussian_noise 5: +37.5 [")
+    assert got["tcr@3e-2"][:4] == ["9", "90.0 %", "83.3 %", "37.5 %"]
+    assert got[ROUND7] == ["–", "–", "–", "75.0 %", "–", "not below", "–", "–", "–", "not below", "–"]

@@ -31,35 +31,42 @@ from pathlib import Path
 import numpy as np
 
 from ..verdicts import compare, round_figure, seed_bound, shares
-from .v4_choice import ROUND_RULES, STREAMS, choose_default, choose_lr, hits, in_study, load
+from .v4_choice import ROUND_RULES, RULE_OPTIONS, STREAMS, choose_default, choose_lr, hits, in_study, load
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
 #: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
 #: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
 #: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's ran under
-#: their own row names. The seventh round's choice runs the sixth's row name with another run-level setting
-#: (``ensemble_weight`` 0.3): its runs are named in :data:`CURRENT_DEFAULT_RUNS`.
+#: their own row names. The seventh and eighth rounds' choices run the sixth's row name with other run-level settings
+#: (the answer's mix): their runs are named in :data:`ANCHOR_RUNS`.
 IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
                    "rest+dn+safe@1e-3": "rest+dn+safe@1e-3 (default of rounds 4-5)",
                    "tcr+gate+anchor+safe@3e-2": "tcr+gate+anchor+safe@3e-2 (default of round 6)"}
-#: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row is the current image
-#: default, ``TTAConfig.recommended("image")`` (default-study-r7's choice), and the name the tables give it.
-CURRENT_DEFAULT_RUNS = ("r7-headline-chosen", "r7-streams-chosen", "main-r7-")
-CURRENT_DEFAULT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3"
+#: The current image default, ``TTAConfig.recommended("image")`` (default-study-r8's choice), as the tables name it.
+CURRENT_DEFAULT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7"
+#: The seventh round's choice (the default before the eighth round), as the tables name it.
+ROUND7_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"
+#: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row ran a later round's
+#: anchor settings, and the name the tables give that row there.
+ANCHOR_RUNS = ((("r8-headline-chosen", "r8-streams-chosen", "main-r8-"), CURRENT_DEFAULT),
+               (("r7-headline-chosen", "r7-streams-chosen", "main-r7-", "r8-streams-previous"), ROUND7_DEFAULT))
 
 
 def row_name(r: dict) -> str:
-    """The name a report row goes by in the tables (see :data:`IMAGE_ROW_NAMES`)."""
+    """The name a report row goes by in the tables (see :data:`IMAGE_ROW_NAMES` and :data:`ANCHOR_RUNS`)."""
     if r["direction"] != "i2t":
         return r["objective"]
-    if r["objective"] == "tcr+gate+anchor+safe@3e-2" and r["run"].split("/", 1)[1].startswith(CURRENT_DEFAULT_RUNS):
-        return CURRENT_DEFAULT
+    if r["objective"] == "tcr+gate+anchor+safe@3e-2":
+        run = r["run"].split("/", 1)[1]
+        for prefixes, name in ANCHOR_RUNS:
+            if run.startswith(prefixes):
+                return name
     return IMAGE_ROW_NAMES.get(r["objective"], r["objective"])
 
 
-PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "targets",
-         "targets6", "targets4", "headline", "streams", "main", "v3verdicts")
+PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
+         "r8headline", "r8streams", "targets", "targets7", "targets6", "targets4", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -218,17 +225,23 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
     """The selection table of ``study`` and the choice its registered rule gives (:data:`.v4_choice.ROUND_RULES`:
     default-study's every round with the comparators, or default-study-r4's own runs with their Noto stream)."""
     _, required, tie = ROUND_RULES[study]
+    options = RULE_OPTIONS.get(study, {})
     sel = summarise_selection([r for r in rows if r["split"] == "selection" and in_study(study, r["run"])], direction)
+    worst_col = options.get("columns", False)  # the round's rule reads every corruption column: its worst is shown
     lines = ["| candidate (run/row) | share | " + " | ".join(f"{st} Δ [bound]" for st in required)
-             + " | passes per query | eligible |", "|---|---:|" + "---:|" * (len(required) + 1) + "---|"]
+             + (" | worst column: Δ [bound]" if worst_col else "") + " | passes per query | eligible |",
+             "|---|---:|" + "---:|" * len(required) + ("---|" if worst_col else "") + "---:|---|"]
     for s in sorted(sel, key=lambda x: (x.label.startswith("comparators/"), -x.share)):
-        cell = lambda st: (f"{round_figure(s.streams[st][0], sign=True)} [{round_figure(s.streams[st][1], sign=True)}]"  # noqa: E731
-                           if st in s.streams else "–")
+        cell = lambda d, b: f"{round_figure(d, sign=True)} [{round_figure(b, sign=True)}]"  # noqa: E731
+        cells = [cell(*s.streams[st]) if st in s.streams else "–" for st in required]
+        if worst_col:
+            name, (d, b) = min(s.columns.items(), key=lambda kv: (kv[1][1], kv[0]))
+            cells.append(f"{name}: {cell(d, b)}")
         ok = "–" if s.label.startswith("comparators/") or any(st not in s.streams for st in required) else (
-            "yes" if all(s.not_below(st) for st in required) else "no")
-        lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | " + " | ".join(cell(st) for st in required)
+            "yes" if s.eligible(required, **options) else "no")
+        lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | " + " | ".join(cells)
                      + f" | {round_figure(s.passes, digits=2)} | {ok} |")
-    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")], required, tie)
+    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")], required, tie, **options)
     lines.append("")
     best = ", ".join(f"{o} {choose_lr(sel, o).label.split('/')[1]}" for o in ("tcr", "rest")
                      if any(s.label.startswith(f"comparators/{o}@") for s in sel))
@@ -264,10 +277,11 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
 #: Issue 48's targets, per (table part, query modality): the default's row name in the tables, the comparators it is
 #: measured against (image: the best labelled fixed lr and the previous defaults; text: NNN alone and REST at its lr)
 #: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seed only: the
-#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r7's report on
-#: seeds 8, 17 and 18); ``targets6`` and ``targets4``: the sixth and fourth rounds' defaults on their report seeds.
-TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"]),
-                                    ("r7-headline",), ("r7-streams",)),
+#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r8's report on
+#: seeds 9, 19 and 20); ``targets7``, ``targets6`` and ``targets4``: the earlier rounds' defaults on their report seeds.
+TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", ROUND7_DEFAULT), ("r8-headline",), ("r8-streams",)),
+               ("targets7", "i2t"): (ROUND7_DEFAULT, ("tcr@3e-2", IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"]),
+                                     ("r7-headline",), ("r7-streams",)),
                ("targets", "t2i"): ("recommended", ("nnn", "rest@1e-4"), ("headline",), ("streams",)),
                ("targets6", "i2t"): (IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"], ("tcr@3e-2", IMAGE_ROW_NAMES["rest+dn+safe@1e-3"]),
                                      ("r6-headline",), ("r6-streams",)),
@@ -302,6 +316,9 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
     for shown in (name, *others):
         row = by.get(shown, {})
         keys = [k for k in row if k in src and k[1] in seeds and k[0][0] not in STREAMS]
+        if not keys and shown in sby:  # a comparator whose headline was not run on these seeds: its streams alone
+            lines.append(_streams_only(shown, sby[shown], ssrc))
+            continue
         if not keys:
             continue
         cols = sorted({c for c, _ in keys}, key=str)
@@ -310,24 +327,34 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
         if shown == name:
             base = sh.pooled
         worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
-        srow = sby.get(shown, {})
-        skeys = [k for k in srow if k in ssrc or k[0] == ("degenerate", None)]
-        grid = sorted({c for c, _ in skeys if c[0] not in STREAMS}, key=str)
-        gshare = "–"
-        if grid:
-            sseeds = sorted({s for _, s in skeys})
-            sclean = float(np.mean([100 * hits(ssrc[(("clean", None), s)]).mean() for s in sseeds]))
-            gshare = round_figure(shares({c: _r1(srow, skeys, c) for c in grid}, {c: _r1(ssrc, skeys, c) for c in grid},
-                                         sclean, 0.0).pooled, percent=True)
-        words = []
-        for st in ("clean", "noto", "diverse", "switch", "degenerate"):
-            ks = [k for k in skeys if k[0] == (st, None)]
-            words.append(compare(_diffs(srow, ssrc, ks)).words() if ks else "–")
+        gshare, words = _grid_and_words(sby.get(shown, {}), ssrc)
         ratio = round_figure(base / sh.pooled, percent=True) if sh.pooled > 0 else "–"
         lines.append(f"| {shown} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
                      f"{_name(sh.worst)}: {round_figure(worst.delta, sign=True)} [{round_figure(worst.lower, sign=True)}] "
                      f"{worst.words()} | " + " | ".join(words) + f" | {round_figure(_passes(row, keys), digits=2)} |")
     return "\n".join(lines)
+
+
+def _grid_and_words(srow: dict, ssrc: dict) -> tuple[str, list[str]]:
+    """A row's default-grid share over its stream runs' seeds and each stream's verdict."""
+    skeys = [k for k in srow if k in ssrc or k[0] == ("degenerate", None)]
+    grid = sorted({c for c, _ in skeys if c[0] not in STREAMS}, key=str)
+    gshare = "–"
+    if grid:
+        sseeds = sorted({s for _, s in skeys})
+        sclean = float(np.mean([100 * hits(ssrc[(("clean", None), s)]).mean() for s in sseeds]))
+        gshare = round_figure(shares({c: _r1(srow, skeys, c) for c in grid}, {c: _r1(ssrc, skeys, c) for c in grid},
+                                     sclean, 0.0).pooled, percent=True)
+    words = []
+    for st in ("clean", "noto", "diverse", "switch", "degenerate"):
+        ks = [k for k in skeys if k[0] == (st, None)]
+        words.append(compare(_diffs(srow, ssrc, ks)).words() if ks else "–")
+    return gshare, words
+
+
+def _streams_only(shown: str, srow: dict, ssrc: dict) -> str:
+    gshare, words = _grid_and_words(srow, ssrc)
+    return f"| {shown} | – | – | – | {gshare} | – | " + " | ".join(words) + " | – |"
 
 
 def v3_verdicts(rows: list[dict], direction: str) -> str:
@@ -366,7 +393,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 #: new seeds.
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"),
-               **{f"r{k}{kind}": (table, arg) for k in (6, 7) for kind, table, arg in
+               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
 
@@ -384,7 +411,7 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
-    if part in ("targets", "targets6", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
+    if part in ("targets", "targets7", "targets6", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
         return targets(rows, direction, part)
     if part == "v3verdicts":
         return v3_verdicts(rows, direction)
