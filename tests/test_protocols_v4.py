@@ -275,6 +275,7 @@ def test_the_eighth_rounds_report_leaves_the_incumbents_headline_out_and_names_n
 
 @pytest.mark.parametrize(("run", "studies"), [
     ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}), ("sel-i2t/r8-incumbent", {"default-study-r8"}),
+    ("sel-t2i/one-rule", {"one-rule-text"}), ("sel-t2i/lite", {"default-study"}),
     ("sel-i2t/r4-incumbent", {"default-study-r4"}),
     ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),
     ("sel-i2t/r5-gate-full", {"default-study-r5"}), ("sel-i2t/r6-anchor0.01", {"default-study-r6"}),

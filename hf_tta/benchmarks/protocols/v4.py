@@ -271,10 +271,18 @@ def eighth_round_runs() -> list[Run]:
             for name, (w, c) in R8_CANDIDATES.items()]
 
 
+def one_rule_runs() -> list[Run]:
+    """``one-rule-text`` (issue 48's moonshot, descriptive): the eighth round's image default, settings unchanged, on
+    caption queries (the text selection split with its clean and degenerate streams), and the same at text TCR's lr."""
+    sel = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
+    return [Run("sel-t2i/one-rule", "one-rule-text", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.5, 0.7),
+                                                      *_objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-3")))]
+
+
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
-            + sixth_round_runs() + seventh_round_runs() + eighth_round_runs())
+            + sixth_round_runs() + seventh_round_runs() + eighth_round_runs() + one_rule_runs())
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -308,7 +316,8 @@ R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
 #: the report seed the main job (``hf-tta`` with no arguments) runs
 MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "headline-paper-lr", "headline-paper-lr-text"})
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "headline-paper-lr", "headline-paper-lr-text",
+                         "one-rule-text"})
 
 
 def sixth_round_report_runs(choice: dict) -> list[Run]:
