@@ -389,12 +389,12 @@ class SourceAnchorConfig(ConfigMixin):
         metadata={"help": "While the evidence is at or below the margin, the answer's scores are (1 - w) s_source + "
                   "w s_adapted (0: the source answers alone)."},
     )
-    source_confidence: float | None = field(
-        default=None,
-        metadata={"help": "With the mix (ensemble_weight > 0): while the evidence is at or below the margin, a query "
-                  "whose source top-1 softmax probability (at temperature T) is at least this keeps the source's "
-                  "scores (None: every query is mixed)."},
-    )
+    source_confidence: float | None = field(default=None, metadata={
+        "help": "With the mix: a query whose source top-1 softmax probability (at T) is at least this keeps the "
+                "source's scores in it (None: every query is mixed)."})
+    mix_agreement: list[float] | None = field(default=None, metadata={
+        "help": "With the mix: [low, high]; the mix answers a batch only while the share of its queries whose top-1 "
+                "item the two models share is within it, else the source alone (None: always)."})
 
     def __post_init__(self):
         check_field_types(self)
@@ -403,6 +403,12 @@ class SourceAnchorConfig(ConfigMixin):
             raise ValueError("SourceAnchorConfig `source_confidence` must be in (0, 1] and needs ensemble_weight > 0 (it "
                              "chooses which queries keep the source's scores in the mix); got source_confidence="
                              f"{self.source_confidence}, ensemble_weight={self.ensemble_weight}.")
+        band = self.mix_agreement
+        if band is not None and not (self.ensemble_weight > 0 and len(band) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in band) and 0.0 <= band[0] <= band[1] <= 1.0):
+            raise ValueError("SourceAnchorConfig `mix_agreement` must be [low, high] with 0 <= low <= high <= 1 and needs "
+                             f"ensemble_weight > 0 (it chooses which batches get the mix); got mix_agreement={band}, "
+                             f"ensemble_weight={self.ensemble_weight}.")
         if not 0.0 <= self.ensemble_weight < 1.0:
             raise ValueError(f"SourceAnchorConfig `ensemble_weight` must be in [0, 1) (1 would be the adapted answer "
                              f"alone, i.e. no anchor); got {self.ensemble_weight}.")

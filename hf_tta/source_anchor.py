@@ -16,7 +16,11 @@ ensemble with the source: where the two disagree, the one with the larger score 
 chose :math:`w = 0.3` on the selection split). With ``source_confidence`` :math:`\\tau`, a query :math:`i` whose
 source top-1 probability :math:`p^S_i = \\max_j \\operatorname{softmax}(s^S_{i\\cdot}/T)_j \\ge \\tau` keeps the
 source's scores in that mix (the queries the source is sure of are mostly the ones it has right, and the mix flips
-some of them: default-study-r8). The mix needs both models' scores over the same items: no score
+some of them: default-study-r8). With ``mix_agreement`` :math:`[a_{lo}, a_{hi}]` the mix answers a batch only while
+the share of its queries on whose top-1 item the two models agree, :math:`a = \\frac{1}{B}\\sum_i [\\arg\\max_j
+s^S_{ij} = \\arg\\max_j s^A_{ij}]`, is within the band; otherwise the source answers alone: below it the adapted
+model has drifted away from the source on most queries (a style the source hardly knows), above it it changes too
+few answers for the change to be more than noise (default-study-r9). The mix needs both models' scores over the same items: no score
 transform (refused), and a dense gallery (with a top-k backend each model has its own candidates: the source alone
 answers while the anchor holds, logged once).
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
@@ -53,6 +57,12 @@ EVIDENCE = "source_anchor.evidence"
 def top1_probability(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """:math:`p_i = \\max_j \\operatorname{softmax}(s_{i\\cdot}/T)_j` of ``(B, N)`` scores, ``(B,)`` in float64."""
     return (scores.detach().double() / temperature).softmax(dim=-1).amax(dim=-1)
+
+
+def top1_agreement(first: torch.Tensor, second: torch.Tensor) -> float:
+    """:math:`a = \\frac{1}{B}\\sum_i [\\arg\\max_j s^{S}_{ij} = \\arg\\max_j s^{A}_{ij}]`: the share of the batch's
+    queries whose top-1 item two ``(B, N)`` score matrices share."""
+    return float((first.argmax(dim=-1) == second.argmax(dim=-1)).double().mean())
 
 
 def mean_top1_probability(scores: torch.Tensor, temperature: float) -> float:
@@ -96,6 +106,11 @@ class SourceAnchor(BatchPolicy):
         if adapted:
             return dataclasses.replace(answer, logs=logs)
         w = c.ensemble_weight
+        if w > 0 and c.mix_agreement is not None and source.candidate_ids is None:
+            a = top1_agreement(source.scores, answer.scores)
+            logs["source_anchor.agreement"] = a
+            if not c.mix_agreement[0] <= a <= c.mix_agreement[1]:  # the models drift apart, or hardly differ
+                w = 0.0
         if w > 0 and source.candidate_ids is not None:  # a top-k backend: each view holds its own candidates
             if not self._told:
                 logger.warning("source_anchor: with a top-k gallery backend each model scores its own candidates, so "

@@ -112,11 +112,12 @@ def test_every_registered_run_is_on_its_split():
         part = args[args.index("--concepts") + 1]
         assert part == run.split
         seeds = {int(s) for s in args[args.index("--seeds") + 1].split(",")}
-        # rounds 4, 6, 7 and 8 report on new seeds (report rows were read before they were registered), each on its own
+        # rounds 4, 6, 7, 8 and 9 report on new seeds (report rows were read before they were registered), each on its own
         fresh = {"default-study-r4": set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS),
                  "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS),
                  "default-study-r7": set(v4.R7_HEADLINE_SEEDS) | set(v4.R7_STREAM_SEEDS),
-                 "default-study-r8": set(v4.R8_HEADLINE_SEEDS) | set(v4.R8_STREAM_SEEDS)}
+                 "default-study-r8": set(v4.R8_HEADLINE_SEEDS) | set(v4.R8_STREAM_SEEDS),
+                 "default-study-r9": set(v4.R9_HEADLINE_SEEDS) | set(v4.R9_STREAM_SEEDS)}
         allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
         assert seeds <= allowed and (part == "report" or seeds == {0})
         rounds = list(fresh.values())
@@ -248,6 +249,8 @@ def test_the_eighth_rounds_rule_needs_each_stream_above_a_quarter_point_and_ever
                  S("r8-c/x", 0.50, {**ok, "noto": (0.3, 0.0)}, 5.0, cols)]
     prefix, required, tie = v4_choice.ROUND_RULES["default-study-r8"]
     options = v4_choice.RULE_OPTIONS["default-study-r8"]
+    assert v4_choice.ROUND_RULES["default-study-r9"][1:] == (required, tie)  # the ninth round: the same rule
+    assert v4_choice.RULE_OPTIONS["default-study-r9"] == options
     assert (prefix, required, tie, options) == (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5,
                                                 {"stream_margin": 0.25, "columns": True})
     chosen, notes = v4_choice.choose_default(summaries, required, tie, **options)
@@ -263,18 +266,25 @@ def test_a_selection_summary_holds_each_corruption_columns_bound():
     assert set(s.columns) == {"blur 5"} and s.columns["blur 5"][0] == pytest.approx(30.0) and s.columns["blur 5"][1] > 20
 
 
-def test_the_eighth_rounds_report_leaves_the_incumbents_headline_out_and_names_new_seeds():
-    choice = {"i2t": {"default": "r8-w0.3-c0.7/tcr+gate+anchor+safe@3e-2",
-                      "config": v4_choice.config_of("r8-w0.3-c0.7/tcr+gate+anchor+safe@3e-2", "i2t")}}
-    names = {r.name for r in v4.eighth_round_report_runs(choice)}
-    assert names == {"rep-i2t/r8-headline-chosen-s9", "rep-i2t/r8-headline-tcr-s9", "rep-i2t/main-r8-s3",
-                     *(f"rep-i2t/r8-streams-{k}-s{s}" for k in ("chosen", "tcr", "previous") for s in (19, 20))}
-    assert choice["i2t"]["config"]["source_anchor"]["source_confidence"] == 0.7
-    assert v4.eighth_round_report_runs({"i2t": {**choice["i2t"], "default": "r8-incumbent/tcr+gate+anchor+safe@3e-2"}}) == []
+@pytest.mark.parametrize(("k", "candidate", "report", "field", "value", "seeds"), [
+    (8, "r8-w0.3-c0.7", v4.eighth_round_report_runs, "source_confidence", 0.7, (9, 19, 20)),
+    (9, "r9-w0.5-a0.3-0.9", v4.ninth_round_report_runs, "mix_agreement", [0.3, 0.9], (10, 21, 22)),
+])
+def test_a_later_rounds_report_leaves_the_incumbents_headline_out_and_names_new_seeds(k, candidate, report, field, value,
+                                                                                      seeds):
+    label = f"{candidate}/tcr+gate+anchor+safe@3e-2"
+    choice = {"i2t": {"default": label, "config": v4_choice.config_of(label, "i2t")}}
+    head, *streams = seeds
+    assert {r.name for r in report(choice)} == {
+        f"rep-i2t/r{k}-headline-chosen-s{head}", f"rep-i2t/r{k}-headline-tcr-s{head}", f"rep-i2t/main-r{k}-s3",
+        *(f"rep-i2t/r{k}-streams-{m}-s{s}" for m in ("chosen", "tcr", "previous") for s in streams)}
+    assert choice["i2t"]["config"]["source_anchor"][field] == value
+    assert report({"i2t": {**choice["i2t"], "default": f"r{k}-incumbent/tcr+gate+anchor+safe@3e-2"}}) == []
 
 
 @pytest.mark.parametrize(("run", "studies"), [
     ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}), ("sel-i2t/r8-incumbent", {"default-study-r8"}),
+    ("sel-i2t/r9-w0.5-a0.3-0.9", {"default-study-r9"}),
     ("sel-t2i/one-rule", {"one-rule-text"}), ("sel-t2i/lite", {"default-study"}),
     ("sel-i2t/r4-incumbent", {"default-study-r4"}),
     ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),

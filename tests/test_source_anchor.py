@@ -8,7 +8,7 @@ import torch
 
 from hf_tta import TTAConfig, TTAWrapper
 from hf_tta.config_features import SourceAnchorConfig
-from hf_tta.source_anchor import SourceAnchor, evidence_step, mean_top1_probability, top1_probability
+from hf_tta.source_anchor import SourceAnchor, evidence_step, mean_top1_probability, top1_agreement, top1_probability
 from support import check_resume
 from tiny_models import image_batch, make_model, text_batch
 
@@ -38,6 +38,10 @@ def test_the_evidence_is_a_moving_average_from_zero():
     ({"source_confidence": 0.0, "ensemble_weight": 0.3}, r"must be in \(0, 1\]"),
     ({"source_confidence": 1.5, "ensemble_weight": 0.3}, r"must be in \(0, 1\]"),
     ({"source_confidence": "high", "ensemble_weight": 0.3}, "`source_confidence` must be"),
+    ({"mix_agreement": [0.3, 0.9]}, "needs ensemble_weight > 0"),
+    *[({"mix_agreement": band, "ensemble_weight": 0.5}, r"`mix_agreement` must be \[low, high\]")
+      for band in ([0.9, 0.3], [0.3], [0.3, 0.5, 0.9], [-0.1, 0.5], [0.3, 1.5], ["a", 1.0], [True, 1.0])],
+    ({"mix_agreement": 0.3, "ensemble_weight": 0.5}, "`mix_agreement` must be"),
 ])
 def test_bad_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -116,6 +120,33 @@ def test_the_queries_the_source_is_sure_of_keep_its_scores_in_the_mix_by_hand():
     assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: the mix is not the source
 
 
+def test_the_top1_agreement_by_hand():
+    first = torch.tensor([[0.9, 0.1, 0.0], [0.1, 0.8, 0.1], [0.0, 0.2, 0.7], [0.5, 0.4, 0.1]])
+    second = torch.tensor([[0.8, 0.1, 0.0], [0.9, 0.1, 0.0], [0.0, 0.2, 0.9], [0.1, 0.2, 0.3]])
+    assert top1_agreement(first, second) == 0.5  # queries 0 and 2 share their top-1 item
+    assert top1_agreement(first, first) == 1.0
+
+
+@pytest.mark.parametrize("band", [[0.5, 1.0], [0.0, 0.5]])
+def test_the_mix_answers_only_batches_whose_agreement_is_in_the_band_by_hand(band):
+    """a = the share of the batch's queries whose top-1 item the source and the adapted model share; the mix
+    (1 - w) s^S + w s^A answers while band[0] <= a <= band[1], the source alone otherwise (the anchor holds: margin
+    0.99). On this stream a is 1 on the first batch and 0 after (lr 1e-2): each band takes one side."""
+    banded, gallery = _wrapper(source_anchor={"margin": 0.99, "ensemble_weight": 0.3, "mix_agreement": band})
+    plain, gallery_p = _wrapper()
+    seen = set()
+    for x in STREAM:
+        out, ref = banded.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
+        source = _source_scores(x)
+        a = top1_agreement(source, ref.scores)
+        assert out.logs["source_anchor.agreement"] == pytest.approx(a)
+        inside = band[0] <= a <= band[1]
+        seen.add(inside)
+        assert torch.allclose(out.scores, 0.7 * source + 0.3 * ref.scores if inside else source, atol=1e-6)
+        assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
+    assert seen == {True, False}
+
+
 def test_a_batch_answered_without_the_steps_is_not_judged():
     tta, gallery = _wrapper(source_anchor={}, shift_gate={"threshold": 1e9})
     tta.fit_shift_gate(image_batch(64, seed=3))  # the gate stays closed: the source answers, nothing adapts
@@ -150,7 +181,8 @@ def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_an
     assert caplog.text.count("cannot mix them: the source alone answers") == 1
 
 
-@pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5}])
+@pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5},
+                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5]}])
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path, anchor):
     check_resume(lambda: _wrapper(source_anchor=anchor), STREAM, 2, tmp_path)
 

@@ -24,11 +24,19 @@ import argparse
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from ...data.corruptions import CHAR_CORRUPTIONS, VALIDATION_IMAGE_CORRUPTIONS, WORD_CORRUPTIONS
-from ..grid import ROW_FEATURES
+from .v4_base import (
+    GATE_MEAN4,
+    REPORT_SEEDS,
+    SAFE_LITE,
+    SCORING,
+    SELECTION_SEED,
+    STREAM_SEEDS,
+    Run,
+    _objectives,
+    split_arguments,
+)
 from .v4_registry import (
     CHOICES,
     REGISTRATIONS,
@@ -39,66 +47,46 @@ from .v4_registry import (
     registration_path,
     run_folder,
 )
+from .v4_rounds import (
+    MAIN_JOB_SEED,
+    R4_HEADLINE_SEEDS,
+    R4_STREAM_SEEDS,
+    R6_HEADLINE_SEEDS,
+    R6_STREAM_SEEDS,
+    R7_HEADLINE_SEEDS,
+    R7_STREAM_SEEDS,
+    R8_CANDIDATES,
+    R8_HEADLINE_SEEDS,
+    R8_STREAM_SEEDS,
+    R9_CANDIDATES,
+    R9_HEADLINE_SEEDS,
+    R9_STREAM_SEEDS,
+    eighth_round_report_runs,
+    eighth_round_runs,
+    fifth_round_runs,
+    fourth_round_report_runs,
+    fourth_round_runs,
+    ninth_round_report_runs,
+    ninth_round_runs,
+    one_rule_runs,
+    r7_anchor,
+    r8_anchor,
+    r9_anchor,
+    seventh_round_report_runs,
+    seventh_round_runs,
+    sixth_round_report_runs,
+    sixth_round_runs,
+)
 
+#: the names of the registry, the runs' pieces and the later rounds, read here by the runs' users as before
 __all__ = ["CHOICES", "REGISTRATIONS", "REPO", "check_chosen", "check_registered", "load_choice", "registration_path",
-           "run_folder"]  # the registry's names, read here by the runs' users as before
-
-SCORING = "before_update"
-SELECTION_SEED = 0
-REPORT_SEEDS = (3, 4, 5)
-STREAM_SEEDS = (3, 4, 5, 11, 12)
-DEGENERATE_BATCHES = 50
-#: The safety layer with its degenerate-batch rule only (no drift rollback): the candidates' ``+safe``.
-SAFE_LITE = '{"min_agreement": 0, "max_agreement_drop": 1}'
-#: The shift gate of rounds 3-6: the two-sample statistic at threshold 4 (``--shift_gate``).
-GATE_MEAN4 = ["--shift_gate", json.dumps({"statistic": "batch_mean", "threshold": 4.0})]
-
-
-@dataclass(frozen=True)
-class Run:
-    """One ``hf-tta run`` of a study: its folder name (``<phase>-<direction>/<name>``), the study whose registration
-    it needs, and its arguments."""
-
-    name: str
-    study: str
-    args: tuple[str, ...]
-
-    @property
-    def split(self) -> str:
-        return "selection" if self.name.startswith("sel-") else "report"
-
-
-def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = True, streams=("clean",),
-                    default_grid: bool = False, severities: str = "5") -> list[str]:
-    """``hf-tta run`` arguments of a v4 split in a direction: its concept part, seeds, corruption columns (the
-    selection split's validation / character-level corruptions, image ones at ``severities``; the report's test /
-    word-level ones, or the default grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``)."""
-    from ...data.corruptions import TEST_IMAGE_CORRUPTIONS
-
-    selection = split == "selection"
-    seeds = seeds or ((SELECTION_SEED,) if selection else REPORT_SEEDS)
-    args = ["--direction", direction, "--concepts", split, "--seeds", ",".join(map(str, seeds)), "--scoring", SCORING]
-    if direction == "i2t":
-        if not corruptions:
-            args += ["--corruptions", ""]
-        elif default_grid:
-            args += ["--corruptions", "default"]
-        elif selection:
-            args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", severities]
-        else:
-            args += ["--corruptions", ",".join(TEST_IMAGE_CORRUPTIONS), "--severities", "3,5"]
-    else:
-        names = (CHAR_CORRUPTIONS if selection else WORD_CORRUPTIONS) if corruptions else ()
-        args += ["--text-corruptions", ",".join(names), "--text-severities", "7" if selection else "3,7"]
-    args += ["--style" if "noto" in streams else "--no-style"]
-    args += [f"--{s}" for s in ("clean", "diverse", "switch", "degenerate") if s in streams]
-    if "degenerate" in streams:
-        args += ["--degenerate-batches", str(DEGENERATE_BATCHES)]
-    return args
-
-
-def _objectives(*rows: str) -> list[str]:
-    return ["--objectives", ",".join(rows)]
+           "run_folder", "SCORING", "SELECTION_SEED", "REPORT_SEEDS", "STREAM_SEEDS", "SAFE_LITE", "GATE_MEAN4", "Run",
+           "split_arguments", "MAIN_JOB_SEED", "R4_HEADLINE_SEEDS", "R4_STREAM_SEEDS", "R6_HEADLINE_SEEDS",
+           "R6_STREAM_SEEDS", "R7_HEADLINE_SEEDS", "R7_STREAM_SEEDS", "R8_CANDIDATES", "R8_HEADLINE_SEEDS",
+           "R8_STREAM_SEEDS", "r7_anchor", "r8_anchor", "fourth_round_runs", "fifth_round_runs", "sixth_round_runs",
+           "seventh_round_runs", "eighth_round_runs", "one_rule_runs", "fourth_round_report_runs",
+           "sixth_round_report_runs", "seventh_round_report_runs", "eighth_round_report_runs", "R9_CANDIDATES",
+           "R9_HEADLINE_SEEDS", "R9_STREAM_SEEDS", "ninth_round_report_runs", "ninth_round_runs", "r9_anchor"]
 
 
 def default_study_runs() -> list[Run]:
@@ -188,209 +176,15 @@ def third_round_runs() -> list[Run]:
     return runs
 
 
-def fourth_round_runs() -> list[Run]:
-    """``default-study-r4``: the incumbent and four candidates on the selection split with its Noto stream (a style
-    shift), image queries; chosen by the registration's rule (clean, degenerate and Noto not below)."""
-    study = "default-study-r4"
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
-    pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
-    return [
-        Run("sel-i2t/r4-incumbent", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@3e-2", "tcr+gate+safe@1e-2"))),
-        Run("sel-i2t/r4-fullsafe", study, (*sel, "--safety", "{}", *gate, *_objectives("tcr+gate+safe@3e-2"))),
-        Run("sel-i2t/r4-ens0.9", study, (*sel, *lite, *gate, *pull, *_objectives("tcr+gate+ens+safe@3e-2"))),
-        Run("sel-i2t/r4-previous", study, (*sel, "--safety", "{}", *_objectives("rest+dn+safe@1e-3"))),
-    ]
-
-
-def fifth_round_runs() -> list[Run]:
-    """``default-study-r5``: the gate with lower TCR lrs, the whole safety layer, DN, a stronger pull to the source and
-    REST at its best labelled lr, on the fourth round's selection split (with Noto); its incumbent is the fourth
-    round's choice, whose committed ``r4-previous`` rows it reads."""
-    study = "default-study-r5"
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
-    pull = ["--weight_ensemble", json.dumps({"momentum": 0.9})]
-    return [
-        Run("sel-i2t/r5-gate-full", study, (*sel, "--safety", "{}", *gate, *_objectives(
-            "tcr+gate+safe@3e-3", "tcr+gate+safe@1e-2", "rest+gate+dn+safe@3e-3"))),
-        Run("sel-i2t/r5-gate-lite", study, (*sel, *lite, *gate, *_objectives("tcr+gate+safe@3e-3", "tcr+gate+dn+safe@1e-2"))),
-        Run("sel-i2t/r5-gate-ens", study, (*sel, *lite, *gate, *pull, *_objectives("tcr+gate+ens+safe@1e-2"))),
-    ]
-
-
-def sixth_round_runs() -> list[Run]:
-    """``default-study-r6``: source-anchored answers (:mod:`hf_tta.source_anchor`) behind the gate, at two margins and
-    two TCR lrs, on the fourth round's selection split (with Noto); its incumbent is the fourth round's choice."""
-    study = "default-study-r6"
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
-    anchor = lambda m: ["--source_anchor", json.dumps({"margin": m, "momentum": 0.8, "temperature": 0.01})]  # noqa: E731
-    rows = _objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")
-    return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *lite, *gate, *anchor(m), *rows)) for m in (0.01, 0.02)]
-
-
-#: default-study-r7's anchor settings: the sixth round's choice, with the weight of the adapted scores in the answer
-#: while the evidence is at or below the margin (0: the source alone, the sixth round's choice re-run on this split)
-def r7_anchor(weight: float) -> list[str]:
-    return ["--source_anchor", json.dumps({"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight})]
-
-
-def seventh_round_runs() -> list[Run]:
-    """``default-study-r7``: source-anchored answers that mix the source's and the adapted scores while the evidence is
-    low (``ensemble_weight`` 0.3, 0.5) against the sixth round's choice (0), on the selection split with the diverse
-    stream added (validation corruptions, batch by batch)."""
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"))
-    lite = ["--safety", SAFE_LITE]
-    rows = {0: ("tcr+gate+anchor+safe@3e-2",), 0.3: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2"),
-            0.5: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")}
-    return [Run(f"sel-i2t/r7-w{w}", "default-study-r7", (*sel, *lite, *GATE_MEAN4, *r7_anchor(w), *_objectives(*r)))
-            for w, r in rows.items()]
-
-
-def r8_anchor(weight: float, confidence: float | None) -> list[str]:
-    """default-study-r8's anchor settings: the seventh round's, with ``source_confidence`` (``None``: every query mixed,
-    the seventh round's choice)."""
-    fields = {"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight}
-    return ["--source_anchor", json.dumps(fields if confidence is None else {**fields, "source_confidence": confidence})]
-
-
-#: default-study-r8's candidates: run name -> (ensemble_weight, source_confidence); the incumbent (the seventh round's
-#: choice) first
-R8_CANDIDATES = {"r8-incumbent": (0.3, None), "r8-w0.3-c0.7": (0.3, 0.7), "r8-w0.5-c0.7": (0.5, 0.7),
-                 "r8-w0.5-c0.5": (0.5, 0.5)}
-
-
-def eighth_round_runs() -> list[Run]:
-    """``default-study-r8``: the mix with the queries the source is sure of keeping its scores (``source_confidence``),
-    against the seventh round's choice, on the seventh round's selection split with the validation corruptions at
-    severity 3 added (image queries, TCR at 3e-2, a run per candidate)."""
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities="3,5")
-    row = _objectives("tcr+gate+anchor+safe@3e-2")
-    return [Run(f"sel-i2t/{name}", "default-study-r8", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(w, c), *row))
-            for name, (w, c) in R8_CANDIDATES.items()]
-
-
-def one_rule_runs() -> list[Run]:
-    """``one-rule-text`` (issue 48's moonshot, descriptive): the eighth round's image default, settings unchanged, on
-    caption queries (the text selection split with its clean and degenerate streams), and the same at text TCR's lr."""
-    sel = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
-    return [Run("sel-t2i/one-rule", "one-rule-text", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.5, 0.7),
-                                                      *_objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-3")))]
-
-
 def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
-            + sixth_round_runs() + seventh_round_runs() + eighth_round_runs() + one_rule_runs())
+            + sixth_round_runs() + seventh_round_runs() + eighth_round_runs() + ninth_round_runs() + one_rule_runs())
 
 
-#: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
-R4_HEADLINE_SEEDS, R4_STREAM_SEEDS = (6,), (13, 14)
-
-
-def fourth_round_report_runs(choice: dict) -> list[Run]:
-    """``default-study-r4``'s report runs, from its committed choice: the chosen row and the incumbent default
-    (``recommended``) with TCR at 3e-2, on the 30-column headline of seed 6 and the default grid with the five streams
-    of seeds 13 and 14 (image queries)."""
-    c = choice.get("i2t")
-    if not c or not c.get("config"):
-        return []
-    cfg, study = c["config"], "default-study-r4"
-    row = c["default"].split("/", 1)[1]  # e.g. rest+dn+safe@1e-3
-    if any(cfg.get(k) not in (None, {}) for k in ("safety", "shift_gate", "weight_ensemble")):
-        # a run-level setting would reach every row of the run (the incumbent's too): give the chosen row a run of its own
-        raise ValueError(f"default-study-r4 chose {c['default']} with run-level settings {cfg}: not supported yet.")
-    rows = _objectives(row, "recommended", "tcr@3e-2")
-    streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/r4-headline-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *rows))
-            for seed in R4_HEADLINE_SEEDS]
-    runs += [Run(f"rep-i2t/r4-streams-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                         default_grid=True), *rows))
-             for seed in R4_STREAM_SEEDS]
-    return runs
-
-
-#: default-study-r6's report seeds (registered by default-study-r5 for its report, which was never run)
-R6_HEADLINE_SEEDS, R6_STREAM_SEEDS = (7,), (15, 16)
-#: the report seed the main job (``hf-tta`` with no arguments) runs
-MAIN_JOB_SEED = 3
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "headline-paper-lr", "headline-paper-lr-text",
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "headline-paper-lr", "headline-paper-lr-text",
                          "one-rule-text"})
-
-
-def sixth_round_report_runs(choice: dict) -> list[Run]:
-    """``default-study-r6``'s report runs, from its committed choice: the chosen row with its run-level settings, TCR at
-    3e-2 and the incumbent (``rest+dn+safe@1e-3``, the whole safety layer), each in a folder of its own, on the
-    30-column headline of seed 7 and the default grid with the five streams of seeds 15 and 16 (image queries)."""
-    c = choice.get("i2t")
-    if not c or not c.get("config") or not c["default"].startswith("r6-"):
-        return []
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"),
-               "previous": ["--safety", "{}", *_objectives("rest+dn+safe@1e-3")]}
-    # with what the main job prints with this default (registrations/main-job-r6.json: descriptive, read by no choice)
-    return _member_runs("r6", "default-study-r6", members, R6_HEADLINE_SEEDS, R6_STREAM_SEEDS, f"main-s{MAIN_JOB_SEED}",
-                        "main-job-r6")
-
-
-def _chosen(choice: dict) -> list[str]:
-    """The chosen row of a committed image choice with its run-level settings (``--<field> <json>``)."""
-    cfg = choice["config"]
-    settings = [a for k in ROW_FEATURES.values() if cfg.get(k) is not None for a in (f"--{k}", json.dumps(cfg[k]))]
-    return [*settings, *_objectives(choice["default"].split("/", 1)[1])]
-
-
-def _member_runs(tag: str, study: str, members: dict, headline_seeds, stream_seeds, main_run: str, main_study: str) -> list[Run]:
-    """A round's report runs, a folder per member (``rep-i2t/<tag>-headline-<member>-s<seed>`` on the 30-column
-    headline, ``<tag>-streams-...`` on the default grid with the five streams) and the main job's run of the chosen
-    member (``rep-i2t/<main_run>``: the report concepts, seed 3, the default grid and the clean stream)."""
-    streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/{tag}-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
-            for seed in headline_seeds for k, a in members.items()]
-    runs += [Run(f"rep-i2t/{tag}-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                               default_grid=True), *a))
-             for seed in stream_seeds for k, a in members.items()]
-    main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
-    return runs + [Run(f"rep-i2t/{main_run}", main_study, (*main, *members["chosen"]))]
-
-
-#: default-study-r7's report seeds: new ones (the sixth round's report rows were read before its registration)
-R7_HEADLINE_SEEDS, R7_STREAM_SEEDS = (8,), (17, 18)
-
-
-def seventh_round_report_runs(choice: dict) -> list[Run]:
-    """``default-study-r7``'s report runs, from its committed choice, when it is not the incumbent (``r7-w0``): the
-    chosen row with its run-level settings, TCR at 3e-2 and the incumbent (the sixth round's choice), each in a
-    folder of its own, on seed 8's 30-column headline and seeds 17 and 18's default grid with the five streams; and
-    the main job's run of the chosen default (main-job-r7)."""
-    c = choice.get("i2t")
-    if not c or not c.get("config") or not c["default"].startswith("r7-") or c["default"].startswith("r7-w0/"):
-        return []
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"),
-               "previous": ["--safety", SAFE_LITE, *GATE_MEAN4, *r7_anchor(0), *_objectives("tcr+gate+anchor+safe@3e-2")]}
-    return _member_runs("r7", "default-study-r7", members, R7_HEADLINE_SEEDS, R7_STREAM_SEEDS,
-                        f"main-r7-s{MAIN_JOB_SEED}", "main-job-r7")
-
-
-#: default-study-r8's report seeds: new ones (the seventh round's report rows were read before its registration)
-R8_HEADLINE_SEEDS, R8_STREAM_SEEDS = (9,), (19, 20)
-
-
-def eighth_round_report_runs(choice: dict) -> list[Run]:
-    """``default-study-r8``'s report runs, from its committed choice, when it is not the incumbent (``r8-incumbent``):
-    the chosen row with its run-level settings and TCR at 3e-2 on seed 9's 30-column headline and seeds 19 and 20's
-    default grid with the five streams, the incumbent (the seventh round's choice) on those streams only (its headline
-    cut for compute, registered so), each in a folder of its own; and the main job's run of the chosen default
-    (main-job-r8)."""
-    c = choice.get("i2t")
-    if not c or not c.get("config") or not c["default"].startswith("r8-") or c["default"].startswith("r8-incumbent/"):
-        return []
-    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.3, None), *_objectives("tcr+gate+anchor+safe@3e-2")]
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
-    runs = _member_runs("r8", "default-study-r8", members, R8_HEADLINE_SEEDS, R8_STREAM_SEEDS,
-                        f"main-r8-s{MAIN_JOB_SEED}", "main-job-r8")
-    return [r for r in runs if r.name != f"rep-i2t/r8-headline-previous-s{R8_HEADLINE_SEEDS[0]}"]
 
 
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'
@@ -430,10 +224,11 @@ def ceiling_all_runs() -> list[Run]:
 
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
-    r7, r8 = load_choice("default-study-r7"), load_choice("default-study-r8")
+    r7, r8, r9 = load_choice("default-study-r7"), load_choice("default-study-r8"), load_choice("default-study-r9")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
             + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else [])
-            + (eighth_round_report_runs(r8) if r8 else []) + paper_lr_runs() + ceiling_all_runs())
+            + (eighth_round_report_runs(r8) if r8 else []) + (ninth_round_report_runs(r9) if r9 else []) + paper_lr_runs()
+            + ceiling_all_runs())
 
 
 def main(argv: list[str] | None = None) -> int:

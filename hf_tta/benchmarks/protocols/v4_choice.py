@@ -38,12 +38,14 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r6": (("r6-", "r4-previous"), ("clean", "degenerate", "noto"), 0.5),
                "default-study-r7": (("r7-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r8": (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
+               "default-study-r9": (("r9-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE)}
 #: A round's stricter eligibility (``registrations/<study>.json``): the required streams' bound must exceed
 #: ``-stream_margin`` (default-study-r8: -0.25, half the protocol's margin), and with ``columns`` every corruption column's
 #: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).
-RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True}}
+RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True},
+                "default-study-r9": {"stream_margin": 0.25, "columns": True}}
 
 
 def in_study(study: str, run: str) -> bool:

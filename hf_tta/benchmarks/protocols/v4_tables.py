@@ -66,7 +66,7 @@ def row_name(r: dict) -> str:
 
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
-         "r8headline", "r8streams", "onerule", "targets", "targets7", "targets6", "targets4", "headline", "streams", "main", "v3verdicts")
+         "r8headline", "r8streams", "r9", "r9headline", "r9streams", "onerule", "targets", "targets7", "targets6", "targets4", "headline", "streams", "main", "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -393,7 +393,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 #: new seeds.
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"), "onerule": (selection, "one-rule-text"),
-               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8) for kind, table, arg in
+               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
 
