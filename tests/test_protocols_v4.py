@@ -295,3 +295,15 @@ def test_each_round_reads_its_own_selection_runs(run, studies):
     incumbent's (round 4's choice, ``r4-previous``), round 6 likewise: a later round's rows never reach an earlier round's
     table."""
     assert {s for s in v4_choice.ROUND_RULES if v4_choice.in_study(s, run)} == studies
+
+
+def test_a_descriptive_study_is_refused_a_choice_in_one_line_and_its_table_says_so(tmp_path, capsys):
+    assert v4_choice.main([str(tmp_path), "--study", "one-rule-text", "--write", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "descriptive" in err[0] and not (tmp_path / "c.json").exists()
+    from hf_tta.benchmarks.protocols import v4_tables
+
+    rows = [{**r, "run": "sel-t2i/one-rule", "direction": "t2i"} for r in _rows({"one-rule/tcr@1e-2": (HALF, CLEAN, CLEAN)})]
+    text = v4_tables.selection(rows, "t2i", "one-rule-text")
+    assert "Descriptive: no choice reads these rows." in text and "Chosen" not in text
+

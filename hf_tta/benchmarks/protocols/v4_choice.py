@@ -41,6 +41,8 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r9": (("r9-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE)}
+#: Studies whose table describes and whose rows no choice reads (``python -m ...v4_choice`` refuses to choose for them).
+DESCRIPTIVE_STUDIES = frozenset({"one-rule-text"})
 #: A round's stricter eligibility (``registrations/<study>.json``): the required streams' bound must exceed
 #: ``-stream_margin`` (default-study-r8: -0.25, half the protocol's margin), and with ``columns`` every corruption column's
 #: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).
@@ -242,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="whose registered rule: default-study (rounds 1-3 together), default-study-r4, ..., -r8")
     args = p.parse_args(argv)
     rows = [r for r in load(Path(args.out)) if r["split"] == "selection"]
+    if args.study in DESCRIPTIVE_STUDIES:
+        print(f"v4_choice: {args.study} is descriptive: no choice is made from its rows (print its table with "
+              "hf_tta.benchmarks.protocols.v4_tables).", file=sys.stderr)
+        return 2
     _, required, tie = ROUND_RULES[args.study]
     rows = [r for r in rows if in_study(args.study, r["run"])]
     summaries = summarise(rows, args.direction)

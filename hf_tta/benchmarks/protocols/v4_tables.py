@@ -31,7 +31,17 @@ from pathlib import Path
 import numpy as np
 
 from ..verdicts import compare, round_figure, seed_bound, shares
-from .v4_choice import ROUND_RULES, RULE_OPTIONS, STREAMS, choose_default, choose_lr, hits, in_study, load
+from .v4_choice import (
+    DESCRIPTIVE_STUDIES,
+    ROUND_RULES,
+    RULE_OPTIONS,
+    STREAMS,
+    choose_default,
+    choose_lr,
+    hits,
+    in_study,
+    load,
+)
 from .v4_choice import summarise as summarise_selection
 
 SOURCE = "source"
@@ -244,8 +254,11 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
             "yes" if s.eligible(required, **options) else "no")
         lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | " + " | ".join(cells)
                      + f" | {round_figure(s.passes, digits=2)} | {ok} |")
-    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")], required, tie, **options)
     lines.append("")
+    if study in DESCRIPTIVE_STUDIES:
+        lines.append("Descriptive: no choice reads these rows.")
+        return "\n".join(lines)
+    chosen, _ = choose_default([s for s in sel if not s.label.startswith("comparators/")], required, tie, **options)
     best = ", ".join(f"{o} {choose_lr(sel, o).label.split('/')[1]}" for o in ("tcr", "rest")
                      if any(s.label.startswith(f"comparators/{o}@") for s in sel))
     lines.append(f"Chosen by the registered rule: **{chosen.label if chosen else 'none eligible'}**"
