@@ -291,8 +291,10 @@ def test_every_figure_of_the_options_cards_prose_is_printed_from_rows(section, e
 #: Figures of the protocol-v4 prose that are settings, not measurements: the intervals' level, the margin within which a
 #: verdict is re-drawn, ROID's momentum, issue 48's targets (85 % and 60 % of the best fixed lr, 90 % of the ceiling)
 #: and the source anchor's settings (temperature and margins 0.01 and 0.02, momentum 0.8 and its complement 0.2, the
-#: seventh round's ensemble weights 0.3 and 0.5 and the source's complement 0.7).
-V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %", "0.01", "0.02", "0.8", "0.2", "0.3", "0.5", "0.7"}
+#: seventh round's ensemble weights 0.3 and 0.5 and the source's complement 0.7, the ninth round's agreement bands
+#: 0.3-0.9 and 0.3-0.95, that is 30 % to 90 %, and the stricter stream margin −0.25 of rounds 8 and 9).
+V4_SETTINGS = {"95 %", "0.25", "0.99", "85 %", "60 %", "90 %", "0.01", "0.02", "0.8", "0.2", "0.3", "0.5", "0.7", "0.9",
+               "0.95", "30 %", "−0.25"}
 
 
 @pytest.mark.slow
@@ -304,7 +306,8 @@ def test_every_figure_of_the_v4_prose_is_printed_from_the_rows(card, section):
     from hf_tta.benchmarks.protocols.v4_tables import PARTS
 
     rows = CARDS / "results" / "protocol-v4" / "rows.jsonl"
-    parts = [("i2t", p) for p in PARTS if p != "v3verdicts"] + [("t2i", p) for p in ("selection", "headline", "streams", "targets")]
+    parts = [("i2t", p) for p in PARTS if p not in ("v3verdicts", "onerule")] + [
+        ("t2i", p) for p in ("selection", "headline", "streams", "targets", "onerule")]
     printed = "\n".join(_v4_part(rows, d, p) for d, p in parts).replace(" %", "%")
     text = (CARDS / card).read_text()
     if section:
