@@ -73,8 +73,7 @@ def seventh_round_runs() -> list[Run]:
 def r8_anchor(weight: float, confidence: float | None) -> list[str]:
     """default-study-r8's anchor settings: the seventh round's, with ``source_confidence`` (``None``: every query mixed,
     the seventh round's choice)."""
-    fields = {"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight}
-    return ["--source_anchor", json.dumps(fields if confidence is None else {**fields, "source_confidence": confidence})]
+    return r9_anchor(weight, confidence, None)
 
 
 #: default-study-r8's candidates: run name -> (ensemble_weight, source_confidence); the incumbent (the seventh round's
@@ -87,10 +86,16 @@ def eighth_round_runs() -> list[Run]:
     """``default-study-r8``: the mix with the queries the source is sure of keeping its scores (``source_confidence``),
     against the seventh round's choice, on the seventh round's selection split with the validation corruptions at
     severity 3 added (image queries, TCR at 3e-2, a run per candidate)."""
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities="3,5")
+    return _anchor_candidate_runs("default-study-r8", {k: (*c, None) for k, c in R8_CANDIDATES.items()}, "3,5")
+
+
+def _anchor_candidate_runs(study: str, candidates: dict, severities: str) -> list[Run]:
+    """A later round's selection runs: per candidate (run name -> anchor settings) the anchored TCR at 3e-2 behind the
+    gate on the selection split with Noto, degenerate and diverse streams, the validation corruptions at ``severities``."""
+    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities=severities)
     row = _objectives("tcr+gate+anchor+safe@3e-2")
-    return [Run(f"sel-i2t/{name}", "default-study-r8", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(w, c), *row))
-            for name, (w, c) in R8_CANDIDATES.items()]
+    return [Run(f"sel-i2t/{name}", study, (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row))
+            for name, c in candidates.items()]
 
 
 def one_rule_runs() -> list[Run]:
@@ -196,14 +201,21 @@ def eighth_round_report_runs(choice: dict) -> list[Run]:
     default grid with the five streams, the incumbent (the seventh round's choice) on those streams only (its headline
     cut for compute, registered so), each in a folder of its own; and the main job's run of the chosen default
     (main-job-r8)."""
+    return _anchor_report_runs(8, choice, r8_anchor(0.3, None), R8_HEADLINE_SEEDS, R8_STREAM_SEEDS)
+
+
+def _anchor_report_runs(k: int, choice: dict, incumbent: list[str], headline_seeds, stream_seeds) -> list[Run]:
+    """Round ``k``'s report runs (rounds 8 and 9), when its committed choice is not its incumbent: the chosen row and
+    TCR at 3e-2 on the headline, those and the incumbent (its ``--source_anchor`` settings) on the streams, the main
+    job's run (main-job-r<k>)."""
     c = choice.get("i2t")
-    if not c or not c.get("config") or not c["default"].startswith("r8-") or c["default"].startswith("r8-incumbent/"):
+    if not c or not c.get("config") or not c["default"].startswith(f"r{k}-") or c["default"].startswith(f"r{k}-incumbent/"):
         return []
-    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.3, None), *_objectives("tcr+gate+anchor+safe@3e-2")]
+    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *incumbent, *_objectives("tcr+gate+anchor+safe@3e-2")]
     members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
-    runs = _member_runs("r8", "default-study-r8", members, R8_HEADLINE_SEEDS, R8_STREAM_SEEDS,
-                        f"main-r8-s{MAIN_JOB_SEED}", "main-job-r8")
-    return [r for r in runs if r.name != f"rep-i2t/r8-headline-previous-s{R8_HEADLINE_SEEDS[0]}"]
+    runs = _member_runs(f"r{k}", f"default-study-r{k}", members, headline_seeds, stream_seeds,
+                        f"main-r{k}-s{MAIN_JOB_SEED}", f"main-job-r{k}")
+    return [r for r in runs if r.name != f"rep-i2t/r{k}-headline-previous-s{headline_seeds[0]}"]
 
 
 def r9_anchor(weight: float, confidence: float | None, band: list[float] | None) -> list[str]:
@@ -224,10 +236,7 @@ def ninth_round_runs() -> list[Run]:
     """``default-study-r9``: the mix only on batches whose top-1 agreement between the two models lies in a band,
     against the eighth round's choice, on the eighth round's selection split with the validation corruptions at
     severities 1 and 2 added (image queries, TCR at 3e-2, a run per candidate)."""
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities="1,2,3,5")
-    row = _objectives("tcr+gate+anchor+safe@3e-2")
-    return [Run(f"sel-i2t/{name}", "default-study-r9", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row))
-            for name, c in R9_CANDIDATES.items()]
+    return _anchor_candidate_runs("default-study-r9", R9_CANDIDATES, "1,2,3,5")
 
 
 #: default-study-r9's report seeds: new ones (the eighth round's report rows were read before its registration)
@@ -238,11 +247,4 @@ def ninth_round_report_runs(choice: dict) -> list[Run]:
     """``default-study-r9``'s report runs, from its committed choice, when it is not the incumbent: as the eighth
     round's (the chosen row and TCR at 3e-2 on seed 10's headline; those and the incumbent on seeds 21 and 22's streams;
     the main job's run, main-job-r9)."""
-    c = choice.get("i2t")
-    if not c or not c.get("config") or not c["default"].startswith("r9-") or c["default"].startswith("r9-incumbent/"):
-        return []
-    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(0.5, 0.7, None), *_objectives("tcr+gate+anchor+safe@3e-2")]
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
-    runs = _member_runs("r9", "default-study-r9", members, R9_HEADLINE_SEEDS, R9_STREAM_SEEDS,
-                        f"main-r9-s{MAIN_JOB_SEED}", "main-job-r9")
-    return [r for r in runs if r.name != f"rep-i2t/r9-headline-previous-s{R9_HEADLINE_SEEDS[0]}"]
+    return _anchor_report_runs(9, choice, r9_anchor(0.5, 0.7, None), R9_HEADLINE_SEEDS, R9_STREAM_SEEDS)
