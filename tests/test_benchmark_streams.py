@@ -283,3 +283,31 @@ def test_key_row_keeps_one_adapter_per_true_shift():
     # a task that does not record each query's shift: the row says how to go on instead of guessing
     tiny = GridRunner(TinyTask(make_model("clip")), RunSettings(show_progress=False, batch_size=4))
     assert "+route" in tiny.run(Job(Condition("i2t", "fog", 5), "tent+key", 0))["error"]
+
+
+def test_stream_corruptions_set_the_diverse_and_switching_image_streams(tmp_path):
+    """Protocol v4's selection split draws its diverse and switching image streams from ImageNet-C's validation
+    corruptions only (``stream_corruptions``): every query's shift is one of them, each switching segment's queries
+    are that corruption's own stream, and the cache keeps them apart from the benchmark's streams of the same names."""
+    from hf_tta.benchmarks.tasks import EmojiTask
+    from hf_tta.data.corruptions import VALIDATION_IMAGE_CORRUPTIONS
+
+    plain = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path)
+    task = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path, stream_corruptions=VALIDATION_IMAGE_CORRUPTIONS)
+    diverse, switch = Condition("i2t", "diverse"), Condition("i2t", "switch")
+    assert set(task.query_domains(diverse, 3)) <= set(VALIDATION_IMAGE_CORRUPTIONS) and len(set(task.query_domains(diverse, 3))) > 1
+    assert not set(plain.query_domains(diverse, 3)) <= set(VALIDATION_IMAGE_CORRUPTIONS)
+    for t in (task, plain):
+        t.switch_every = 4
+    segment = switch_segments(12, 3, 4, every=4)
+    assert task.query_domains(switch, 3) == [VALIDATION_IMAGE_CORRUPTIONS[k] for k in segment.tolist()]
+    raw = task.queries(switch, 3)[0]
+    for i, k in enumerate(segment.tolist()):
+        assert np.array_equal(raw[i], task.queries(Condition("i2t", VALIDATION_IMAGE_CORRUPTIONS[k], 5), 3)[0][i])
+    assert task.cache_file(diverse, 3) != plain.cache_file(diverse, 3) and task.cache_file(switch, 3) != plain.cache_file(switch, 3)
+    assert not np.array_equal(task.queries(diverse, 3)[0], plain.queries(diverse, 3)[0])
+    again = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path, stream_corruptions=VALIDATION_IMAGE_CORRUPTIONS)
+    assert np.array_equal(again.queries(diverse, 3)[0], task.queries(diverse, 3)[0])  # read back from its own cache file
+    assert task.describe()["stream_corruptions"] == list(VALIDATION_IMAGE_CORRUPTIONS) and "stream_corruptions" not in plain.describe()
+    with pytest.raises(ValueError, match="stream_corruptions must name image corruptions"):
+        EmojiTask(limit=12, stream_corruptions=["spatter", "fgo"])

@@ -414,6 +414,7 @@ def query_images(
     input_side: int = DEFAULT_SIZE,
     factor: float = DEFAULT_RENDER_FACTOR,
     seed: int = 0,
+    names: Sequence[str] | None = None,
 ) -> np.ndarray:
     """Protocol v2: the full-resolution image queries of one shift, before the model's preprocessing.
 
@@ -429,6 +430,7 @@ def query_images(
         input_side: the model's input side in pixels.
         factor: the render factor ``k >= 1``.
         seed: the corruption seed (the same derivation as every other emoji query stream).
+        names: the corruptions the ``"diverse"`` stream draws from (``None``: COCO-C's 16).
 
     Returns:
         ``(N, S, S, 3)`` uint8 images, ``S = round(factor * input_side)``.
@@ -450,7 +452,7 @@ def query_images(
     clean = list(b.images("openmoji"))
     corruption_seed = derive_seed(seed, "emoji", shift, severity)
     if shift == "diverse":
-        pool = make_pool("image", severities=severity or MAX_IMAGE_SEVERITY)
+        pool = make_pool("image", names=names, severities=severity or MAX_IMAGE_SEVERITY)
         return np.stack(corrupt_images_diverse(clean, corruption_seed, pool)[0])
     if shift not in ALL_IMAGE_CORRUPTIONS:
         raise ValueError(f"Unknown image shift {shift!r}; choose clean, noto, diverse or one of {list(ALL_IMAGE_CORRUPTIONS)}.")

@@ -84,20 +84,32 @@ class EmojiTask(Task):
         cache_dir: a folder where the query streams are stored once computed and read back on later runs (with
             ``RunSettings.cache_dir`` the galleries too). A filled cache lets image→text grids run where the
             fonts, the corruption packages and MiniLM are not installed (e.g. a GPU box).
+        stream_corruptions: the image corruptions the diverse and switching image streams draw from (protocol v4's
+            selection split: ImageNet-C's validation corruptions); ``None``: the diverse stream draws from COCO-C's 16,
+            the switching stream cycles through :data:`~.grid.SWITCH_IMAGE_CORRUPTIONS`.
     """
 
     name = "emoji"
 
     def __init__(
         self, limit: int | None = None, seed: int = 0, weights=None, device: str = "cpu", cache_dir=None,
-        render_factor: float | None = None, concepts: str | None = None,
+        render_factor: float | None = None, concepts: str | None = None, stream_corruptions: Sequence[str] | None = None,
     ):
         from .emoji import load_emoji_benchmark
         from .source_model import load_emoji_source_model
 
         if render_factor is not None and (isinstance(render_factor, bool) or not isinstance(render_factor, (int, float)) or not render_factor >= 1):
             raise ValueError(f"render_factor must be a number >= 1 (or None for the benchmark's default); got {render_factor!r}.")
+        from ..data.corruptions import ALL_IMAGE_CORRUPTIONS
         from .emoji import DEFAULT_RENDER_FACTOR
+
+        if stream_corruptions is not None:
+            unknown = [n for n in stream_corruptions if n not in ALL_IMAGE_CORRUPTIONS]
+            if unknown or not stream_corruptions:
+                raise ValueError(f"stream_corruptions must name image corruptions; got {list(stream_corruptions)!r} "
+                                 f"(choose from {', '.join(ALL_IMAGE_CORRUPTIONS)}).")
+        #: the image corruptions the diverse and switching streams draw from (None: the benchmark's)
+        self.stream_corruptions = tuple(stream_corruptions) if stream_corruptions is not None else None
 
         self.seed = seed
         # protocol v2 always (None = the benchmark's default k); k = 1 on a 32 px model reproduces protocol v1
@@ -128,6 +140,7 @@ class EmojiTask(Task):
         v1 = self.render_factor == 1 and side == 32  # the images protocol v1 gave
         return {"name": self.name, "model": self.weights, "render_factor": self.render_factor, **self.bench.describe(),
                 **({"concepts": self.concepts} if self.concepts is not None else {}),
+                **({"stream_corruptions": list(self.stream_corruptions)} if self.stream_corruptions is not None else {}),
                 "input_side": side, "render_side": round(self.render_factor * side), "protocol_version": 1 if v1 else 2}
 
     def gate_reference(self, direction: str) -> Sequence:
@@ -175,6 +188,8 @@ class EmojiTask(Task):
         if cond.direction == "t2i" and cond.shift == "diverse":
             names = list(dict.fromkeys(name for name, _ in self._diverse_pool(cond)))
             return f"{cond.key}/{len(names)}-" + "+".join(names)
+        if cond.direction == "i2t" and cond.shift in ("diverse", "switch") and self.stream_corruptions is not None:
+            return f"{cond.key}/{len(self.stream_corruptions)}-" + "+".join(self.stream_corruptions)
         return cond.key
 
     def queries(self, cond: Condition, seed: int | None = None):
@@ -230,7 +245,8 @@ class EmojiTask(Task):
             from .emoji import query_images
             from .source_model import input_side
 
-            raw = query_images(b, cond.shift, cond.severity, input_side=input_side(self.model), factor=self.render_factor, seed=seed)
+            raw = query_images(b, cond.shift, cond.severity, input_side=input_side(self.model), factor=self.render_factor, seed=seed,
+                               names=self.stream_corruptions)
             return raw, [list(c) for c in b.image_to_captions]
         seed = derive_seed(seed, "emoji", cond.shift, cond.severity)
         if cond.direction == "i2t":
@@ -277,7 +293,7 @@ class EmojiTask(Task):
         from ..data.corruptions import MAX_IMAGE_SEVERITY, make_pool
 
         if cond.direction == "i2t":
-            return make_pool("image", severities=cond.severity or MAX_IMAGE_SEVERITY)
+            return make_pool("image", names=self.stream_corruptions, severities=cond.severity or MAX_IMAGE_SEVERITY)
         return make_pool("text", names=self.diverse_text_corruptions(), severities="max")
 
     def diverse_text_corruptions(self) -> list[str]:
@@ -285,14 +301,14 @@ class EmojiTask(Task):
         :attr:`text_corruptions`, else :data:`~.grid.DIVERSE_TEXT_CORRUPTIONS` (the same on every machine)."""
         return list(self.text_corruptions or DIVERSE_TEXT_CORRUPTIONS)
 
-    @staticmethod
-    def _switch_shifts(cond: Condition) -> list[Condition]:
-        """The single-shift streams the switching stream cycles through, in order."""
+    def _switch_shifts(self, cond: Condition) -> list[Condition]:
+        """The single-shift streams the switching stream cycles through, in order (images: :attr:`stream_corruptions`
+        when set, at severity 5)."""
         from ..data.corruptions import TEXT_SEVERITIES
         from .grid import SWITCH_IMAGE_CORRUPTIONS, SWITCH_TEXT_CORRUPTIONS
 
         if cond.direction == "i2t":
-            return [Condition("i2t", c, 5) for c in SWITCH_IMAGE_CORRUPTIONS]
+            return [Condition("i2t", c, 5) for c in self.stream_corruptions or SWITCH_IMAGE_CORRUPTIONS]
         return [Condition(cond.direction, c, min(7, max(TEXT_SEVERITIES[c]))) for c in SWITCH_TEXT_CORRUPTIONS]
 
     def _switch_queries(self, cond: Condition, seed: int):

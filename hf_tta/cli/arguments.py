@@ -71,6 +71,17 @@ def _seeds(value: str) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+def _image_corruptions(value: str) -> list[str]:
+    """``--stream-corruptions``: a comma list of image corruptions (COCO-C's 16 or ImageNet-C's validation ones)."""
+    from ..data.corruptions import ALL_IMAGE_CORRUPTIONS
+
+    names = list(dict.fromkeys(comma_list(value)))
+    unknown = [n for n in names if n not in ALL_IMAGE_CORRUPTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: name image corruptions from {', '.join(ALL_IMAGE_CORRUPTIONS)}")
+    return names
+
+
 def _directions(value: str) -> list[str]:
     """``--direction``: a comma list of direction names (``both`` = i2t,t2i); image-text and audio/video directions
     do not mix (they need different models and datasets)."""
@@ -157,6 +168,10 @@ def build_parser(config_options: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--clean", action="store_true", help="Add the clean stream.")
     g.add_argument("--switch", action="store_true", help="Emoji: add the switching stream (the shift changes every 128 queries, "
                    "cycling through one corruption per family).")
+    g.add_argument("--stream-corruptions", "--stream_corruptions", type=_image_corruptions, default=None, metavar="NAMES",
+                   help="Emoji: the image corruptions the diverse and switching streams draw from, a comma list (protocol v4's "
+                   "selection split: the validation ones, speckle_noise,gaussian_blur,spatter,saturate; default: COCO-C's 16 for "
+                   "the diverse stream, gaussian_noise,defocus_blur,snow,contrast for the switching stream).")
     g.add_argument("--degenerate", action="store_true", help="Add the degenerate stream: --degenerate-batches batches of one "
                    "constant query, then the clean stream, scored on the clean part (a safe method matches the source model).")
     g.add_argument("--degenerate-batches", type=_positive_int, default=200, help="Constant batches before the clean part (default 200).")

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from .arguments import UsageError, comma_list, validate_args
 from .common import say
+from .image_streams import check_image_stream_flags
 from .text_corruptions import check_text_streams, refuse_missing
 
 
@@ -95,7 +96,7 @@ def make_task(args):
         task_class = AVTask if audio_video else HubTask
         return task_class(args.model, args.dataset, limit=args.limit, device=args.device)
     return EmojiTask(limit=args.limit, seed=args.seed, weights=args.weights, device=args.device, cache_dir=args.cache_dir,
-                     render_factor=getattr(args, "render_factor", None), concepts=getattr(args, "concepts", None))
+                     **{k: getattr(args, k, None) for k in ("render_factor", "concepts", "stream_corruptions")})
 
 
 def resolve_grid(args) -> tuple[list, dict]:
@@ -172,8 +173,7 @@ def resolve_grid(args) -> tuple[list, dict]:
         say(f"--dataset {args.dataset}: running the {len(notes['streams_from_build'])} corruption streams it has "
             "(--corruptions / --text-corruptions pick others)")
     notes["text_corruptions"] = text_corruptions
-    if args.switch and not emoji:
-        raise UsageError("--switch runs on the emoji benchmark only; leave it out with --model (--degenerate works there).")
+    check_image_stream_flags(args, emoji, diverse, directions)
     jobs = build_grid(
         objectives, directions, corruptions, severities, text_corruptions, text_severities, style=style,
         diverse=diverse, clean=clean, seeds=run_seeds(args), switch=args.switch, degenerate=args.degenerate,

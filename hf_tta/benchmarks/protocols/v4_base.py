@@ -34,10 +34,12 @@ class Run:
 
 
 def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = True, streams=("clean",),
-                    default_grid: bool = False, severities: str = "5") -> list[str]:
+                    default_grid: bool = False, severities: str = "5", validation_streams: bool = False) -> list[str]:
     """``hf-tta run`` arguments of a v4 split in a direction: its concept part, seeds, corruption columns (the
     selection split's validation / character-level corruptions, image ones at ``severities``; the report's test /
-    word-level ones, or the default grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``)."""
+    word-level ones, or the default grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``);
+    ``validation_streams``: the selection split's diverse and switching image streams draw from the validation
+    corruptions (``--stream-corruptions``; from default-study-r10 on; before, the diverse stream drew from COCO-C's 16)."""
     from ...data.corruptions import TEST_IMAGE_CORRUPTIONS
 
     selection = split == "selection"
@@ -50,6 +52,8 @@ def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = 
             args += ["--corruptions", "default"]
         elif selection:
             args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", severities]
+            if validation_streams:
+                args += ["--stream-corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS)]
         else:
             args += ["--corruptions", ",".join(TEST_IMAGE_CORRUPTIONS), "--severities", "3,5"]
     else:

@@ -39,6 +39,7 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r7": (("r7-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r8": (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r9": (("r9-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
+               "default-study-r10": (("r10-",), STREAMS, 0.5),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE)}
 #: Studies whose table describes and whose rows no choice reads (``python -m ...v4_choice`` refuses to choose for them).
@@ -47,7 +48,8 @@ DESCRIPTIVE_STUDIES = frozenset({"one-rule-text"})
 #: ``-stream_margin`` (default-study-r8: -0.25, half the protocol's margin), and with ``columns`` every corruption column's
 #: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).
 RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True},
-                "default-study-r9": {"stream_margin": 0.25, "columns": True}}
+                "default-study-r9": {"stream_margin": 0.25, "columns": True},
+                "default-study-r10": {"stream_margin": 0.25, "columns": True}}
 
 
 def in_study(study: str, run: str) -> bool:

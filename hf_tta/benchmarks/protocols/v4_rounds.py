@@ -1,4 +1,4 @@
-"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r9``) and the moonshot's
+"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r10``) and the moonshot's
 descriptive run: their selection runs and, from each round's committed choice, its report runs on its own new seeds
 (:mod:`.v4` lists and runs them)."""
 
@@ -89,10 +89,12 @@ def eighth_round_runs() -> list[Run]:
     return _anchor_candidate_runs("default-study-r8", {k: (*c, None) for k, c in R8_CANDIDATES.items()}, "3,5")
 
 
-def _anchor_candidate_runs(study: str, candidates: dict, severities: str) -> list[Run]:
+def _anchor_candidate_runs(study: str, candidates: dict, severities: str, switch: bool = False) -> list[Run]:
     """A later round's selection runs: per candidate (run name -> anchor settings) the anchored TCR at 3e-2 behind the
-    gate on the selection split with Noto, degenerate and diverse streams, the validation corruptions at ``severities``."""
-    sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"), severities=severities)
+    gate on the selection split with Noto, degenerate and diverse streams, the validation corruptions at ``severities``
+    (``switch``: and the switching stream, both it and the diverse stream drawn from the validation corruptions)."""
+    streams = ("clean", "noto", "degenerate", "diverse", *(("switch",) if switch else ()))
+    sel = split_arguments("selection", "i2t", streams=streams, severities=severities, validation_streams=switch)
     row = _objectives("tcr+gate+anchor+safe@3e-2")
     return [Run(f"sel-i2t/{name}", study, (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row))
             for name, c in candidates.items()]
@@ -205,7 +207,7 @@ def eighth_round_report_runs(choice: dict) -> list[Run]:
 
 
 def _anchor_report_runs(k: int, choice: dict, incumbent: list[str], headline_seeds, stream_seeds) -> list[Run]:
-    """Round ``k``'s report runs (rounds 8 and 9), when its committed choice is not its incumbent: the chosen row and
+    """Round ``k``'s report runs (rounds 8 to 10), when its committed choice is not its incumbent: the chosen row and
     TCR at 3e-2 on the headline, those and the incumbent (its ``--source_anchor`` settings) on the streams, the main
     job's run (main-job-r<k>)."""
     c = choice.get("i2t")
@@ -215,7 +217,7 @@ def _anchor_report_runs(k: int, choice: dict, incumbent: list[str], headline_see
     members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
     runs = _member_runs(f"r{k}", f"default-study-r{k}", members, headline_seeds, stream_seeds,
                         f"main-r{k}-s{MAIN_JOB_SEED}", f"main-job-r{k}")
-    return [r for r in runs if r.name != f"rep-i2t/r{k}-headline-previous-s{headline_seeds[0]}"]
+    return [r for r in runs if not r.name.startswith(f"rep-i2t/r{k}-headline-previous-")]
 
 
 def r9_anchor(weight: float, confidence: float | None, band: list[float] | None) -> list[str]:
@@ -248,3 +250,28 @@ def ninth_round_report_runs(choice: dict) -> list[Run]:
     round's (the chosen row and TCR at 3e-2 on seed 10's headline; those and the incumbent on seeds 21 and 22's streams;
     the main job's run, main-job-r9)."""
     return _anchor_report_runs(9, choice, r9_anchor(0.5, 0.7, None), R9_HEADLINE_SEEDS, R9_STREAM_SEEDS)
+
+
+#: default-study-r10's candidates: run name -> (ensemble_weight, source_confidence, mix_agreement); the incumbent (the
+#: ninth round's choice) first
+R10_CANDIDATES = {"r10-incumbent": (0.5, None, [0.3, 0.9]), "r10-w0.5-c0.7-a0.3-0.9": (0.5, 0.7, [0.3, 0.9]),
+                  "r10-w0.5-c0.5-a0.3-0.9": (0.5, 0.5, [0.3, 0.9]), "r10-w0.3-c0.7-a0.3-0.9": (0.3, 0.7, [0.3, 0.9])}
+
+
+def tenth_round_runs() -> list[Run]:
+    """``default-study-r10``: the ninth round's band with the queries the source is sure of keeping its scores
+    (``source_confidence``), against the ninth round's choice, on the ninth round's selection split with a switching
+    stream added and the diverse and switching streams drawn from the validation corruptions only."""
+    return _anchor_candidate_runs("default-study-r10", R10_CANDIDATES, "1,2,3,5", switch=True)
+
+
+#: default-study-r10's report seeds: new ones (the ninth round's report rows were read before its registration); two
+#: headline seeds, so that a column's interval pools 2,550 queries
+R10_HEADLINE_SEEDS, R10_STREAM_SEEDS = (23, 24), (25, 26)
+
+
+def tenth_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r10``'s report runs, from its committed choice, when it is not the incumbent: the chosen row and
+    TCR at 3e-2 on seeds 23 and 24's headline; those and the incumbent (the ninth round's choice) on seeds 25 and 26's
+    streams; the main job's run (main-job-r10)."""
+    return _anchor_report_runs(10, choice, r9_anchor(0.5, None, [0.3, 0.9]), R10_HEADLINE_SEEDS, R10_STREAM_SEEDS)

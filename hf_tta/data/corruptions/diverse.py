@@ -17,7 +17,7 @@ import random
 from typing import Any, Iterable, Mapping, Sequence
 
 from .base import derive_seed
-from .image import IMAGE_CORRUPTIONS, IMAGE_SEVERITIES, MAX_IMAGE_SEVERITY, corrupt_image
+from .image import ALL_IMAGE_CORRUPTIONS, IMAGE_CORRUPTIONS, IMAGE_SEVERITIES, MAX_IMAGE_SEVERITY, corrupt_image
 from .text import MAX_TEXT_SEVERITY, TEXT_CORRUPTIONS, TEXT_SEVERITIES, corrupt_text
 
 Pool = tuple[tuple[str, int], ...]
@@ -37,14 +37,15 @@ def make_pool(
 
     Args:
         modality: ``"image"`` or ``"text"``.
-        names: corruptions to draw from (default: all of the modality).
+        names: corruptions to draw from (default: all of the modality; for images COCO-C's 16, and ImageNet-C's
+            validation corruptions may be named too).
         severities: ``"max"`` (the benchmark's maximum severity), ``"all"``, one int, a list applied to every
             corruption, or a mapping name -> list.
     """
     if modality not in ("image", "text"):
         raise ValueError(f"modality must be 'image' or 'text'; got {modality!r}.")
-    known = IMAGE_CORRUPTIONS if modality == "image" else TEXT_CORRUPTIONS
-    names = list(known if names is None else names)
+    known = ALL_IMAGE_CORRUPTIONS if modality == "image" else TEXT_CORRUPTIONS
+    names = list((IMAGE_CORRUPTIONS if modality == "image" else known) if names is None else names)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"Unknown {modality} corruptions {unknown}; choose from {list(known)}.")
