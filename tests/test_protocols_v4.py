@@ -112,12 +112,13 @@ def test_every_registered_run_is_on_its_split():
         part = args[args.index("--concepts") + 1]
         assert part == run.split
         seeds = {int(s) for s in args[args.index("--seeds") + 1].split(",")}
-        # rounds 4, 6, 7, 8 and 9 report on new seeds (report rows were read before they were registered), each on its own
+        # rounds 4 and 6 to 10 report on new seeds (report rows were read before they were registered), each on its own
         fresh = {"default-study-r4": set(v4.R4_HEADLINE_SEEDS) | set(v4.R4_STREAM_SEEDS),
                  "default-study-r6": set(v4.R6_HEADLINE_SEEDS) | set(v4.R6_STREAM_SEEDS),
                  "default-study-r7": set(v4.R7_HEADLINE_SEEDS) | set(v4.R7_STREAM_SEEDS),
                  "default-study-r8": set(v4.R8_HEADLINE_SEEDS) | set(v4.R8_STREAM_SEEDS),
-                 "default-study-r9": set(v4.R9_HEADLINE_SEEDS) | set(v4.R9_STREAM_SEEDS)}
+                 "default-study-r9": set(v4.R9_HEADLINE_SEEDS) | set(v4.R9_STREAM_SEEDS),
+                 "default-study-r10": set(v4.R10_HEADLINE_SEEDS) | set(v4.R10_STREAM_SEEDS)}
         allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
         assert seeds <= allowed and (part == "report" or seeds == {0})
         rounds = list(fresh.values())
@@ -250,7 +251,10 @@ def test_the_eighth_rounds_rule_needs_each_stream_above_a_quarter_point_and_ever
     prefix, required, tie = v4_choice.ROUND_RULES["default-study-r8"]
     options = v4_choice.RULE_OPTIONS["default-study-r8"]
     assert v4_choice.ROUND_RULES["default-study-r9"][1:] == (required, tie)  # the ninth round: the same rule
-    assert v4_choice.RULE_OPTIONS["default-study-r9"] == options
+    assert v4_choice.RULE_OPTIONS["default-study-r9"] == v4_choice.RULE_OPTIONS["default-study-r10"] == options
+    # the tenth: the same, with the switching stream required too (its selection split has one)
+    _, required10, tie10 = v4_choice.ROUND_RULES["default-study-r10"]
+    assert set(required10) == {*required, "switch"} and tie10 == tie
     assert (prefix, required, tie, options) == (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5,
                                                 {"stream_margin": 0.25, "columns": True})
     chosen, notes = v4_choice.choose_default(summaries, required, tie, **options)
@@ -266,17 +270,17 @@ def test_a_selection_summary_holds_each_corruption_columns_bound():
     assert set(s.columns) == {"blur 5"} and s.columns["blur 5"][0] == pytest.approx(30.0) and s.columns["blur 5"][1] > 20
 
 
-@pytest.mark.parametrize(("k", "candidate", "report", "field", "value", "seeds"), [
-    (8, "r8-w0.3-c0.7", v4.eighth_round_report_runs, "source_confidence", 0.7, (9, 19, 20)),
-    (9, "r9-w0.5-a0.3-0.9", v4.ninth_round_report_runs, "mix_agreement", [0.3, 0.9], (10, 21, 22)),
+@pytest.mark.parametrize(("k", "candidate", "report", "field", "value", "heads", "streams"), [
+    (8, "r8-w0.3-c0.7", v4.eighth_round_report_runs, "source_confidence", 0.7, (9,), (19, 20)),
+    (9, "r9-w0.5-a0.3-0.9", v4.ninth_round_report_runs, "mix_agreement", [0.3, 0.9], (10,), (21, 22)),
+    (10, "r10-w0.5-c0.7-a0.3-0.9", v4.tenth_round_report_runs, "source_confidence", 0.7, (23, 24), (25, 26)),
 ])
 def test_a_later_rounds_report_leaves_the_incumbents_headline_out_and_names_new_seeds(k, candidate, report, field, value,
-                                                                                      seeds):
+                                                                                      heads, streams):
     label = f"{candidate}/tcr+gate+anchor+safe@3e-2"
     choice = {"i2t": {"default": label, "config": v4_choice.config_of(label, "i2t")}}
-    head, *streams = seeds
     assert {r.name for r in report(choice)} == {
-        f"rep-i2t/r{k}-headline-chosen-s{head}", f"rep-i2t/r{k}-headline-tcr-s{head}", f"rep-i2t/main-r{k}-s3",
+        *(f"rep-i2t/r{k}-headline-{m}-s{s}" for m in ("chosen", "tcr") for s in heads), f"rep-i2t/main-r{k}-s3",
         *(f"rep-i2t/r{k}-streams-{m}-s{s}" for m in ("chosen", "tcr", "previous") for s in streams)}
     assert choice["i2t"]["config"]["source_anchor"][field] == value
     assert report({"i2t": {**choice["i2t"], "default": f"r{k}-incumbent/tcr+gate+anchor+safe@3e-2"}}) == []
@@ -284,7 +288,7 @@ def test_a_later_rounds_report_leaves_the_incumbents_headline_out_and_names_new_
 
 @pytest.mark.parametrize(("run", "studies"), [
     ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}), ("sel-i2t/r8-incumbent", {"default-study-r8"}),
-    ("sel-i2t/r9-w0.5-a0.3-0.9", {"default-study-r9"}),
+    ("sel-i2t/r9-w0.5-a0.3-0.9", {"default-study-r9"}), ("sel-i2t/r10-incumbent", {"default-study-r10"}),
     ("sel-t2i/one-rule", {"one-rule-text"}), ("sel-t2i/lite", {"default-study"}),
     ("sel-i2t/r4-incumbent", {"default-study-r4"}),
     ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),
