@@ -111,3 +111,20 @@ def test_paired_bootstrap_no_longer_rounds():
     d[0, 0] = 1
     mean, _ = paired_bootstrap([d], samples=10)
     assert mean == pytest.approx(100 / 3, abs=1e-12) and mean != 33.333  # unrounded
+
+
+def test_the_draws_are_one_generators_seeds_then_items_in_order_drawn_or_read_back():
+    """The memoised draws are exactly one ``default_rng(seed)``'s multinomial counts, seeds before items, each drawn
+    once per shared key: the replicates equal :func:`replicates` on draws made by hand, drawn and read back."""
+    from hf_tta.benchmarks.intervals import bootstrap_replicates
+
+    rng = np.random.default_rng(3)
+    diffs = [rng.integers(-1, 2, size=(2, 30)).astype(float), rng.integers(-1, 2, size=(2, 30)).astype(float),
+             rng.integers(-1, 2, size=(2, 20)).astype(float)]
+    by_hand = np.random.default_rng(11)
+    counts = lambda n: by_hand.multinomial(n, np.full(n, 1.0 / n), size=200)  # noqa: E731
+    seeds, items30, items20 = counts(2), counts(30), counts(20)  # the 20-item column's seeds share the first draw
+    expected = replicates(diffs, [items30, items30, items20], [seeds, seeds, seeds])
+    for _ in range(2):  # drawn, then read back from the cache
+        mean, reps = bootstrap_replicates(diffs, samples=200, seed=11)
+        assert np.array_equal(reps, expected) and mean == pytest.approx(100 * np.mean([d.mean() for d in diffs]))
