@@ -1,7 +1,7 @@
 """The recommended preset, ``TTAConfig.recommended(query_modality)``: the default a user gets, chosen by a registered
 rule on a selection split and reported on a held-out report split (``model_cards/emoji-benchmark-results.md``).
 
-**Image queries (protocol v4, issue 48).** Nine registered rounds of candidates
+**Image queries (protocol v4, issue 48).** Ten registered rounds of candidates
 (``model_cards/results/protocol-v4/registrations/default-study*.json``, each committed before its first row) ran on
 the selection split only: 624 concepts of their own with their own gallery, ImageNet-C's four validation corruptions
 at severity 5, the clean and degenerate streams, seed 0, and from the fourth round a Noto style stream. From the
@@ -26,9 +26,15 @@ diverse +2.4 [+1.3] (:data:`SOURCE_SURE_TCR_IMAGE`); on its report seeds Noto an
 inconclusive. The ninth round (``choices/default-study-r9.json``: the severity-1 and -2 columns added, the same rule)
 chose the mix of 0.5 of each model's scores only on batches where the two models agree on the top-1 item for 30 % to
 90 % of the queries (``mix_agreement``), the source's answers otherwise: 41.0 % on the selection split's sixteen
-columns, clean, degenerate and Noto exactly at the source, diverse +6.6 [+4.6], no column below the source's answers.
-The settings of rounds 6-9 came from design probes on the selection split, said in their registrations; their
-reports on new seeds are in the results card, recomputed there from the committed rows. It
+columns, clean, degenerate and Noto exactly at the source, diverse +6.6 [+4.6], no column below the source's answers
+(:data:`AGREEMENT_TCR_IMAGE`); on its report seeds a switching stream lost on the batches of a mild corruption. The
+tenth round (``choices/default-study-r10.json``: a switching stream added to the selection split and to the rule's
+streams, the diverse and switching streams drawn from the validation corruptions) chose the ninth round's band with
+the queries the source is sure of keeping its scores (``source_confidence`` 0.7): 37.5 % on the selection split,
+clean, degenerate and Noto exactly at the source, diverse +2.4 [+1.3], switching +3.0 [+1.8]; the ninth round's
+choice (41.0 %) was not eligible there (switching +0.6 [−1.1]). The settings of rounds 6-9 came from design probes on
+the selection split, said in their registrations (round 10's from reading round 9's report rows, without a probe);
+their reports on new seeds are in the results card, recomputed there from the committed rows. It
 needs reference queries for the gate: ``tta.fit_shift_gate(clean_queries)`` (a few hundred clean,
 in-distribution queries, no labels); without them the source answers every batch and the log says so once.
 
@@ -74,13 +80,18 @@ MIXED_TCR_IMAGE: dict[str, Any] = {**ANCHORED_TCR_IMAGE,
 SOURCE_SURE_TCR_IMAGE: dict[str, Any] = {**ANCHORED_TCR_IMAGE,
                                          "source_anchor": {**ANCHORED_TCR_IMAGE["source_anchor"], "ensemble_weight": 0.5,
                                                            "source_confidence": 0.7}}
-#: Image queries: protocol v4's ninth registered round (issue 48; ``choices/default-study-r9.json``) chose the sixth
-#: round's default with the answer mixed half and half while the anchor holds, on the batches where the two models
-#: agree on the top-1 item for 30 % to 90 % of the queries (``mix_agreement``). It needs
-#: ``tta.fit_shift_gate(clean_queries)``.
-RECOMMENDED_IMAGE: dict[str, Any] = {**ANCHORED_TCR_IMAGE,
-                                     "source_anchor": {**ANCHORED_TCR_IMAGE["source_anchor"], "ensemble_weight": 0.5,
-                                                       "mix_agreement": [0.3, 0.9]}}
+#: The image default of the ninth round (``choices/default-study-r9.json``): the sixth round's default with the answer
+#: mixed half and half while the anchor holds, on the batches where the two models agree on the top-1 item for 30 % to
+#: 90 % of the queries (``mix_agreement``). It needs ``tta.fit_shift_gate(clean_queries)``. Opt in with
+#: ``TTAConfig.recommended("image", **AGREEMENT_TCR_IMAGE)``.
+AGREEMENT_TCR_IMAGE: dict[str, Any] = {**ANCHORED_TCR_IMAGE,
+                                       "source_anchor": {**ANCHORED_TCR_IMAGE["source_anchor"], "ensemble_weight": 0.5,
+                                                         "mix_agreement": [0.3, 0.9]}}
+#: Image queries: protocol v4's tenth registered round (issue 48; ``choices/default-study-r10.json``) chose the ninth
+#: round's default with the queries the source is sure of (top-1 softmax probability at least 0.7,
+#: ``source_confidence``) keeping the source's scores in the mix. It needs ``tta.fit_shift_gate(clean_queries)``.
+RECOMMENDED_IMAGE: dict[str, Any] = {**AGREEMENT_TCR_IMAGE,
+                                     "source_anchor": {**AGREEMENT_TCR_IMAGE["source_anchor"], "source_confidence": 0.7}}
 #: The image default of rounds 4-5 (``choices/default-study-r4.json``): REST at lr 1e-3 with DN on the scores and the
 #: whole safety layer. It needs no reference queries; on the selection split it wins back 19.4 % of the lost recall
 #: against the current default's 41.9 %. Opt in with ``TTAConfig.recommended("image", **REST_DN_IMAGE)``.

@@ -246,7 +246,7 @@ def test_re_run_rows_equal_their_committed_counterparts(study):
 
 
 def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
-    """hf_tta/preset.py quotes the selection shares of the image default (the ninth round's choice), of the eighth, seventh
+    """hf_tta/preset.py quotes the selection shares of the image default (the tenth round's choice), of the ninth, eighth, seventh
     and sixth rounds', of the default of rounds 4-5 and of the gated TCR of rounds 1-3; they are the committed rows' (before: a text figure the cards had
     replaced stayed there)."""
     from hf_tta.benchmarks.protocols.v4_tables import summarise
@@ -254,7 +254,8 @@ def test_the_figures_in_the_presets_docstrings_are_those_of_the_rows():
     source = (CARDS.parent / "hf_tta" / "preset.py").read_text()
     quoted = set(re.findall(r"(\d+\.\d) %", source))
     rows = CARDS / "results" / "protocol-v4" / "rows.jsonl"
-    named = {("r9", "| r9-w0.5-a0.3-0.9/tcr+gate+anchor+safe@3e-2 |"), ("r8", "| r8-w0.5-c0.7/tcr+gate+anchor+safe@3e-2 |"),
+    named = {("r10", "| r10-w0.5-c0.7-a0.3-0.9/tcr+gate+anchor+safe@3e-2 |"), ("r10", "| r10-incumbent/tcr+gate+anchor+safe@3e-2 |"),
+             ("r9", "| r9-w0.5-a0.3-0.9/tcr+gate+anchor+safe@3e-2 |"), ("r8", "| r8-w0.5-c0.7/tcr+gate+anchor+safe@3e-2 |"),
              ("r7", "| r7-w0.3/tcr+gate+anchor+safe@3e-2 |"), ("r6", "| r6-anchor0.01/tcr+gate+anchor+safe@3e-2 |"),
              ("r4", "| r4-previous/rest+dn+safe@1e-3 |"),
              ("r4", "| r4-incumbent/tcr+gate+safe@3e-2 |")}

@@ -11,7 +11,8 @@ DEFAULT = "tcr+gate+anchor+safe@3e-2"  # the row name of the sixth and seventh r
 SHOWN = "tcr+gate+anchor+safe@3e-2 (default of round 6)"  # as the tables name the sixth round's
 ROUND7 = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"  # and the seventh's
 ROUND8 = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7 (default of round 8)"  # the eighth's
-CURRENT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, mix_agreement [0.3, 0.9]"  # the ninth's, today's
+ROUND9 = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, mix_agreement [0.3, 0.9] (default of round 9)"  # the ninth's
+CURRENT = ("recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7, mix_agreement [0.3, 0.9]")  # the tenth's, today's
 PREVIOUS = "rest+dn+safe@1e-3"  # the image default of the fourth and fifth rounds
 PREVIOUS_SHOWN = "rest+dn+safe@1e-3 (default of rounds 4-5)"
 FIRST_SHOWN = "tcr+gate+safe@3e-2 (default of rounds 1-3)"  # what the first rounds' row `recommended` ran
@@ -61,13 +62,14 @@ def test_the_streams_table_and_the_main_table():
     assert v4_tables.main_table(main_run) == main
     elsewhere = [{**r, "run": "rep-i2t/other-s3"} if r["run"] == "rep-i2t/main-s3" else r for r in main_run]
     assert f"| {SHOWN} |" not in v4_tables.main_table(elsewhere)  # nor a run of another name
-    # the ninth round's main-job run (main-job-r9: rep-i2t/main-r9-s3) is today's default, listed first; the
-    # seventh's and eighth's (main-job-r7, -r8) are named as the defaults of their rounds
+    # the tenth round's main-job run (main-job-r10: rep-i2t/main-r10-s3) is today's default, listed first; the
+    # seventh's to ninth's (main-job-r7 to -r9) are named as the defaults of their rounds
     both = main_run + [{**r, "run": f"rep-i2t/main-r{k}-s3", "hits": _bits(h) if r["shift"] == "contrast" else r["hits"]}
-                       for k, h in ((7, 170), (8, 176), (9, 190)) for r in main_run if r["run"] == "rep-i2t/main-s3"]
+                       for k, h in ((7, 170), (8, 176), (9, 190), (10, 194)) for r in main_run if r["run"] == "rep-i2t/main-s3"]
     lines = v4_tables.main_table(both).splitlines()
-    assert lines[3].startswith(f"| {CURRENT} | 100.0 | 95.0 | 87.5 % |") and lines[4].startswith(f"| {SHOWN} | 100.0 | 80.0 |")
-    assert lines[5].startswith(f"| {ROUND7} | 100.0 | 85.0 | 62.5 % |") and lines[6].startswith(f"| {ROUND8} | 100.0 | 88.0 | 70.0 % |")
+    assert lines[3].startswith(f"| {CURRENT} | 100.0 | 97.0 | 92.5 % |") and lines[4].startswith(f"| {SHOWN} | 100.0 | 80.0 |")
+    assert lines[5].startswith(f"| {ROUND7} | 100.0 | 85.0 | 62.5 % |") and lines[6].startswith(f"| {ROUND9} | 100.0 | 95.0 | 87.5 % |")
+    assert lines[7].startswith(f"| {ROUND8} | 100.0 | 88.0 | 70.0 % |")
 
 
 def test_export_and_refresh_of_a_card(tmp_path):
@@ -98,6 +100,8 @@ def test_export_and_refresh_of_a_card(tmp_path):
     ("r8headline", "headline", "headline-s3", "r8-headline-tcr-s3"),
     ("r9streams", "streams", "streams-s3", "r9-streams-tcr-s3"),  # the ninth round's
     ("r9headline", "headline", "headline-s3", "r9-headline-tcr-s3"),
+    ("r10streams", "streams", "streams-s3", "r10-streams-tcr-s3"),  # the tenth round's
+    ("r10headline", "headline", "headline-s3", "r10-headline-tcr-s3"),
 ])
 def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, table, first, own):
     rows = _rows()
@@ -114,13 +118,15 @@ def test_a_later_rounds_report_tables_read_only_its_own_runs(tmp_path, part, tab
                                                          (DEFAULT, "r8-streams-previous-s3", ROUND7),
                                                          (DEFAULT, "r8-streams-chosen-s3", ROUND8),
                                                          (DEFAULT, "r9-streams-previous-s3", ROUND8),
-                                                         (DEFAULT, "r9-streams-chosen-s3", CURRENT)])
+                                                         (DEFAULT, "r9-streams-chosen-s3", ROUND9),
+                                                         (DEFAULT, "r10-streams-previous-s3", ROUND9),
+                                                         (DEFAULT, "r10-streams-chosen-s3", CURRENT)])
 def test_the_tables_name_what_each_image_row_ran(objective, run, shown):
     """The committed image runs' row ``recommended`` ran the gated TCR of the first rounds, the fourth round's choice
-    ran as ``rest+dn+safe@1e-3``, the sixth's under its own row name and the seventh's to ninth's (today's
+    ran as ``rest+dn+safe@1e-3``, the sixth's under its own row name and the seventh's to tenth's (today's
     ``TTAConfig.recommended("image")``) under the sixth's row name with other run-level settings, in runs of their own
     (each later round's report ran the one before as ``previous``); the tables say which default each was and name the
-    ninth round's the default. Text rows keep their names."""
+    tenth round's the default. Text rows keep their names."""
     rows = [{**r, "objective": objective, "run": f"rep-i2t/{run}"} if r["objective"] == DEFAULT else r for r in _rows()]
     rows = [{**r, "run": f"rep-i2t/{run}"} if r["run"] == "rep-i2t/streams-s3" else r for r in rows]
     table = v4_tables.streams(rows, "i2t", run.removesuffix("-s3"))
@@ -175,6 +181,10 @@ TARGET_RUNS = [
     *_headline("r9-headline-tcr-s10", 10, {"tcr@3e-2": 180}),
     *_streams("r9-streams-chosen-s21", 21, {DEFAULT: 176}),
     *_streams("r9-streams-previous-s21", 21, {DEFAULT: 172}),
+    *_headline("r10-headline-chosen-s23", 23, {DEFAULT: 170}), *_headline("r10-headline-chosen-s24", 24, {DEFAULT: 150}),
+    *_headline("r10-headline-tcr-s23", 23, {"tcr@3e-2": 190}), *_headline("r10-headline-tcr-s24", 24, {"tcr@3e-2": 170}),
+    *_streams("r10-streams-chosen-s25", 25, {DEFAULT: 180}),
+    *_streams("r10-streams-previous-s25", 25, {DEFAULT: 172}),
 ]
 
 
@@ -223,10 +233,14 @@ def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_sa
     ("targets8", ROUND8, ROUND7, (["9", "75.0 %", "100.0 %", "80.0 %"], "+37.5", ["9", "90.0 %", "83.3 %", "37.5 %"], "75.0 %")),
     # the ninth round: 60 of 100 (60 %) against TCR's 80 (75 % of it); seed 21: 88 against 60 (70 %); the eighth
     # round's default 86 (65 %); TCR ran no streams there
-    ("targets", CURRENT, ROUND8, (["10", "60.0 %", "100.0 %", "70.0 %"], "+30.0", ["10", "80.0 %", "75.0 %", "–"], "65.0 %")),
+    ("targets9", ROUND9, ROUND8, (["10", "60.0 %", "100.0 %", "70.0 %"], "+30.0", ["10", "80.0 %", "75.0 %", "–"], "65.0 %")),
+    # the tenth round, two headline seeds pooled: R@1 (85 + 75) / 2 = 80 against the source's 50 (60 %), TCR's
+    # (95 + 85) / 2 = 90 (80 %: the default reaches 75 % of it); seed 25: 90 (75 %), the ninth round's default 86 (65 %)
+    ("targets", CURRENT, ROUND9, (["23,24", "60.0 %", "100.0 %", "75.0 %"], "+30.0", ["23,24", "80.0 %", "75.0 %", "–"],
+                                  "65.0 %")),
 ])
 def test_the_targets_table_gives_a_comparator_without_a_headline_its_streams_alone(part, default, previous, expected):
-    """The eighth and ninth rounds' targets: the previous default ran the streams only (its headline registered as cut),
+    """The eighth to tenth rounds' targets: the previous default ran the streams only (its headline registered as cut),
     so its row has the default grid and the stream verdicts, and dashes for the headline."""
     mine, delta, tcr, previous_grid = expected
     lines = v4_tables.targets(TARGET_RUNS, "i2t", part).splitlines()[2:]

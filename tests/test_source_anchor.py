@@ -128,13 +128,18 @@ def test_the_top1_agreement_by_hand():
 
 
 @pytest.mark.parametrize("band", [[0.5, 1.0], [0.0, 0.5]])
-def test_the_mix_answers_only_batches_whose_agreement_is_in_the_band_by_hand(band):
+@pytest.mark.parametrize("sure_kept", [False, True], ids=["every-query", "source-confidence"])
+def test_the_mix_answers_only_batches_whose_agreement_is_in_the_band_by_hand(band, sure_kept):
     """a = the share of the batch's queries whose top-1 item the source and the adapted model share; the mix
     (1 - w) s^S + w s^A answers while band[0] <= a <= band[1], the source alone otherwise (the anchor holds: margin
-    0.99). On this stream a is 1 on the first batch and 0 after (lr 1e-2): each band takes one side."""
-    banded, gallery = _wrapper(source_anchor={"margin": 0.99, "ensemble_weight": 0.3, "mix_agreement": band})
+    0.99). On this stream a is 1 on the first batch and 0 after (lr 1e-2): each band takes one side. With
+    ``source_confidence`` tau as well (the default's combination), inside the band the queries with p^S_i >= tau keep
+    s^S_i."""
+    tau = float(top1_probability(_source_scores(STREAM[0]), 0.01).median()) if sure_kept else None
+    anchor = {"margin": 0.99, "ensemble_weight": 0.3, "mix_agreement": band, **({"source_confidence": tau} if sure_kept else {})}
+    banded, gallery = _wrapper(source_anchor=anchor)
     plain, gallery_p = _wrapper()
-    seen = set()
+    seen, kept = set(), set()
     for x in STREAM:
         out, ref = banded.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
         source = _source_scores(x)
@@ -142,9 +147,14 @@ def test_the_mix_answers_only_batches_whose_agreement_is_in_the_band_by_hand(ban
         assert out.logs["source_anchor.agreement"] == pytest.approx(a)
         inside = band[0] <= a <= band[1]
         seen.add(inside)
-        assert torch.allclose(out.scores, 0.7 * source + 0.3 * ref.scores if inside else source, atol=1e-6)
+        mix = 0.7 * source + 0.3 * ref.scores
+        if sure_kept:
+            sure = top1_probability(source, 0.01) >= tau
+            kept |= set(sure.tolist()) if inside else set()
+            mix = torch.where(sure[:, None], source, mix)
+        assert torch.allclose(out.scores, mix if inside else source, atol=1e-6)
         assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
-    assert seen == {True, False}
+    assert seen == {True, False} and (not sure_kept or kept == {True, False})  # both branches ran inside the band
 
 
 def test_a_batch_answered_without_the_steps_is_not_judged():
@@ -182,7 +192,8 @@ def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_an
 
 
 @pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5},
-                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5]}])
+                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5]},
+                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5], "source_confidence": 0.5}])
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path, anchor):
     check_resume(lambda: _wrapper(source_anchor=anchor), STREAM, 2, tmp_path)
 

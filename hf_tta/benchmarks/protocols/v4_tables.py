@@ -48,19 +48,22 @@ SOURCE = "source"
 #: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
 #: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
 #: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's ran under
-#: their own row names. The seventh to ninth rounds' choices run the sixth's row name with other run-level settings
+#: their own row names. The seventh to tenth rounds' choices run the sixth's row name with other run-level settings
 #: (the answer's mix): their runs are named in :data:`ANCHOR_RUNS`.
 IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
                    "rest+dn+safe@1e-3": "rest+dn+safe@1e-3 (default of rounds 4-5)",
                    "tcr+gate+anchor+safe@3e-2": "tcr+gate+anchor+safe@3e-2 (default of round 6)"}
-#: The current image default, ``TTAConfig.recommended("image")`` (default-study-r9's choice), as the tables name it.
-CURRENT_DEFAULT = "recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, mix_agreement [0.3, 0.9]"
-#: The eighth and seventh rounds' choices (the defaults before the ninth round), as the tables name them.
+#: The current image default, ``TTAConfig.recommended("image")`` (default-study-r10's choice), as the tables name it.
+CURRENT_DEFAULT = ("recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7, "
+                   "mix_agreement [0.3, 0.9]")
+#: The ninth, eighth and seventh rounds' choices (the defaults before the tenth round), as the tables name them.
+ROUND9_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, mix_agreement [0.3, 0.9] (default of round 9)"
 ROUND8_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7 (default of round 8)"
 ROUND7_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"
 #: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row ran a later round's
 #: anchor settings, and the name the tables give that row there.
-ANCHOR_RUNS = ((("r9-headline-chosen", "r9-streams-chosen", "main-r9-"), CURRENT_DEFAULT),
+ANCHOR_RUNS = ((("r10-headline-chosen", "r10-streams-chosen", "main-r10-"), CURRENT_DEFAULT),
+               (("r9-headline-chosen", "r9-streams-chosen", "main-r9-", "r10-streams-previous"), ROUND9_DEFAULT),
                (("r8-headline-chosen", "r8-streams-chosen", "main-r8-", "r9-streams-previous"), ROUND8_DEFAULT),
                (("r7-headline-chosen", "r7-streams-chosen", "main-r7-", "r8-streams-previous"), ROUND7_DEFAULT))
 
@@ -78,7 +81,8 @@ def row_name(r: dict) -> str:
 
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
-         "r8headline", "r8streams", "r9", "r9headline", "r9streams", "onerule", "targets", "targets8", "targets7", "targets6",
+         "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "onerule", "targets",
+         "targets9", "targets8", "targets7", "targets6",
          "targets4", "headline", "streams", "main", "v3verdicts")
 
 
@@ -293,9 +297,10 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
 #: Issue 48's targets, per (table part, query modality): the default's row name in the tables, the comparators it is
 #: measured against (image: the best labelled fixed lr and the previous defaults; text: NNN alone and REST at its lr)
 #: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seed only: the
-#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r9's report on
-#: seeds 10, 21 and 22); ``targets8`` to ``targets4``: the earlier rounds' defaults on their report seeds.
-TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", ROUND8_DEFAULT), ("r9-headline",), ("r9-streams",)),
+#: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r10's report on
+#: seeds 23 to 26); ``targets9`` to ``targets4``: the earlier rounds' defaults on their report seeds.
+TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", ROUND9_DEFAULT), ("r10-headline",), ("r10-streams",)),
+               ("targets9", "i2t"): (ROUND9_DEFAULT, ("tcr@3e-2", ROUND8_DEFAULT), ("r9-headline",), ("r9-streams",)),
                ("targets8", "i2t"): (ROUND8_DEFAULT, ("tcr@3e-2", ROUND7_DEFAULT), ("r8-headline",), ("r8-streams",)),
                ("targets7", "i2t"): (ROUND7_DEFAULT, ("tcr@3e-2", IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"]),
                                      ("r7-headline",), ("r7-streams",)),
@@ -410,7 +415,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 #: new seeds.
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"), "onerule": (selection, "one-rule-text"),
-               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9) for kind, table, arg in
+               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9, 10) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
 
@@ -428,7 +433,7 @@ def summarise(rows_path: Path, direction: str, part: str) -> str:
         return streams(rows, direction)
     if part == "main":
         return main_table(rows, direction)
-    if part in ("targets", "targets8", "targets7", "targets6", "targets4"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
+    if part in PARTS and part.startswith("targets"):  # issue 48's targets: the default against the best fixed lr (text: NNN, REST)
         return targets(rows, direction, part)
     if part == "v3verdicts":
         return v3_verdicts(rows, direction)
