@@ -26,7 +26,8 @@ def cmd_list(args) -> int:
         for name, why in missing.items():
             print(f"  not here:        {name}: {why}")
     print("emoji styles:      " + ", ".join(STYLES) + " (openmoji = source, noto = unseen)")
-    print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix)")
+    print("other shifts:      clean, noto (style), diverse; switch (every 128 queries), degenerate (constant prefix);")
+    print("                   --stream-corruptions names the image corruptions diverse and switch draw from")
     print("ceiling rows:      oracle (true captions, LayerNorms), oracle_all (true captions, every query-tower parameter)")
     print("row options:       <objective>+gd (REST's gradient decoupling; rest uses it on diverse streams by default),")
     print("                   +safe (the safety layer), +route (per-domain adapters, unsupervised router),")
