@@ -52,10 +52,10 @@ def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = 
             args += ["--corruptions", "default"]
         elif selection:
             args += ["--corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS), "--severities", severities]
-            if validation_streams:
-                args += ["--stream-corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS)]
         else:
             args += ["--corruptions", ",".join(TEST_IMAGE_CORRUPTIONS), "--severities", "3,5"]
+        if validation_streams and selection:
+            args += ["--stream-corruptions", ",".join(VALIDATION_IMAGE_CORRUPTIONS)]
     else:
         names = (CHAR_CORRUPTIONS if selection else WORD_CORRUPTIONS) if corruptions else ()
         args += ["--text-corruptions", ",".join(names), "--text-severities", "7" if selection else "3,7"]

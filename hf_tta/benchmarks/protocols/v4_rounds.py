@@ -265,6 +265,16 @@ def tenth_round_runs() -> list[Run]:
     return _anchor_candidate_runs("default-study-r10", R10_CANDIDATES, "1,2,3,5", switch=True)
 
 
+def r10_diverse_check_runs() -> list[Run]:
+    """``r10-diverse-check`` (descriptive): default-study-r10's four candidates on the selection split's clean stream
+    and the diverse stream its registration named (drawn from the validation corruptions), which its selection runs did
+    not read (a stale stream-cache file of that name held the COCO-C-16 stream; the results card's tenth round)."""
+    sel = split_arguments("selection", "i2t", corruptions=False, streams=("clean", "diverse"), validation_streams=True)
+    row = _objectives("tcr+gate+anchor+safe@3e-2")
+    return [Run(f"sel-i2t/r10check-{name.removeprefix('r10-')}", "r10-diverse-check",
+                (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row)) for name, c in R10_CANDIDATES.items()]
+
+
 #: default-study-r10's report seeds: new ones (the ninth round's report rows were read before its registration); two
 #: headline seeds, so that a column's interval pools 2,550 queries
 R10_HEADLINE_SEEDS, R10_STREAM_SEEDS = (23, 24), (25, 26)
