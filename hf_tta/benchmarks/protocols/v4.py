@@ -75,11 +75,11 @@ from .v4_rounds import (
     r7_anchor,
     r8_anchor,
     r9_anchor,
+    r10_diverse_check_runs,
     seventh_round_report_runs,
     seventh_round_runs,
     sixth_round_report_runs,
     sixth_round_runs,
-    r10_diverse_check_runs,
     tenth_round_report_runs,
     tenth_round_runs,
 )
