@@ -51,7 +51,8 @@ DESCRIPTIVE_STUDIES = frozenset({"one-rule-text", "r10-diverse-check"})
 #: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).
 RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True},
                 "default-study-r9": {"stream_margin": 0.25, "columns": True},
-                "default-study-r10": {"stream_margin": 0.25, "columns": True}}
+                "default-study-r10": {"stream_margin": 0.25, "columns": True},
+                "r10-diverse-check": {"stream_margin": 0.25}}
 
 
 def in_study(study: str, run: str) -> bool:
