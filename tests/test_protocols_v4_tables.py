@@ -219,8 +219,9 @@ def test_the_targets_table_compares_the_default_with_the_best_fixed_lr_on_the_sa
         cells = [c.strip() for c in line.strip("|").split("|")]
         worst, delta = cells[5].split(": ")[0], cells[5].split(": ")[1].split(" [")[0]
         assert worst == "gaussian_noise 5"  # the one headline column
-        assert cells[6] == cells[10]  # clean and degenerate: both exactly at the source, or both not run
-        got[cells[0]] = [*cells[1:5], delta, cells[6]]
+        assert cells[6] == ("1/1" if "not below" in cells[5] else "0/1")  # the columns not below, of the one column
+        assert cells[7] == cells[11]  # clean and degenerate: both exactly at the source, or both not run
+        got[cells[0]] = [*cells[1:5], delta, cells[7]]
     assert got == expected and table.splitlines()[2].startswith(f"| {next(iter(expected))} |")  # the default first
     tmp_path.joinpath("rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TARGET_RUNS))
     assert v4_tables.summarise(tmp_path / "rows.jsonl", "i2t", part) == table
@@ -248,4 +249,15 @@ def test_the_targets_table_gives_a_comparator_without_a_headline_its_streams_alo
     assert list(got) == [default, "tcr@3e-2", previous]
     assert got[default][:4] == mine and got[default][4].startswith(f"gaussian_noise 5: {delta} [")
     assert got["tcr@3e-2"][:4] == tcr
-    assert got[previous] == ["–", "–", "–", previous_grid, "–", "not below", "–", "–", "–", "not below", "–"]
+    assert got[previous] == ["–", "–", "–", previous_grid, "–", "–", "not below", "–", "–", "–", "not below", "–"]
+
+
+def test_the_targets_table_counts_the_headline_columns_not_below():
+    """Issue 48's "not below on every single column", counted: the default holds two headline columns, one 20 hits
+    below the source of 200 (harm), so 1 of its 2 columns is not below; TCR ran the one column it gains on."""
+    rows = [*_headline("r10-headline-chosen-s23", 23, {DEFAULT: 170}), *_headline("r10-headline-tcr-s23", 23, {"tcr@3e-2": 190}),
+            _row("r10-headline-chosen-s23", "source", "fog", _bits(190), 5, seed=23),
+            _row("r10-headline-chosen-s23", DEFAULT, "fog", _bits(170), 5, seed=23)]
+    got = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in v4_tables.targets(rows, "i2t").splitlines()[2:])}
+    assert got[CURRENT][5].startswith("fog 5: −10.0 [") and got[CURRENT][5].endswith("harm") and got[CURRENT][6] == "1/2"
+    assert got["tcr@3e-2"][6] == "1/1"

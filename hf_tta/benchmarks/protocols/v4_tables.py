@@ -332,7 +332,8 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
     name, others, head, stream = TARGET_ROWS[(part, direction)]
     src, by = _merged(rows, direction, head)
     lines = ["| row | headline seeds | headline share | the default's ÷ this | default-grid share | worst headline column "
-             "| clean | noto | diverse | switch | degenerate | passes per query |", "|---|---:|---:|---:|---:|---|---|---|---|---|---|---:|"]
+             "| headline columns not below | clean | noto | diverse | switch | degenerate | passes per query |",
+             "|---|---:|---:|---:|---:|---|---:|---|---|---|---|---|---:|"]
     seeds = sorted({s for _, s in by.get(name, {})})
     ssrc, sby = _merged(rows, direction, stream)
     for shown in (name, *others):
@@ -349,11 +350,12 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
         if shown == name:
             base = sh.pooled
         worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
+        fine = sum(compare(_diffs(row, src, [k for k in keys if k[0] == c])).verdict == "not below" for c in cols)
         gshare, words = _grid_and_words(sby.get(shown, {}), ssrc)
         ratio = round_figure(base / sh.pooled, percent=True) if sh.pooled > 0 else "–"
         lines.append(f"| {shown} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
                      f"{_name(sh.worst)}: {round_figure(worst.delta, sign=True)} [{round_figure(worst.lower, sign=True)}] "
-                     f"{worst.words()} | " + " | ".join(words) + f" | {round_figure(_passes(row, keys), digits=2)} |")
+                     f"{worst.words()} | {fine}/{len(cols)} | " + " | ".join(words) + f" | {round_figure(_passes(row, keys), digits=2)} |")
     return "\n".join(lines)
 
 
@@ -376,7 +378,7 @@ def _grid_and_words(srow: dict, ssrc: dict) -> tuple[str, list[str]]:
 
 def _streams_only(shown: str, srow: dict, ssrc: dict) -> str:
     gshare, words = _grid_and_words(srow, ssrc)
-    return f"| {shown} | – | – | – | {gshare} | – | " + " | ".join(words) + " | – |"
+    return f"| {shown} | – | – | – | {gshare} | – | – | " + " | ".join(words) + " | – |"
 
 
 def v3_verdicts(rows: list[dict], direction: str) -> str:
