@@ -39,7 +39,8 @@ def split_arguments(split: str, direction: str, seeds=None, corruptions: bool = 
     selection split's validation / character-level corruptions, image ones at ``severities``; the report's test /
     word-level ones, or the default grid) and streams (``clean``, ``noto``, ``diverse``, ``switch``, ``degenerate``);
     ``validation_streams``: the selection split's diverse and switching image streams draw from the validation
-    corruptions (``--stream-corruptions``; from default-study-r10 on; before, the diverse stream drew from COCO-C's 16)."""
+    corruptions (``--stream-corruptions``; registered from default-study-r10 on, whose selection runs still read the
+    COCO-C-16 diverse stream from a stale cache file: the results card's tenth round; before, it drew from COCO-C's 16)."""
     from ...data.corruptions import TEST_IMAGE_CORRUPTIONS
 
     selection = split == "selection"

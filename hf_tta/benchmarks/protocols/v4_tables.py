@@ -81,9 +81,9 @@ def row_name(r: dict) -> str:
 
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
-         "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "r10check", "onerule", "targets",
-         "targets9", "targets8", "targets7", "targets6",
-         "targets4", "headline", "streams", "main", "v3verdicts")
+         "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "r10check",
+         "onerule", "targets", "targets9", "targets8", "targets7", "targets6", "targets4", "headline", "streams", "main",
+         "v3verdicts")
 
 
 def export(out: Path, dest: Path) -> int:
@@ -296,7 +296,7 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
 
 #: Issue 48's targets, per (table part, query modality): the default's row name in the tables, the comparators it is
 #: measured against (image: the best labelled fixed lr and the previous defaults; text: NNN alone and REST at its lr)
-#: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seed only: the
+#: and the run prefixes of its headline and streams (an image default's headline ran on its round's new seeds only: the
 #: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r10's report on
 #: seeds 23 to 26); ``targets9`` to ``targets4``: the earlier rounds' defaults on their report seeds.
 TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", ROUND9_DEFAULT), ("r10-headline",), ("r10-streams",)),
