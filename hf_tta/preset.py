@@ -28,8 +28,8 @@ chose the mix of 0.5 of each model's scores only on batches where the two models
 90 % of the queries (``mix_agreement``), the source's answers otherwise: 41.0 % on the selection split's sixteen
 columns, clean, degenerate and Noto exactly at the source, diverse +6.6 [+4.6], no column below the source's answers
 (:data:`AGREEMENT_TCR_IMAGE`); on its report seeds a switching stream lost on the batches of a mild corruption. The
-tenth round (``choices/default-study-r10.json``: a switching stream added to the selection split and to the rule's
-streams, the diverse and switching streams drawn from the validation corruptions) chose the ninth round's band with
+tenth round (``choices/default-study-r10.json``: a switching stream of the validation corruptions added to the
+selection split and to the rule's streams) chose the ninth round's band with
 the queries the source is sure of keeping its scores (``source_confidence`` 0.7): 37.5 % on the selection split,
 clean, degenerate and Noto exactly at the source, diverse +2.4 [+1.3], switching +3.0 [+1.8]; the ninth round's
 choice (41.0 %) was not eligible there (switching +0.6 [−1.1]). The settings of rounds 6-9 came from design probes on

@@ -311,3 +311,40 @@ def test_stream_corruptions_set_the_diverse_and_switching_image_streams(tmp_path
     assert task.describe()["stream_corruptions"] == list(VALIDATION_IMAGE_CORRUPTIONS) and "stream_corruptions" not in plain.describe()
     with pytest.raises(ValueError, match="stream_corruptions must name image corruptions"):
         EmojiTask(limit=12, stream_corruptions=["spatter", "fgo"])
+
+
+def test_a_cached_image_stream_made_by_another_recipe_is_made_again_and_said(tmp_path, caplog):
+    """The stream cache records each image stream's recipe (its pool, its switching shifts): a file of this stream's
+    name made by another recipe (a stale file: the COCO-C-16 diverse stream under the validation pool's name) is made
+    again, with a warning, and rewritten; a file without a recipe (written before recipes were recorded) is read."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from hf_tta.benchmarks.tasks import EmojiTask
+    from hf_tta.data.corruptions import VALIDATION_IMAGE_CORRUPTIONS
+
+    diverse = Condition("i2t", "diverse")
+    plain = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path / "plain")
+    fresh = EmojiTask(limit=12, render_factor=1.5, stream_corruptions=VALIDATION_IMAGE_CORRUPTIONS).queries(diverse, 3)[0]
+    task = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path / "v", stream_corruptions=VALIDATION_IMAGE_CORRUPTIONS)
+    stale = plain.queries(diverse, 3)[0]
+    task.cache_file(diverse, 3).parent.mkdir(parents=True)
+    shutil.copy(plain.cache_file(diverse, 3), task.cache_file(diverse, 3))  # another stream under this stream's name
+    with caplog.at_level("WARNING", logger="hf_tta.benchmarks.tasks"):
+        raw = task.queries(diverse, 3)[0]
+    assert np.array_equal(raw, fresh) and not np.array_equal(raw, stale)
+    assert "was made by another recipe" in caplog.text and '"speckle_noise", 5' in caplog.text
+    with safe_open(str(task.cache_file(diverse, 3)), framework="np") as f:
+        assert f.metadata()["recipe"] == task.stream_recipe(diverse, 3)  # rewritten with its own recipe
+    # a file without a recipe is read as it is
+    legacy = EmojiTask(limit=12, render_factor=1.5, cache_dir=tmp_path / "legacy", stream_corruptions=VALIDATION_IMAGE_CORRUPTIONS)
+    legacy.cache_file(diverse, 3).parent.mkdir(parents=True)
+    save_file({"images": np.ascontiguousarray(stale)}, str(legacy.cache_file(diverse, 3)))
+    assert np.array_equal(legacy.queries(diverse, 3)[0], stale)
+    # the switching stream's recipe names its shifts and segment length
+    switch = Condition("i2t", "switch")
+    before = task.stream_recipe(switch, 3)
+    task.switch_every = 4
+    assert task.stream_recipe(switch, 3) != before and '"every": 4' in task.stream_recipe(switch, 3)

@@ -192,13 +192,27 @@ class EmojiTask(Task):
             return f"{cond.key}/{len(self.stream_corruptions)}-" + "+".join(self.stream_corruptions)
         return cond.key
 
+    def stream_recipe(self, cond: Condition, seed: int) -> str:
+        """What an image stream is made of, as its cache file records it (safetensors metadata ``recipe``): its name,
+        seed and, for the diverse stream, the ``(corruption, severity)`` pool it draws from, for the switching stream
+        the shifts it cycles through and their segment length. A cached file whose recipe differs was made by other
+        code or settings under this name, and is made again."""
+        import json
+
+        recipe: dict[str, Any] = {"stream": self.stream_key(cond), "seed": int(seed)}
+        if cond.shift == "diverse":
+            recipe["pool"] = [list(p) for p in self._diverse_pool(cond)]
+        elif cond.shift == "switch":
+            recipe.update(shifts=[c.key for c in self._switch_shifts(cond)], every=self.switch_every)
+        return json.dumps(recipe, sort_keys=True)
+
     def queries(self, cond: Condition, seed: int | None = None):
         seed = self.seed if seed is None else int(seed)
         key = (self.stream_key(cond), seed)
         if key in self._cache:
             return self._cache[key]
         path = self.cache_file(cond, seed)
-        if path is not None and path.exists():
+        if path is not None and path.exists() and not self._stale(path, cond, seed):
             if cond.direction == "i2t":
                 from safetensors.numpy import load_file
 
@@ -218,7 +232,8 @@ class EmojiTask(Task):
             if cond.direction == "i2t":
                 from safetensors.numpy import save_file
 
-                write_atomically(path, lambda tmp: save_file({"images": np.ascontiguousarray(raw)}, tmp))
+                recipe = {"recipe": self.stream_recipe(cond, seed)}
+                write_atomically(path, lambda tmp: save_file({"images": np.ascontiguousarray(raw)}, tmp, metadata=recipe))
             else:
                 import json
 
@@ -226,6 +241,21 @@ class EmojiTask(Task):
                 write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
         self._cache[key] = (raw, relevant)
         return raw, relevant
+
+    def _stale(self, path: Path, cond: Condition, seed: int) -> bool:
+        """Whether a cached image stream records another recipe than :meth:`stream_recipe` (logged; it is made again). A
+        file without one (written before recipes were recorded) is read as it is."""
+        if cond.direction != "i2t":
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="np") as f:
+            recorded = (f.metadata() or {}).get("recipe")
+        if recorded is None or recorded == self.stream_recipe(cond, seed):
+            return False
+        logger.warning("%s was made by another recipe (%s) than this stream's (%s): it is made again", path.name, recorded,
+                       self.stream_recipe(cond, seed))
+        return True
 
     def _make_queries(self, cond: Condition, seed: int):
         from ..data.corruptions import (
