@@ -289,7 +289,7 @@ def test_a_later_rounds_report_leaves_the_incumbents_headline_out_and_names_new_
 @pytest.mark.parametrize(("run", "studies"), [
     ("sel-i2t/comparators", {"default-study"}), ("sel-i2t/r3-mean4", {"default-study"}), ("sel-i2t/r8-incumbent", {"default-study-r8"}),
     ("sel-i2t/r9-w0.5-a0.3-0.9", {"default-study-r9"}), ("sel-i2t/r10-incumbent", {"default-study-r10"}),
-    ("sel-i2t/r10check-incumbent", {"r10-diverse-check"}),
+    ("sel-i2t/r10check-incumbent", {"r10-diverse-check"}), ("sel-t2i/moonshot-r10-3e-2", {"one-rule-text-r10"}),
     ("sel-t2i/one-rule", {"one-rule-text"}), ("sel-t2i/lite", {"default-study"}),
     ("sel-i2t/r4-incumbent", {"default-study-r4"}),
     ("sel-i2t/r4-previous", {"default-study-r4", "default-study-r5", "default-study-r6"}),

@@ -71,6 +71,7 @@ from .v4_rounds import (
     fourth_round_runs,
     ninth_round_report_runs,
     ninth_round_runs,
+    one_rule_r10_runs,
     one_rule_runs,
     r7_anchor,
     r8_anchor,
@@ -94,7 +95,7 @@ __all__ = ["CHOICES", "REGISTRATIONS", "REPO", "check_chosen", "check_registered
            "sixth_round_report_runs", "seventh_round_report_runs", "eighth_round_report_runs", "R9_CANDIDATES",
            "R9_HEADLINE_SEEDS", "R9_STREAM_SEEDS", "ninth_round_report_runs", "ninth_round_runs", "r9_anchor",
            "R10_CANDIDATES", "R10_HEADLINE_SEEDS", "R10_STREAM_SEEDS", "tenth_round_report_runs", "tenth_round_runs",
-           "r10_diverse_check_runs"]
+           "r10_diverse_check_runs", "one_rule_r10_runs"]
 
 
 def default_study_runs() -> list[Run]:
@@ -188,12 +189,12 @@ def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
             + sixth_round_runs() + seventh_round_runs() + eighth_round_runs() + ninth_round_runs() + tenth_round_runs()
-            + one_rule_runs() + r10_diverse_check_runs())
+            + one_rule_runs() + r10_diverse_check_runs() + one_rule_r10_runs())
 
 
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
 DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "main-job-r10", "headline-paper-lr",
-                         "headline-paper-lr-text", "one-rule-text", "r10-diverse-check"})
+                         "headline-paper-lr-text", "one-rule-text", "r10-diverse-check", "one-rule-text-r10"})
 
 
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'

@@ -43,9 +43,11 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE),
                # descriptive: default-study-r10's candidates on the diverse stream its registration named
-               "r10-diverse-check": (("r10check-",), ("clean", "diverse"), TIE)}
+               "r10-diverse-check": (("r10check-",), ("clean", "diverse"), TIE),
+               # descriptive (the moonshot again): the tenth round's image default on caption queries
+               "one-rule-text-r10": (("moonshot-r10-",), ("clean", "degenerate"), TIE)}
 #: Studies whose table describes and whose rows no choice reads (``python -m ...v4_choice`` refuses to choose for them).
-DESCRIPTIVE_STUDIES = frozenset({"one-rule-text", "r10-diverse-check"})
+DESCRIPTIVE_STUDIES = frozenset({"one-rule-text", "r10-diverse-check", "one-rule-text-r10"})
 #: A round's stricter eligibility (``registrations/<study>.json``): the required streams' bound must exceed
 #: ``-stream_margin`` (default-study-r8: -0.25, half the protocol's margin), and with ``columns`` every corruption column's
 #: bound must exceed -0.5 too (the selection split's severity 3 and 5 columns).

@@ -108,6 +108,16 @@ def one_rule_runs() -> list[Run]:
                                                       *_objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-3")))]
 
 
+def one_rule_r10_runs() -> list[Run]:
+    """``one-rule-text-r10`` (issue 48's moonshot, descriptive): as ``one-rule-text`` with the tenth round's image
+    default (today's ``TTAConfig.recommended("image")``), settings unchanged, a run per lr (3e-2 and text TCR's 1e-3)."""
+    sel = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
+    return [Run(f"sel-t2i/moonshot-r10-{lr}", "one-rule-text-r10", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4,
+                                                                  *r9_anchor(0.5, 0.7, [0.3, 0.9]),
+                                                                  *_objectives(f"tcr+gate+anchor+safe@{lr}")))
+            for lr in ("3e-2", "1e-3")]
+
+
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
 R4_HEADLINE_SEEDS, R4_STREAM_SEEDS = (6,), (13, 14)
 
