@@ -61,7 +61,8 @@ def r7_anchor(weight: float) -> list[str]:
 def seventh_round_runs() -> list[Run]:
     """``default-study-r7``: source-anchored answers that mix the source's and the adapted scores while the evidence is
     low (``ensemble_weight`` 0.3, 0.5) against the sixth round's choice (0), on the selection split with the diverse
-    stream added (validation corruptions, batch by batch)."""
+    stream added (registered as the validation corruptions; it draws each query's from COCO-C's 16: the results card's
+    tenth round)."""
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"))
     lite = ["--safety", SAFE_LITE]
     rows = {0: ("tcr+gate+anchor+safe@3e-2",), 0.3: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2"),
