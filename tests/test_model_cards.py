@@ -214,6 +214,18 @@ if __name__ == "__main__" and "--write" in sys.argv:
 
 
 FIGURE = re.compile(r"[−+-]?\d+(?:\.\d+)? ?%?")
+#: What the prose-figure checks leave out before reading figures: code, links, seed lists.
+NOT_PROSE = r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+"
+
+
+def quoted_figures(prose: str) -> list[str]:
+    """The figures a card's prose quotes: numbers with a decimal point or a per cent sign."""
+    return [f.strip() for f in FIGURE.findall(prose) if "." in f or "%" in f]
+
+
+def unprinted(quoted: list[str], printed: str, settings=frozenset()) -> list[str]:
+    """The quoted figures that are neither a named setting nor printed (signs and the minus sign's form aside)."""
+    return [f for f in quoted if f not in settings and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
 
 
 @pytest.mark.slow
@@ -291,10 +303,9 @@ def test_every_figure_of_the_v4_prose_is_printed_from_the_rows(card, section):
     if section:
         text = text[text.index(section[0]): text.index(section[1])]
     prose = re.sub(r"<!-- v4: .*? -->.*?<!-- /v4 -->", "", text, flags=re.S)
-    quoted = [f.strip() for f in FIGURE.findall(re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+", "", prose))
-              if "." in f or "%" in f]
+    quoted = quoted_figures(re.sub(NOT_PROSE, "", prose))
     assert quoted
-    missing = [f for f in quoted if f not in V4_SETTINGS and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    missing = unprinted(quoted, printed, V4_SETTINGS)
     assert not missing, f"{card}: figures printed by no table of the v4 rows: {missing}"
 
 
@@ -336,9 +347,8 @@ def test_every_figure_of_the_operations_cards_is_recomputed_or_a_declared_measur
         assert FIGURE.search(block["body"]), f"{card}: a measured block without a figure: {block['how']}"
     printed = "\n".join(b.group(0) for b in RECOMPUTED_BLOCK.finditer(text)).replace(" %", "%").replace("-", "−")
     prose = MEASURED_BLOCK.sub("", RECOMPUTED_BLOCK.sub("", text))
-    prose = re.sub(rf"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+|{NOT_FIGURES}|<!-- .*? -->", "", prose)
-    quoted = [f.strip() for f in FIGURE.findall(prose) if "." in f or "%" in f]
-    missing = [f for f in quoted if f not in OPERATIONS_SETTINGS and f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    prose = re.sub(rf"{NOT_PROSE}|{NOT_FIGURES}|<!-- .*? -->", "", prose)
+    missing = unprinted(quoted_figures(prose), printed, OPERATIONS_SETTINGS)
     assert not missing, f"{card}: figures neither recomputed from rows nor a declared measurement or setting: {missing}"
 
 

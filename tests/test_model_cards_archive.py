@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from test_model_cards import CARDS, FIGURE, check_recipe_blocks
+from test_model_cards import CARDS, NOT_PROSE, check_recipe_blocks, quoted_figures, unprinted
 
 
 @pytest.mark.slow
@@ -38,8 +38,7 @@ def test_every_figure_of_the_options_cards_prose_is_printed_from_rows(section, e
     text = (CARDS / "options.md").read_text()
     prose = text[text.index(section): text.index(end) if end else None]
     printed = tables().replace(" %", "%")
-    quoted = [f.strip() for f in FIGURE.findall(re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|seeds? [\d, –-]+", "", prose))
-              if "." in f or "%" in f]
+    quoted = quoted_figures(re.sub(NOT_PROSE, "", prose))
     assert len(quoted) > 40
-    missing = [f for f in quoted if f.replace("-", "−").lstrip("+−").replace(" %", "%") not in printed]
+    missing = unprinted(quoted, printed)
     assert not missing, f"options.md {section}: figures printed by no table of its rows: {missing}"

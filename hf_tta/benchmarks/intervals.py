@@ -93,21 +93,21 @@ def bootstrap_replicates(
         raise ValueError(f"items names {len(labels)} columns but diffs has {len(diffs)}.")
     if not joint:
         labels = list(range(len(diffs)))
-    item_draws: dict = {}  # label / seed key -> the index of its draw in ``sizes``
-    seed_draws: dict = {}
+    index: dict = {}  # ("seeds", key) / ("items", label) -> the index of its draw in ``sizes``
     sizes: list[int] = []  # the draws in the order they are made: seeds first, then items (the hierarchy's order)
+    columns = []  # each column's (seed draw, item draw) indices
     for d, label in zip(diffs, labels):
         s, n = d.shape
-        if label in item_draws and sizes[item_draws[label]] != n:
-            raise ValueError(f"Columns labelled {label!r} hold the same items but have {sizes[item_draws[label]]} and {n} queries.")
-        seed_key = (s,) if joint else (label, s)
-        for key, store, size in ((seed_key, seed_draws, s), (label, item_draws, n)):
-            if key not in store:
-                store[key] = len(sizes)
+        seed_key, item_key = ("seeds", (s,) if joint else (label, s)), ("items", label)
+        if item_key in index and sizes[index[item_key]] != n:
+            raise ValueError(f"Columns labelled {label!r} hold the same items but have {sizes[index[item_key]]} and {n} queries.")
+        for key, size in ((seed_key, s), (item_key, n)):
+            if key not in index:
+                index[key] = len(sizes)
                 sizes.append(size)
+        columns.append((index[seed_key], index[item_key]))
     drawn = _draws(int(seed), int(samples), tuple(sizes))
-    item_counts = [drawn[item_draws[label]] for label in labels]
-    seed_counts = [drawn[seed_draws[(d.shape[0],) if joint else (label, d.shape[0])]] for d, label in zip(diffs, labels)]
+    seed_counts, item_counts = [drawn[i] for i, _ in columns], [drawn[j] for _, j in columns]
     mean = 100.0 * float(np.mean([d.mean() for d in diffs]))
     return mean, replicates(diffs, item_counts, seed_counts)
 

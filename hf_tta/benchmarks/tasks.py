@@ -251,10 +251,10 @@ class EmojiTask(Task):
 
         with safe_open(str(path), framework="np") as f:
             recorded = (f.metadata() or {}).get("recipe")
-        if recorded is None or recorded == self.stream_recipe(cond, seed):
+        wanted = self.stream_recipe(cond, seed)
+        if recorded is None or recorded == wanted:
             return False
-        logger.warning("%s was made by another recipe (%s) than this stream's (%s): it is made again", path.name, recorded,
-                       self.stream_recipe(cond, seed))
+        logger.warning("%s was made by another recipe (%s) than this stream's (%s): it is made again", path.name, recorded, wanted)
         return True
 
     def _make_queries(self, cond: Condition, seed: int):

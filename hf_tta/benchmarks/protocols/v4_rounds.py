@@ -46,10 +46,9 @@ def sixth_round_runs() -> list[Run]:
     two TCR lrs, on the fourth round's selection split (with Noto); its incumbent is the fourth round's choice."""
     study = "default-study-r6"
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate"))
-    lite, gate = ["--safety", SAFE_LITE], GATE_MEAN4
     anchor = lambda m: ["--source_anchor", json.dumps({"margin": m, "momentum": 0.8, "temperature": 0.01})]  # noqa: E731
-    rows = _objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")
-    return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *lite, *gate, *anchor(m), *rows)) for m in (0.01, 0.02)]
+    rows = ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")
+    return [Run(f"sel-i2t/r6-anchor{m}", study, (*sel, *_anchored(anchor(m), *rows))) for m in (0.01, 0.02)]
 
 
 #: default-study-r7's anchor settings: the sixth round's choice, with the weight of the adapted scores in the answer
@@ -64,11 +63,9 @@ def seventh_round_runs() -> list[Run]:
     stream added (registered as the validation corruptions; it draws each query's from COCO-C's 16: the results card's
     tenth round)."""
     sel = split_arguments("selection", "i2t", streams=("clean", "noto", "degenerate", "diverse"))
-    lite = ["--safety", SAFE_LITE]
     rows = {0: ("tcr+gate+anchor+safe@3e-2",), 0.3: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2"),
             0.5: ("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-2")}
-    return [Run(f"sel-i2t/r7-w{w}", "default-study-r7", (*sel, *lite, *GATE_MEAN4, *r7_anchor(w), *_objectives(*r)))
-            for w, r in rows.items()]
+    return [Run(f"sel-i2t/r7-w{w}", "default-study-r7", (*sel, *_anchored(r7_anchor(w), *r))) for w, r in rows.items()]
 
 
 def r8_anchor(weight: float, confidence: float | None) -> list[str]:
@@ -90,33 +87,35 @@ def eighth_round_runs() -> list[Run]:
     return _anchor_candidate_runs("default-study-r8", {k: (*c, None) for k, c in R8_CANDIDATES.items()}, "3,5")
 
 
+def _anchored(anchor: list[str], *rows: str) -> list[str]:
+    """A later round's run-level settings, the same in every anchored run: the degenerate-batch rule, the gate at
+    threshold 4, ``anchor`` (its ``--source_anchor``), and its rows (default: the anchored TCR at 3e-2)."""
+    return ["--safety", SAFE_LITE, *GATE_MEAN4, *anchor, *_objectives(*(rows or ("tcr+gate+anchor+safe@3e-2",)))]
+
+
 def _anchor_candidate_runs(study: str, candidates: dict, severities: str, switch: bool = False) -> list[Run]:
     """A later round's selection runs: per candidate (run name -> anchor settings) the anchored TCR at 3e-2 behind the
     gate on the selection split with Noto, degenerate and diverse streams, the validation corruptions at ``severities``
     (``switch``: and the switching stream, both it and the diverse stream drawn from the validation corruptions)."""
     streams = ("clean", "noto", "degenerate", "diverse", *(("switch",) if switch else ()))
     sel = split_arguments("selection", "i2t", streams=streams, severities=severities, validation_streams=switch)
-    row = _objectives("tcr+gate+anchor+safe@3e-2")
-    return [Run(f"sel-i2t/{name}", study, (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row))
-            for name, c in candidates.items()]
+    return [Run(f"sel-i2t/{name}", study, (*sel, *_anchored(r9_anchor(*c)))) for name, c in candidates.items()]
 
 
 def one_rule_runs() -> list[Run]:
     """``one-rule-text`` (issue 48's moonshot, descriptive): the eighth round's image default, settings unchanged, on
     caption queries (the text selection split with its clean and degenerate streams), and the same at text TCR's lr."""
     sel = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
-    return [Run("sel-t2i/one-rule", "one-rule-text", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r8_anchor(0.5, 0.7),
-                                                      *_objectives("tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-3")))]
+    return [Run("sel-t2i/one-rule", "one-rule-text",
+                (*sel, *_anchored(r8_anchor(0.5, 0.7), "tcr+gate+anchor+safe@3e-2", "tcr+gate+anchor+safe@1e-3")))]
 
 
 def one_rule_r10_runs() -> list[Run]:
     """``one-rule-text-r10`` (issue 48's moonshot, descriptive): as ``one-rule-text`` with the tenth round's image
     default (today's ``TTAConfig.recommended("image")``), settings unchanged, a run per lr (3e-2 and text TCR's 1e-3)."""
     sel = split_arguments("selection", "t2i", streams=("clean", "degenerate"))
-    return [Run(f"sel-t2i/moonshot-r10-{lr}", "one-rule-text-r10", (*sel, "--safety", SAFE_LITE, *GATE_MEAN4,
-                                                                  *r9_anchor(0.5, 0.7, [0.3, 0.9]),
-                                                                  *_objectives(f"tcr+gate+anchor+safe@{lr}")))
-            for lr in ("3e-2", "1e-3")]
+    return [Run(f"sel-t2i/moonshot-r10-{lr}", "one-rule-text-r10",
+                (*sel, *_anchored(r9_anchor(0.5, 0.7, [0.3, 0.9]), f"tcr+gate+anchor+safe@{lr}"))) for lr in ("3e-2", "1e-3")]
 
 
 #: default-study-r4's report seeds: new ones, since report rows were read before it was registered (its registration)
@@ -199,7 +198,7 @@ def seventh_round_report_runs(choice: dict) -> list[Run]:
     if not c or not c.get("config") or not c["default"].startswith("r7-") or c["default"].startswith("r7-w0/"):
         return []
     members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"),
-               "previous": ["--safety", SAFE_LITE, *GATE_MEAN4, *r7_anchor(0), *_objectives("tcr+gate+anchor+safe@3e-2")]}
+               "previous": _anchored(r7_anchor(0))}
     return _member_runs("r7", "default-study-r7", members, R7_HEADLINE_SEEDS, R7_STREAM_SEEDS,
                         f"main-r7-s{MAIN_JOB_SEED}", "main-job-r7")
 
@@ -224,8 +223,7 @@ def _anchor_report_runs(k: int, choice: dict, incumbent: list[str], headline_see
     c = choice.get("i2t")
     if not c or not c.get("config") or not c["default"].startswith(f"r{k}-") or c["default"].startswith(f"r{k}-incumbent/"):
         return []
-    previous = ["--safety", SAFE_LITE, *GATE_MEAN4, *incumbent, *_objectives("tcr+gate+anchor+safe@3e-2")]
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": previous}
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2"), "previous": _anchored(incumbent)}
     runs = _member_runs(f"r{k}", f"default-study-r{k}", members, headline_seeds, stream_seeds,
                         f"main-r{k}-s{MAIN_JOB_SEED}", f"main-job-r{k}")
     return [r for r in runs if not r.name.startswith(f"rep-i2t/r{k}-headline-previous-")]
@@ -281,9 +279,8 @@ def r10_diverse_check_runs() -> list[Run]:
     and the diverse stream its registration named (drawn from the validation corruptions), which its selection runs did
     not read (a stale stream-cache file of that name held the COCO-C-16 stream; the results card's tenth round)."""
     sel = split_arguments("selection", "i2t", corruptions=False, streams=("clean", "diverse"), validation_streams=True)
-    row = _objectives("tcr+gate+anchor+safe@3e-2")
-    return [Run(f"sel-i2t/r10check-{name.removeprefix('r10-')}", "r10-diverse-check",
-                (*sel, "--safety", SAFE_LITE, *GATE_MEAN4, *r9_anchor(*c), *row)) for name, c in R10_CANDIDATES.items()]
+    return [Run(f"sel-i2t/r10check-{name.removeprefix('r10-')}", "r10-diverse-check", (*sel, *_anchored(r9_anchor(*c))))
+            for name, c in R10_CANDIDATES.items()]
 
 
 #: default-study-r10's report seeds: new ones (the ninth round's report rows were read before its registration); two
