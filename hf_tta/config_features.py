@@ -28,6 +28,7 @@ from .configuration_utils import (
     check_positive,
     check_positive_int,
 )
+from .config_anchor import SourceAnchorConfig  # noqa: F401  (re-exported: a feature config like the others)
 
 TUNINGS = ("ln", "bias", "lora")  # hf_tta.tuning
 SCORING = ("after_update", "before_update")
@@ -359,63 +360,6 @@ class WeightEnsembleConfig(ConfigMixin):
         check_field_types(self)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"WeightEnsembleConfig `momentum` must be in [0, 1) (1 would never pull); got {self.momentum}.")
-
-
-@dataclass
-class SourceAnchorConfig(ConfigMixin):
-    """Source-anchored answers (:mod:`hf_tta.source_anchor`). They decide who answers, not what an adapted state
-    means, so a checkpoint loads across their settings.
-
-    Example:
-        >>> SourceAnchorConfig.from_dict({"margin": 0.02}).momentum
-        0.8
-    """
-
-    loads_across_checkpoints: ClassVar[bool] = True
-
-    margin: float = field(
-        default=0.01,
-        metadata={"help": "The adapted model answers while the evidence (a moving average of its batch-mean top-1 "
-                  "softmax probability minus the source model's) exceeds this; otherwise the source answers."},
-    )
-    momentum: float = field(
-        default=0.8, metadata={"help": "m in e <- m e + (1 - m) d_t, the evidence's moving average over batches (0: the batch alone)."}
-    )
-    temperature: float = field(
-        default=0.01, metadata={"help": "T of softmax(cos / T) over the gallery (CLIP's logit scale 100 = 1 / 0.01)."}
-    )
-    ensemble_weight: float = field(
-        default=0.0,
-        metadata={"help": "While the evidence is at or below the margin, the answer's scores are (1 - w) s_source + "
-                  "w s_adapted (0: the source answers alone)."},
-    )
-    source_confidence: float | None = field(default=None, metadata={
-        "help": "With the mix: a query whose source top-1 softmax probability (at T) is at least this keeps the "
-                "source's scores in it (None: every query is mixed)."})
-    mix_agreement: list[float] | None = field(default=None, metadata={
-        "help": "With the mix: [low, high]; the mix answers a batch only while the share of its queries whose top-1 "
-                "item the two models share is within it, else the source alone (None: always)."})
-
-    def __post_init__(self):
-        check_field_types(self)
-        check_positive("temperature", self.temperature, owner="SourceAnchorConfig")
-        if self.source_confidence is not None and not (self.ensemble_weight > 0 and 0.0 < self.source_confidence <= 1.0):
-            raise ValueError("SourceAnchorConfig `source_confidence` must be in (0, 1] and needs ensemble_weight > 0 (it "
-                             "chooses which queries keep the source's scores in the mix); got source_confidence="
-                             f"{self.source_confidence}, ensemble_weight={self.ensemble_weight}.")
-        band = self.mix_agreement
-        if band is not None and not (self.ensemble_weight > 0 and len(band) == 2 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in band) and 0.0 <= band[0] <= band[1] <= 1.0):
-            raise ValueError("SourceAnchorConfig `mix_agreement` must be [low, high] with 0 <= low <= high <= 1 and needs "
-                             f"ensemble_weight > 0 (it chooses which batches get the mix); got mix_agreement={band}, "
-                             f"ensemble_weight={self.ensemble_weight}.")
-        if not 0.0 <= self.ensemble_weight < 1.0:
-            raise ValueError(f"SourceAnchorConfig `ensemble_weight` must be in [0, 1) (1 would be the adapted answer "
-                             f"alone, i.e. no anchor); got {self.ensemble_weight}.")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"SourceAnchorConfig `momentum` must be in [0, 1) (1 would never move); got {self.momentum}.")
-        if not -1.0 < self.margin < 1.0:
-            raise ValueError(f"SourceAnchorConfig `margin` must be in (-1, 1) (a difference of probabilities); got {self.margin}.")
 
 
 def build_feature_config(name: str, cls: type, value: Any) -> Any:

@@ -23,6 +23,13 @@ model has drifted away from the source on most queries (a style the source hardl
 few answers for the change to be more than noise (default-study-r9). The mix needs both models' scores over the same items: no score
 transform (refused), and a dense gallery (with a top-k backend each model has its own candidates: the source alone
 answers while the anchor holds, logged once).
+Two settings act on the batches the adapted model answers alone (:math:`e_t > \\text{margin}`; default-study-r11).
+With ``adapted_agreement`` :math:`a_{max}` such a batch is answered by the source's scores when :math:`a > a_{max}`
+(the two models share the top-1 item of nearly every query, so the few answers adaptation changes are more likely
+noise than gain: on a mild corruption the source is already right on ~97 % of them). With
+``source_confidence_scope="all"`` the queries the source is sure of (:math:`p^S_i \\ge \\tau`) keep the source's
+scores there too, not only in the mix. With a top-k backend the agreement compares global item indices, and the
+sure queries' rows cannot be swapped (each model scores its own candidates): the adapted answer stands, logged once.
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
 (TCR on a blurred stream); one that only drifts does not (a style the source hardly knows, on which its
 pseudo-labels are mostly wrong), and then the source's answers are kept. It is a design of this library, not of a
@@ -45,8 +52,9 @@ from typing import Any
 
 import torch
 
-from .config_features import SourceAnchorConfig
+from .config_anchor import SourceAnchorConfig
 from .policies.base import Answer, BatchPolicy
+from .window import top1
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +92,7 @@ class SourceAnchor(BatchPolicy):
     def __init__(self, config: SourceAnchorConfig):
         self.config = config
         self._told = False  # the top-k backend's fallback is logged once
+        self._told_sure = False  # and source_confidence's
 
     @staticmethod
     def evidence(wrapper: Any) -> float:
@@ -101,9 +110,20 @@ class SourceAnchor(BatchPolicy):
         d = mean_top1_probability(answer.scores, c.temperature) - mean_top1_probability(source.scores, c.temperature)
         e = evidence_step(self.evidence(ctx.wrapper), d, c.momentum)
         ctx.wrapper.selector_state[EVIDENCE] = torch.tensor(e, dtype=torch.float64)
+        logs = {**answer.logs, "source_anchor.evidence": e}
         adapted = e > c.margin
-        logs = {**answer.logs, "source_anchor.evidence": e, "source_anchor.adapted_answers": float(adapted)}
+        if adapted and c.adapted_agreement is not None:  # the models hardly differ: the change is noise, not a gain
+            a = float((top1(source.scores, source.candidate_ids)[1]
+                       == top1(answer.scores.detach(), answer.inputs.candidate_ids)[1].to(source.scores.device)).double().mean())
+            logs["source_anchor.agreement"] = a
+            adapted = a <= c.adapted_agreement
+            if not adapted:
+                logs["source_anchor.adapted_answers"] = 0.0
+                return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)
+        logs["source_anchor.adapted_answers"] = float(adapted)
         if adapted:
+            if c.source_confidence is not None and c.source_confidence_scope == "all":
+                return self._keep_sure(source, answer, answer.scores.detach(), logs)
             return dataclasses.replace(answer, logs=logs)
         w = c.ensemble_weight
         if w > 0 and c.mix_agreement is not None and source.candidate_ids is None:
@@ -123,7 +143,21 @@ class SourceAnchor(BatchPolicy):
             return dataclasses.replace(answer, inputs=source, scores=source.scores, logs=logs)  # the batch's record kept
         mixed = torch.lerp(source.scores.detach(), answer.scores.detach().to(source.scores.dtype), w)
         if c.source_confidence is not None:  # the queries the source is sure of keep its scores
-            sure = top1_probability(source.scores, c.temperature) >= c.source_confidence
-            mixed = torch.where(sure[:, None], source.scores.detach(), mixed)
-            logs["source_anchor.kept_source"] = float(sure.double().mean())
+            return self._keep_sure(source, answer, mixed, logs)
         return dataclasses.replace(answer, scores=mixed, logs=logs)
+
+    def _keep_sure(self, source: Any, answer: Answer, scores: torch.Tensor, logs: dict) -> Answer:
+        """``scores`` with the rows of the queries the source is sure of (:math:`p^S_i \\ge \\tau`) replaced by the
+        source's; with a top-k backend (each model's own candidates: rows cannot be swapped) ``scores`` as they are,
+        logged once."""
+        if source.candidate_ids is not None:
+            if not self._told_sure:
+                logger.warning("source_anchor: with a top-k gallery backend each model scores its own candidates, so "
+                               "source_confidence cannot keep the source's rows: the adapted answer stands (pass the "
+                               "dense gallery for it)")
+                self._told_sure = True
+            return dataclasses.replace(answer, logs=logs)
+        sure = top1_probability(source.scores, self.config.temperature) >= self.config.source_confidence
+        logs["source_anchor.kept_source"] = float(sure.double().mean())
+        kept = torch.where(sure[:, None], source.scores.detach(), scores.to(source.scores.dtype))
+        return dataclasses.replace(answer, scores=kept, logs=logs)

@@ -42,6 +42,11 @@ def test_the_evidence_is_a_moving_average_from_zero():
     *[({"mix_agreement": band, "ensemble_weight": 0.5}, r"`mix_agreement` must be \[low, high\]")
       for band in ([0.9, 0.3], [0.3], [0.3, 0.5, 0.9], [-0.1, 0.5], [0.3, 1.5], ["a", 1.0], [True, 1.0])],
     ({"mix_agreement": 0.3, "ensemble_weight": 0.5}, "`mix_agreement` must be"),
+    ({"source_confidence_scope": "everywhere", "source_confidence": 0.7, "ensemble_weight": 0.5},
+     "`source_confidence_scope` must be one of"),
+    ({"source_confidence_scope": "all"}, "`source_confidence_scope` needs `source_confidence`"),
+    *[({"adapted_agreement": a}, "`adapted_agreement` must be") for a in (1.0, -0.1, 1.5, True)],
+    ({"adapted_agreement": "high"}, "`adapted_agreement` must be"),
 ])
 def test_bad_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -157,6 +162,49 @@ def test_the_mix_answers_only_batches_whose_agreement_is_in_the_band_by_hand(ban
     assert seen == {True, False} and (not sure_kept or kept == {True, False})  # both branches ran inside the band
 
 
+@pytest.mark.parametrize("limit", [0.5, 0.0])
+def test_a_batch_the_two_models_agree_on_is_answered_by_the_source_by_hand(limit):
+    """The adapted model answers (margin -0.99) only while a <= adapted_agreement; above it the source's scores. On
+    this stream a is 1 on the first batch and 0 after (lr 1e-2): limit 0.5 hands the first batch back, and limit 0
+    too (a = 0 is not above 0)."""
+    capped, gallery = _wrapper(source_anchor={"margin": -0.99, "adapted_agreement": limit})
+    plain, gallery_p = _wrapper()
+    seen = set()
+    for x in STREAM:
+        out, ref = capped.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
+        source = _source_scores(x)
+        a = top1_agreement(source, ref.scores)
+        assert out.logs["source_anchor.agreement"] == pytest.approx(a)
+        adapted = a <= limit
+        seen.add(adapted)
+        assert out.logs["source_anchor.adapted_answers"] == float(adapted)
+        assert torch.allclose(out.scores, ref.scores if adapted else source, atol=1e-6)
+        assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("scope", ["mix", "all"])
+def test_the_queries_the_source_is_sure_of_keep_its_scores_where_the_adapted_model_answers_with_scope_all(scope):
+    """margin -0.99: the adapted model answers every batch; with scope "all" the rows with p^S_i >= tau are s^S_i,
+    with "mix" (the default) the adapted answer is untouched."""
+    tau = float(top1_probability(_source_scores(STREAM[0]), 0.01).median())
+    kept, gallery = _wrapper(source_anchor={"margin": -0.99, "ensemble_weight": 0.3, "source_confidence": tau,
+                                            "source_confidence_scope": scope})
+    plain, gallery_p = _wrapper()
+    seen = set()
+    for x in STREAM[:3]:
+        out, ref = kept.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
+        source = _source_scores(x)
+        sure = top1_probability(source, 0.01) >= tau
+        seen |= set(sure.tolist())
+        assert out.logs["source_anchor.adapted_answers"] == 1.0
+        want = torch.where(sure[:, None], source, ref.scores) if scope == "all" else ref.scores
+        assert torch.allclose(out.scores, want, atol=1e-6)
+        assert ("source_anchor.kept_source" in out.logs) == (scope == "all")
+    assert seen == {True, False}
+    assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: keeping rows changes them
+
+
 def test_a_batch_answered_without_the_steps_is_not_judged():
     tta, gallery = _wrapper(source_anchor={}, shift_gate={"threshold": 1e9})
     tta.fit_shift_gate(image_batch(64, seed=3))  # the gate stays closed: the source answers, nothing adapts
@@ -193,7 +241,9 @@ def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_an
 
 @pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5},
                                     {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5]},
-                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5], "source_confidence": 0.5}])
+                                    {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5], "source_confidence": 0.5},
+                                    {"margin": -0.99, "ensemble_weight": 0.5, "source_confidence": 0.5,
+                                     "source_confidence_scope": "all", "adapted_agreement": 0.5}])
 def test_a_stream_with_source_anchored_answers_resumes_bit_exact(tmp_path, anchor):
     check_resume(lambda: _wrapper(source_anchor=anchor), STREAM, 2, tmp_path)
 

@@ -40,6 +40,7 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r8": (("r8-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r9": (("r9-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r10": (("r10-",), STREAMS, 0.5),
+               "default-study-r11": (("r11-",), STREAMS, 0.5),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE),
                # descriptive: default-study-r10's candidates on the diverse stream its registration named
@@ -54,6 +55,8 @@ DESCRIPTIVE_STUDIES = frozenset({"one-rule-text", "r10-diverse-check", "one-rule
 RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True},
                 "default-study-r9": {"stream_margin": 0.25, "columns": True},
                 "default-study-r10": {"stream_margin": 0.25, "columns": True},
+                # the safest within 97 % of the incumbent's share: the fewest answers lost to the source
+                "default-study-r11": {"stream_margin": 0.25, "columns": True, "fewest_lost": ("r11-incumbent/", 0.97)},
                 "r10-diverse-check": {"stream_margin": 0.25}}
 
 
@@ -101,6 +104,8 @@ class Summary:
     passes: float | None
     #: each corruption column's (mean difference, one-sided 95 % lower bound) against the source, keyed by its name
     columns: dict = field(default_factory=dict)
+    #: the answers the source has right and the candidate wrong, summed over its corruption columns and streams
+    lost: int = 0
 
     def not_below(self, stream: str, margin: float = MARGIN) -> bool:
         return self.streams[stream][1] > -margin
@@ -149,11 +154,12 @@ def summarise(rows: list[dict], direction: str) -> list[Summary]:
         corr = [c for c in cols if c[0] not in STREAMS]
         lost = sum(clean - hits(sources[c]).mean() for c in corr)
         won = sum(hits(cols[c]).mean() - hits(sources[c]).mean() for c in corr)
-        streams, columns = {}, {}
+        streams, columns, lost_answers = {}, {}, 0
         for c in cols:
             # the degenerate stream's hits are its clean part: the same items as the clean column's source row
             ref = sources.get(c) or sources[("clean", None)]
             diff = (hits(cols[c]) - hits(ref)).astype(np.float64)[None, :]
+            lost_answers += int((diff < 0).sum())
             ni = non_inferiority([diff], margin=MARGIN, samples=RESAMPLES, seed=RNG_SEED)
             if c[0] in STREAMS:
                 streams[c[0]] = (float(100 * diff.mean()), float(ni.lower))
@@ -162,17 +168,21 @@ def summarise(rows: list[dict], direction: str) -> list[Summary]:
         counted = [r["forward_per_query"] + r["backward_per_query"] for r in cols.values()
                    if r.get("forward_per_query") is not None and r.get("backward_per_query") is not None]
         passes = float(np.mean(counted)) if counted else None  # forward + backward passes per query, over its columns
-        out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes, columns))
+        out.append(Summary(label, float(won / lost) if lost > 0 else float("nan"), streams, passes, columns, lost_answers))
     return out
 
 
 def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean", "degenerate"),
-                   tie: float = TIE, stream_margin: float = MARGIN, columns: bool = False) -> tuple[Summary | None, list[str]]:
+                   tie: float = TIE, stream_margin: float = MARGIN, columns: bool = False,
+                   fewest_lost: tuple[str, float] | None = None) -> tuple[Summary | None, list[str]]:
     """The registered rule: eligible = every ``required`` stream *not below* (default-study: clean and degenerate;
     default-study-r4: and Noto; default-study-r8: with its bound above ``-stream_margin`` and, with ``columns``, every
     corruption column not below); the highest pooled share; ties (within ``tie`` share points, in %: 1.0 for
     default-study, 0.5 for -r4) to the safer (higher smallest bound over the required streams), then fewer passes,
-    then the first listed. ``(None, why)`` when none is eligible (the current default stays)."""
+    then the first listed. With ``fewest_lost`` ``(incumbent label prefix, f)`` (default-study-r11) an eligible
+    candidate must also keep at least ``f`` of the incumbent's share, and the fewest lost answers
+    (:attr:`Summary.lost`) wins; equal counts go to the higher share, then the safer, then fewer passes, then the first
+    listed. ``(None, why)`` when none is eligible (the current default stays)."""
     notes = []
     eligible = []
     for s in summaries:
@@ -186,6 +196,18 @@ def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean
                                                                   + worst) + ")")
         else:
             eligible.append(s)
+    if fewest_lost is not None:
+        prefix, fraction = fewest_lost
+        incumbent = [s for s in summaries if s.label.startswith(prefix)]
+        if len(incumbent) != 1:
+            raise ValueError(f"the rule needs one incumbent row ({prefix}...); found {len(incumbent)}.")
+        floor = fraction * incumbent[0].share
+        notes += [f"{s.label}: not eligible (share {100 * s.share:.1f} % < {100 * floor:.1f} %, {fraction:g} of the "
+                  "incumbent's)" for s in eligible if s.share < floor]
+        eligible = [s for s in eligible if s.share >= floor]
+        eligible.sort(key=lambda s: (s.lost, -s.share, -s.safety_over(required),
+                                     s.passes if s.passes is not None else float("inf")))
+        return (eligible[0] if eligible else None), notes
     if not eligible:
         return None, notes
     best = max(100 * s.share for s in eligible)
@@ -261,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summaries))
     chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie,
                                    **RULE_OPTIONS.get(args.study, {}))
+    if "fewest_lost" in RULE_OPTIONS.get(args.study, {}):
+        for s in summaries:
+            print(f"- {s.label}: {s.lost} answers lost to the source over its columns and streams")
     for n in notes:
         print("-", n)
     print("chosen default:", chosen.label if chosen else "none eligible (the current preset stays)")
@@ -278,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "default": chosen.label if chosen else None,
             "config": config_of(chosen.label, args.direction) if chosen else None,
             "share": chosen.share if chosen else None, **best, "previous_preset": args.previous_preset,
+            **({"lost": {s.label: s.lost for s in summaries}} if "fewest_lost" in RULE_OPTIONS.get(args.study, {}) else {}),
             "notes": notes,
         }
         path.parent.mkdir(parents=True, exist_ok=True)

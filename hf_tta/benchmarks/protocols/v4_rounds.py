@@ -1,4 +1,4 @@
-"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r10``) and the moonshot's
+"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r11``) and the moonshot's
 descriptive run: their selection runs and, from each round's committed choice, its report runs on its own new seeds
 (:mod:`.v4` lists and runs them)."""
 
@@ -229,12 +229,12 @@ def _anchor_report_runs(k: int, choice: dict, incumbent: list[str], headline_see
     return [r for r in runs if not r.name.startswith(f"rep-i2t/r{k}-headline-previous-")]
 
 
-def r9_anchor(weight: float, confidence: float | None, band: list[float] | None) -> list[str]:
+def r9_anchor(weight: float, confidence: float | None, band: list[float] | None, extra: dict | None = None) -> list[str]:
     """default-study-r9's anchor settings: the eighth round's, with ``mix_agreement`` (``None``: every held batch
-    mixed, the eighth round's choice)."""
+    mixed, the eighth round's choice); ``extra``: later rounds' fields (default-study-r11's)."""
     fields = {"margin": 0.01, "momentum": 0.8, "temperature": 0.01, "ensemble_weight": weight}
     fields.update({k: v for k, v in (("source_confidence", confidence), ("mix_agreement", band)) if v is not None})
-    return ["--source_anchor", json.dumps(fields)]
+    return ["--source_anchor", json.dumps({**fields, **(extra or {})})]
 
 
 #: default-study-r9's candidates: run name -> (ensemble_weight, source_confidence, mix_agreement); the incumbent (the
@@ -293,3 +293,31 @@ def tenth_round_report_runs(choice: dict) -> list[Run]:
     TCR at 3e-2 on seeds 23 and 24's headline; those and the incumbent (the ninth round's choice) on seeds 25 and 26's
     streams; the main job's run (main-job-r10)."""
     return _anchor_report_runs(10, choice, r9_anchor(0.5, None, [0.3, 0.9]), R10_HEADLINE_SEEDS, R10_STREAM_SEEDS)
+
+
+#: default-study-r11's candidates: run name -> (ensemble_weight, source_confidence, mix_agreement, the new fields); the
+#: incumbent (the tenth round's choice) first
+R11_CANDIDATES = {"r11-incumbent": (0.5, 0.7, [0.3, 0.9], None),
+                  "r11-aa0.9": (0.5, 0.7, [0.3, 0.9], {"adapted_agreement": 0.9}),
+                  "r11-all": (0.5, 0.7, [0.3, 0.9], {"source_confidence_scope": "all"}),
+                  "r11-aa0.9-all": (0.5, 0.7, [0.3, 0.9], {"source_confidence_scope": "all", "adapted_agreement": 0.9})}
+
+
+def eleventh_round_runs() -> list[Run]:
+    """``default-study-r11``: the tenth round's choice with the batches the adapted model answers alone handed back to
+    the source when the two models agree on more than 90 % of the top-1 items (``adapted_agreement``), the queries the
+    source is sure of keeping its scores there too (``source_confidence_scope="all"``), and both, on the tenth
+    round's selection split."""
+    return _anchor_candidate_runs("default-study-r11", R11_CANDIDATES, "1,2,3,5", switch=True)
+
+
+#: default-study-r11's report seeds: new ones (the tenth round's report rows were read before its registration)
+R11_HEADLINE_SEEDS, R11_STREAM_SEEDS = (27, 28), (29, 30)
+
+
+def eleventh_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r11``'s report runs, from its committed choice, when it is not the incumbent: the chosen row and
+    TCR at 3e-2 on seeds 27 and 28's headline; those and the incumbent (the tenth round's choice) on seeds 29 and 30's
+    streams; the main job's run (main-job-r11)."""
+    return _anchor_report_runs(11, choice, r9_anchor(*R11_CANDIDATES["r11-incumbent"]), R11_HEADLINE_SEEDS,
+                               R11_STREAM_SEEDS)
