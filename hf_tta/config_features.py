@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar, Mapping
 
+from .config_anchor import SourceAnchorConfig  # noqa: F401  (re-exported: a feature config like the others)
 from .configuration_utils import (
     ConfigMixin,
     check_choice,
@@ -28,7 +29,6 @@ from .configuration_utils import (
     check_positive,
     check_positive_int,
 )
-from .config_anchor import SourceAnchorConfig  # noqa: F401  (re-exported: a feature config like the others)
 
 TUNINGS = ("ln", "bias", "lora")  # hf_tta.tuning
 SCORING = ("after_update", "before_update")

@@ -264,6 +264,38 @@ def test_the_eighth_rounds_rule_needs_each_stream_above_a_quarter_point_and_ever
     assert v4_choice.choose_default(summaries, required, tie)[0].label == "r8-a/x"  # the seventh round's rule
 
 
+def test_the_eleventh_rounds_rule_takes_the_fewest_lost_answers_within_97_percent_of_the_incumbents_share():
+    """default-study-r11's registered rule by hand: the tenth round's eligibility, a share floor of 0.97 x the
+    incumbent's (0.50 -> 0.485), then the fewest lost answers; equal counts to the higher share."""
+    S = v4_choice.Summary
+    ok = {s: (0.0, 0.0) for s in v4_choice.STREAMS}
+    cols = {"blur 5": (10.0, 8.0)}
+    summaries = [S("r11-incumbent/x", 0.50, ok, 5.0, cols, 40), S("r11-a/x", 0.49, ok, 5.0, cols, 12),
+                 S("r11-b/x", 0.48, ok, 5.0, cols, 3), S("r11-c/x", 0.495, ok, 5.0, cols, 12),
+                 S("r11-d/x", 0.60, {**ok, "switch": (-0.1, -0.3)}, 5.0, cols, 0)]
+    prefix, required, tie = v4_choice.ROUND_RULES["default-study-r11"]
+    options = v4_choice.RULE_OPTIONS["default-study-r11"]
+    assert (prefix, required) == (("r11-",), v4_choice.ROUND_RULES["default-study-r10"][1])
+    assert options == {**v4_choice.RULE_OPTIONS["default-study-r10"], "fewest_lost": ("r11-incumbent/", 0.97)}
+    chosen, notes = v4_choice.choose_default(summaries, required, tie, **options)
+    assert chosen.label == "r11-c/x"  # b loses fewest but is under the floor; a and c tie on 12: the higher share
+    assert any(n.startswith("r11-b/x: not eligible (share 48.0 % < 48.5 %") for n in notes)
+    assert any(n.startswith("r11-d/x: not eligible (") and "switch bound -0.30" in n for n in notes)
+    assert v4_choice.choose_default(summaries[:1], required, tie, **options)[0].label == "r11-incumbent/x"
+    with pytest.raises(ValueError, match="needs one incumbent row"):
+        v4_choice.choose_default(summaries[1:], required, tie, **options)
+
+
+def test_a_selection_summary_counts_the_answers_lost_to_the_source():
+    # blur: the source (HALF) right on the first 200 items; the row wrong on the first 5 of them (5 lost) and right on
+    # 115 the source has wrong (gains do not count); clean: the first 20 lost; degenerate: none. 25 in all.
+    row = "0" * 5 + "1" * 305 + "0" * 80 + "1" * 10
+    harm = "0" * 20 + "1" * (N - 20)
+    rows = _rows({"s/tcr@1e-2": (row, harm, CLEAN)})
+    (s,) = v4_choice.summarise(rows, "i2t")
+    assert s.lost == 25
+
+
 def test_a_selection_summary_holds_each_corruption_columns_bound():
     rows = _rows({"s/tcr@1e-2": ("1" * 320 + "0" * 80, CLEAN, CLEAN)})
     (s,) = v4_choice.summarise(rows, "i2t")

@@ -239,6 +239,27 @@ def test_with_a_top_k_backend_the_source_alone_answers_while_the_anchor_holds_an
     assert caplog.text.count("cannot mix them: the source alone answers") == 1
 
 
+def test_with_a_top_k_backend_the_agreement_compares_items_and_the_sure_rows_stay_adapted_logged_once(caplog):
+    """The top-1 item's global index is each view's own candidates' best, so the agreement equals the dense gallery's;
+    the sure queries' rows cannot be swapped between candidate sets: the adapted answer stands, said once."""
+    from hf_tta.gallery import ChunkedGallery
+
+    anchor = {"margin": -0.99, "adapted_agreement": 0.5}
+    capped, gallery = _wrapper(source_anchor=anchor)
+    dense, gallery_d = _wrapper(source_anchor=anchor)
+    backend = ChunkedGallery(gallery.embeddings, "text", k=5)
+    for x in STREAM:
+        assert capped.adapt_step(x, backend).logs["source_anchor.agreement"] == dense.adapt_step(x, gallery_d).logs["source_anchor.agreement"]
+    sure = {"margin": -0.99, "ensemble_weight": 0.3, "source_confidence": 0.5, "source_confidence_scope": "all"}
+    kept, _ = _wrapper(source_anchor=sure)
+    alone, _ = _wrapper(source_anchor={"margin": -0.99})
+    with caplog.at_level("WARNING", logger="hf_tta.source_anchor"):
+        for x in STREAM[:3]:
+            got, want = kept.adapt_step(x, backend).topk, alone.adapt_step(x, backend).topk
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
+    assert caplog.text.count("source_confidence cannot keep the source's rows") == 1
+
+
 @pytest.mark.parametrize("anchor", [{"margin": 0.0}, {"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": 0.5},
                                     {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5]},
                                     {"margin": 0.99, "ensemble_weight": 0.5, "mix_agreement": [0.0, 0.5], "source_confidence": 0.5},
