@@ -348,3 +348,27 @@ def test_a_cached_image_stream_made_by_another_recipe_is_made_again_and_said(tmp
     before = task.stream_recipe(switch, 3)
     task.switch_every = 4
     assert task.stream_recipe(switch, 3) != before and '"every": 4' in task.stream_recipe(switch, 3)
+
+
+def test_a_cached_text_stream_records_its_recipe_and_one_of_another_recipe_is_made_again(tmp_path, caplog):
+    """The text stream cache (JSON) records the recipe as the image cache does: a switching stream cached with another
+    segment length is made again, with a warning, and rewritten; a bare list (written before recipes) is read."""
+    import json
+
+    from hf_tta.benchmarks.tasks import EmojiTask
+
+    switch = Condition("t2i", "switch")
+    first = EmojiTask(limit=12, cache_dir=tmp_path)
+    first.switch_every = 4
+    by_four = first.queries(switch, 3)[0]
+    path = first.cache_file(switch, 3)
+    assert json.loads(path.read_text(encoding="utf-8")) == {"recipe": first.stream_recipe(switch, 3), "queries": list(by_four)}
+    second = EmojiTask(limit=12, cache_dir=tmp_path)  # the default segment length: another recipe under the same name
+    fresh = EmojiTask(limit=12).queries(switch, 3)[0]
+    assert fresh != by_four
+    with caplog.at_level("WARNING", logger="hf_tta.benchmarks.tasks"):
+        assert second.queries(switch, 3)[0] == fresh
+    assert "was made by another recipe" in caplog.text
+    assert json.loads(path.read_text(encoding="utf-8"))["recipe"] == second.stream_recipe(switch, 3)
+    path.write_text(json.dumps(list(by_four)), encoding="utf-8")  # a legacy file: read as it is
+    assert EmojiTask(limit=12, cache_dir=tmp_path).queries(switch, 3)[0] == list(by_four)

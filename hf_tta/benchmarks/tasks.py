@@ -193,7 +193,8 @@ class EmojiTask(Task):
         return cond.key
 
     def stream_recipe(self, cond: Condition, seed: int) -> str:
-        """What an image stream is made of, as its cache file records it (safetensors metadata ``recipe``): its name,
+        """What a query stream is made of, as its cache file records it (an image stream's safetensors metadata
+        ``recipe``, a text stream's JSON field ``recipe``): its name,
         seed and, for the diverse stream, the ``(corruption, severity)`` pool it draws from, for the switching stream
         the shifts it cycles through and their segment length. A cached file whose recipe differs was made by other
         code or settings under this name, and is made again."""
@@ -219,9 +220,7 @@ class EmojiTask(Task):
                 raw = load_file(str(path))["images"]
                 relevant = [list(c) for c in self.bench.image_to_captions]
             else:
-                import json
-
-                raw = json.loads(path.read_text(encoding="utf-8"))
+                raw = self._text_file(path)[1]
                 relevant = [[i] for i in self.bench.caption_to_image]
             self._cache[key] = (raw, relevant)
             return raw, relevant
@@ -237,20 +236,30 @@ class EmojiTask(Task):
             else:
                 import json
 
-                text = json.dumps(list(raw), ensure_ascii=False)
+                text = json.dumps({"recipe": self.stream_recipe(cond, seed), "queries": list(raw)}, ensure_ascii=False)
                 write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
         self._cache[key] = (raw, relevant)
         return raw, relevant
 
+    @staticmethod
+    def _text_file(path: Path) -> tuple[str | None, list[str]]:
+        """A cached text stream's ``(recipe, queries)``: a JSON object, or a bare list written before recipes were
+        recorded (recipe ``None``)."""
+        import json
+
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return (data.get("recipe"), data["queries"]) if isinstance(data, dict) else (None, data)
+
     def _stale(self, path: Path, cond: Condition, seed: int) -> bool:
-        """Whether a cached image stream records another recipe than :meth:`stream_recipe` (logged; it is made again). A
+        """Whether a cached stream records another recipe than :meth:`stream_recipe` (logged; it is made again). A
         file without one (written before recipes were recorded) is read as it is."""
         if cond.direction != "i2t":
-            return False
-        from safetensors import safe_open
+            recorded = self._text_file(path)[0]
+        else:
+            from safetensors import safe_open
 
-        with safe_open(str(path), framework="np") as f:
-            recorded = (f.metadata() or {}).get("recipe")
+            with safe_open(str(path), framework="np") as f:
+                recorded = (f.metadata() or {}).get("recipe")
         wanted = self.stream_recipe(cond, seed)
         if recorded is None or recorded == wanted:
             return False

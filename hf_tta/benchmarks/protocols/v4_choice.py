@@ -197,13 +197,9 @@ def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean
         else:
             eligible.append(s)
     if fewest_lost is not None:
-        prefix, fraction = fewest_lost
-        incumbent = [s for s in summaries if s.label.startswith(prefix)]
-        if len(incumbent) != 1:
-            raise ValueError(f"the rule needs one incumbent row ({prefix}...); found {len(incumbent)}.")
-        floor = fraction * incumbent[0].share
-        notes += [f"{s.label}: not eligible (share {100 * s.share:.1f} % < {100 * floor:.1f} %, {fraction:g} of the "
-                  "incumbent's)" for s in eligible if s.share < floor]
+        floor = share_floor(summaries, fewest_lost)
+        notes += [f"{s.label}: not eligible (share {100 * s.share:.1f} % < {100 * floor:.1f} %, {fewest_lost[1]:g} of "
+                  "the incumbent's)" for s in eligible if s.share < floor]
         eligible = [s for s in eligible if s.share >= floor]
         eligible.sort(key=lambda s: (s.lost, -s.share, -s.safety_over(required),
                                      s.passes if s.passes is not None else float("inf")))
@@ -214,6 +210,16 @@ def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean
     tied = [s for s in eligible if 100 * s.share >= best - tie]
     tied.sort(key=lambda s: (-s.safety_over(required), s.passes if s.passes is not None else float("inf")))
     return tied[0], notes
+
+
+def share_floor(summaries: list[Summary], fewest_lost: tuple[str, float]) -> float:
+    """The least share an eligible candidate keeps under a ``fewest_lost`` rule ``(incumbent label prefix, f)``:
+    ``f`` times the incumbent's share (default-study-r11)."""
+    prefix, fraction = fewest_lost
+    incumbent = [s for s in summaries if s.label.startswith(prefix)]
+    if len(incumbent) != 1:
+        raise ValueError(f"the rule needs one incumbent row ({prefix}...); found {len(incumbent)}.")
+    return fraction * incumbent[0].share
 
 
 def choose_lr(summaries: list[Summary], objective: str) -> Summary:

@@ -33,6 +33,7 @@ import numpy as np
 from ..verdicts import compare, round_figure, seed_bound, shares
 from .v4_choice import (
     DESCRIPTIVE_STUDIES,
+    MARGIN,
     ROUND_RULES,
     RULE_OPTIONS,
     STREAMS,
@@ -41,47 +42,24 @@ from .v4_choice import (
     hits,
     in_study,
     load,
+    share_floor,
 )
 from .v4_choice import summarise as summarise_selection
+from .v4_names import (  # noqa: F401  (the tables' names, re-exported)
+    ANCHOR_RUNS,
+    CURRENT_DEFAULT,
+    IMAGE_ROW_NAMES,
+    ROUND7_DEFAULT,
+    ROUND8_DEFAULT,
+    ROUND9_DEFAULT,
+    row_name,
+)
 
 SOURCE = "source"
-#: How the tables name protocol v4's image rows: the row ``recommended`` of the committed image runs ran the default
-#: of the study's first three rounds (gated TCR, :data:`hf_tta.preset.GATED_TCR_IMAGE`; the runs record it in
-#: :data:`.v4.REGISTERED_IMAGE_PRESET`); the fourth round's choice (the default of rounds 4-5) and the sixth's ran under
-#: their own row names. The seventh to tenth rounds' choices run the sixth's row name with other run-level settings
-#: (the answer's mix): their runs are named in :data:`ANCHOR_RUNS`.
-IMAGE_ROW_NAMES = {"recommended": "tcr+gate+safe@3e-2 (default of rounds 1-3)",
-                   "rest+dn+safe@1e-3": "rest+dn+safe@1e-3 (default of rounds 4-5)",
-                   "tcr+gate+anchor+safe@3e-2": "tcr+gate+anchor+safe@3e-2 (default of round 6)"}
-#: The current image default, ``TTAConfig.recommended("image")`` (default-study-r10's choice), as the tables name it.
-CURRENT_DEFAULT = ("recommended: tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7, "
-                   "mix_agreement [0.3, 0.9]")
-#: The ninth, eighth and seventh rounds' choices (the defaults before the tenth round), as the tables name them.
-ROUND9_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, mix_agreement [0.3, 0.9] (default of round 9)"
-ROUND8_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confidence 0.7 (default of round 8)"
-ROUND7_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"
-#: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row ran a later round's
-#: anchor settings, and the name the tables give that row there.
-ANCHOR_RUNS = ((("r10-headline-chosen", "r10-streams-chosen", "main-r10-"), CURRENT_DEFAULT),
-               (("r9-headline-chosen", "r9-streams-chosen", "main-r9-", "r10-streams-previous"), ROUND9_DEFAULT),
-               (("r8-headline-chosen", "r8-streams-chosen", "main-r8-", "r9-streams-previous"), ROUND8_DEFAULT),
-               (("r7-headline-chosen", "r7-streams-chosen", "main-r7-", "r8-streams-previous"), ROUND7_DEFAULT))
-
-
-def row_name(r: dict) -> str:
-    """The name a report row goes by in the tables (see :data:`IMAGE_ROW_NAMES` and :data:`ANCHOR_RUNS`)."""
-    if r["direction"] != "i2t":
-        return r["objective"]
-    if r["objective"] == "tcr+gate+anchor+safe@3e-2":
-        run = r["run"].split("/", 1)[1]
-        for prefixes, name in ANCHOR_RUNS:
-            if run.startswith(prefixes):
-                return name
-    return IMAGE_ROW_NAMES.get(r["objective"], r["objective"])
-
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
          "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "r10check",
+         "r11", "r11headline", "r11streams",
          "onerule", "onerule10", "targets", "targets9", "targets8", "targets7", "targets6", "targets4", "headline", "streams", "main",
          "v3verdicts")
 
@@ -245,17 +223,24 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
     options = RULE_OPTIONS.get(study, {})
     sel = summarise_selection([r for r in rows if r["split"] == "selection" and in_study(study, r["run"])], direction)
     worst_col = options.get("columns", False)  # the round's rule reads every corruption column: its worst is shown
+    fewest = options.get("fewest_lost")  # the round's rule reads the answers lost and a share floor: shown
+    floor = share_floor([s for s in sel if not s.label.startswith("comparators/")], fewest) if fewest else None
     lines = ["| candidate (run/row) | share | " + " | ".join(f"{st} Δ [bound]" for st in required)
-             + (" | worst column: Δ [bound]" if worst_col else "") + " | passes per query | eligible |",
-             "|---|---:|" + "---:|" * len(required) + ("---|" if worst_col else "") + "---:|---|"]
+             + (" | worst column: Δ [bound]" if worst_col else "") + (" | answers lost" if fewest else "")
+             + " | passes per query | eligible |",
+             "|---|---:|" + "---:|" * len(required) + ("---|" if worst_col else "") + ("---:|" if fewest else "")
+             + "---:|---|"]
     for s in sorted(sel, key=lambda x: (x.label.startswith("comparators/"), -x.share)):
         cell = lambda d, b: f"{round_figure(d, sign=True)} [{round_figure(b, sign=True)}]"  # noqa: E731
         cells = [cell(*s.streams[st]) if st in s.streams else "–" for st in required]
         if worst_col:
             name, (d, b) = min(s.columns.items(), key=lambda kv: (kv[1][1], kv[0]))
             cells.append(f"{name}: {cell(d, b)}")
+        if fewest:
+            cells.append(str(s.lost))
         ok = "–" if s.label.startswith("comparators/") or any(st not in s.streams for st in required) else (
-            "yes" if s.eligible(required, **options) else "no")
+            "yes" if s.eligible(required, options.get("stream_margin", MARGIN), worst_col)
+            and (floor is None or s.share >= floor) else "no")
         lines.append(f"| {s.label} | {round_figure(s.share, percent=True)} | " + " | ".join(cells)
                      + f" | {round_figure(s.passes, digits=2)} | {ok} |")
     lines.append("")
@@ -418,7 +403,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"), "onerule": (selection, "one-rule-text"),
                "r10check": (selection, "r10-diverse-check"), "onerule10": (selection, "one-rule-text-r10"),
-               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9, 10) for kind, table, arg in
+               **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9, 10, 11) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
 
