@@ -282,6 +282,12 @@ def test_the_eleventh_rounds_rule_takes_the_fewest_lost_answers_within_97_percen
     assert any(n.startswith("r11-b/x: not eligible (share 48.0 % < 48.5 %") for n in notes)
     assert any(n.startswith("r11-d/x: not eligible (") and "switch bound -0.30" in n for n in notes)
     assert v4_choice.choose_default(summaries[:1], required, tie, **options)[0].label == "r11-incumbent/x"
+    # an exact tie (the same lost answers, share and bounds) goes to the first listed in the registration's order, the
+    # incumbent, whatever order the rows loaded in (folders sort r11-aa0.9 before r11-incumbent)
+    same = [S("r11-aa0.9/x", 0.50, ok, 5.0, cols, 40), S("r11-incumbent/x", 0.50, ok, 5.0, cols, 40)]
+    listed = v4_choice.in_listed_order(same, "i2t")
+    assert [s.label for s in listed] == ["r11-incumbent/x", "r11-aa0.9/x"]
+    assert v4_choice.choose_default(listed, required, tie, **options)[0].label == "r11-incumbent/x"
     with pytest.raises(ValueError, match="needs one incumbent row"):
         v4_choice.choose_default(summaries[1:], required, tie, **options)
 

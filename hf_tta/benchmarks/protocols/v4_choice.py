@@ -212,6 +212,17 @@ def choose_default(summaries: list[Summary], required: tuple[str, ...] = ("clean
     return tied[0], notes
 
 
+def in_listed_order(summaries: list[Summary], direction: str) -> list[Summary]:
+    """``summaries`` in the order their runs are registered (:func:`.v4.selection_runs`, each round's runs in its
+    registration's order, the incumbent first), which the rules' last tie-break reads ("then the first listed"); rows
+    of runs it does not list keep their order, after those it lists. (Rows load in folder order, which is not the
+    registration's: ``r11-aa0.9`` sorts before ``r11-incumbent``.)"""
+    from .v4 import selection_runs
+
+    order = {run.name: i for i, run in enumerate(selection_runs())}
+    return sorted(summaries, key=lambda s: order.get(f"sel-{direction}/{s.label.split('/', 1)[0]}", len(order)))
+
+
 def share_floor(summaries: list[Summary], fewest_lost: tuple[str, float]) -> float:
     """The least share an eligible candidate keeps under a ``fewest_lost`` rule ``(incumbent label prefix, f)``:
     ``f`` times the incumbent's share (default-study-r11)."""
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _, required, tie = ROUND_RULES[args.study]
     rows = [r for r in rows if in_study(args.study, r["run"])]
-    summaries = summarise(rows, args.direction)
+    summaries = in_listed_order(summarise(rows, args.direction), args.direction)
     print(table(summaries))
     chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie,
                                    **RULE_OPTIONS.get(args.study, {}))

@@ -40,6 +40,7 @@ from .v4_choice import (
     choose_default,
     choose_lr,
     hits,
+    in_listed_order,
     in_study,
     load,
     share_floor,
@@ -221,7 +222,8 @@ def selection(rows: list[dict], direction: str, study: str = "default-study") ->
     default-study's every round with the comparators, or default-study-r4's own runs with their Noto stream)."""
     _, required, tie = ROUND_RULES[study]
     options = RULE_OPTIONS.get(study, {})
-    sel = summarise_selection([r for r in rows if r["split"] == "selection" and in_study(study, r["run"])], direction)
+    sel = in_listed_order(summarise_selection([r for r in rows if r["split"] == "selection" and in_study(study, r["run"])],
+                                              direction), direction)
     worst_col = options.get("columns", False)  # the round's rule reads every corruption column: its worst is shown
     fewest = options.get("fewest_lost")  # the round's rule reads the answers lost and a share floor: shown
     floor = share_floor([s for s in sel if not s.label.startswith("comparators/")], fewest) if fewest else None
