@@ -67,6 +67,7 @@ from .v4_rounds import (
     R11_CANDIDATES,
     R11_HEADLINE_SEEDS,
     R11_STREAM_SEEDS,
+    R12_CANDIDATES,
     eighth_round_report_runs,
     eighth_round_runs,
     eleventh_round_report_runs,
@@ -88,6 +89,8 @@ from .v4_rounds import (
     sixth_round_runs,
     tenth_round_report_runs,
     tenth_round_runs,
+    twelfth_round_report_runs,
+    twelfth_round_runs,
 )
 
 #: the names of the registry, the runs' pieces and the later rounds, read here by the runs' users as before
@@ -101,7 +104,8 @@ __all__ = ["CHOICES", "REGISTRATIONS", "REPO", "check_chosen", "check_registered
            "R9_HEADLINE_SEEDS", "R9_STREAM_SEEDS", "ninth_round_report_runs", "ninth_round_runs", "r9_anchor",
            "R10_CANDIDATES", "R10_HEADLINE_SEEDS", "R10_STREAM_SEEDS", "tenth_round_report_runs", "tenth_round_runs",
            "r10_diverse_check_runs", "one_rule_r10_runs", "R11_CANDIDATES", "R11_HEADLINE_SEEDS", "R11_STREAM_SEEDS",
-           "eleventh_round_report_runs", "eleventh_round_runs"]
+           "eleventh_round_report_runs", "eleventh_round_runs", "R12_CANDIDATES", "twelfth_round_report_runs",
+           "twelfth_round_runs"]
 
 
 def default_study_runs() -> list[Run]:
@@ -195,11 +199,12 @@ def selection_runs() -> list[Run]:
     """Every registered selection run, all rounds."""
     return (default_study_runs() + second_round_runs() + third_round_runs() + fourth_round_runs() + fifth_round_runs()
             + sixth_round_runs() + seventh_round_runs() + eighth_round_runs() + ninth_round_runs() + tenth_round_runs()
-            + one_rule_runs() + r10_diverse_check_runs() + one_rule_r10_runs() + eleventh_round_runs())
+            + one_rule_runs() + r10_diverse_check_runs() + one_rule_r10_runs() + eleventh_round_runs()
+            + twelfth_round_runs())
 
 
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "main-job-r10", "main-job-r11",
+DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "main-job-r10", "main-job-r11", "main-job-r12",
                          "headline-paper-lr",
                          "headline-paper-lr-text", "one-rule-text", "r10-diverse-check", "one-rule-text-r10"})
 
@@ -242,12 +247,12 @@ def ceiling_all_runs() -> list[Run]:
 def all_runs() -> list[Run]:
     choice, r4, r6 = load_choice("default-study"), load_choice("default-study-r4"), load_choice("default-study-r6")
     r7, r8, r9 = load_choice("default-study-r7"), load_choice("default-study-r8"), load_choice("default-study-r9")
-    r10, r11 = load_choice("default-study-r10"), load_choice("default-study-r11")
+    r10, r11, r12 = load_choice("default-study-r10"), load_choice("default-study-r11"), load_choice("default-study-r12")
     return (selection_runs() + (report_runs(choice) if choice else []) + (fourth_round_report_runs(r4) if r4 else [])
             + (sixth_round_report_runs(r6) if r6 else []) + (seventh_round_report_runs(r7) if r7 else [])
             + (eighth_round_report_runs(r8) if r8 else []) + (ninth_round_report_runs(r9) if r9 else []) + paper_lr_runs()
             + ceiling_all_runs() + (tenth_round_report_runs(r10) if r10 else [])
-            + (eleventh_round_report_runs(r11) if r11 else []))
+            + (eleventh_round_report_runs(r11) if r11 else []) + (twelfth_round_report_runs(r12) if r12 else []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ ROUND_RULES = {"default-study": ((), ("clean", "degenerate"), TIE),
                "default-study-r9": (("r9-",), ("clean", "degenerate", "noto", "diverse"), 0.5),
                "default-study-r10": (("r10-",), STREAMS, 0.5),
                "default-study-r11": (("r11-",), STREAMS, 0.5),
+               "default-study-r12": (("r12-",), STREAMS, 0.5),
                # descriptive (issue 48's moonshot): its table, under the first rounds' text rule, changes no default
                "one-rule-text": (("one-rule",), ("clean", "degenerate"), TIE),
                # descriptive: default-study-r10's candidates on the diverse stream its registration named
@@ -57,6 +58,7 @@ RULE_OPTIONS = {"default-study-r8": {"stream_margin": 0.25, "columns": True},
                 "default-study-r10": {"stream_margin": 0.25, "columns": True},
                 # the safest within 97 % of the incumbent's share: the fewest answers lost to the source
                 "default-study-r11": {"stream_margin": 0.25, "columns": True, "fewest_lost": ("r11-incumbent/", 0.97)},
+                "default-study-r12": {"stream_margin": 0.25, "columns": True, "fewest_lost": ("r12-incumbent/", 0.97)},
                 "r10-diverse-check": {"stream_margin": 0.25}}
 
 

@@ -1,4 +1,4 @@
-"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r11``) and the moonshot's
+"""Protocol v4's later rounds of the default study (issue 48, ``default-study-r4`` to ``-r12``) and the moonshot's
 descriptive run: their selection runs and, from each round's committed choice, its report runs on its own new seeds
 (:mod:`.v4` lists and runs them)."""
 
@@ -320,4 +320,27 @@ def eleventh_round_report_runs(choice: dict) -> list[Run]:
     TCR at 3e-2 on seeds 27 and 28's headline; those and the incumbent (the tenth round's choice) on seeds 29 and 30's
     streams; the main job's run (main-job-r11)."""
     return _anchor_report_runs(11, choice, r9_anchor(*R11_CANDIDATES["r11-incumbent"]), R11_HEADLINE_SEEDS,
+                               R11_STREAM_SEEDS)
+
+
+#: default-study-r12's candidates: run name -> (ensemble_weight, source_confidence, mix_agreement, the new fields); the
+#: incumbent (the tenth round's choice, kept by the eleventh) first
+R12_CANDIDATES = {"r12-incumbent": R11_CANDIDATES["r11-incumbent"],
+                  "r12-a0.3-0.85": (0.5, 0.7, [0.3, 0.85], None),
+                  "r12-a0.3-0.8": (0.5, 0.7, [0.3, 0.8], None),
+                  "r12-aa0.8": (0.5, 0.7, [0.3, 0.9], {"adapted_agreement": 0.8})}
+
+
+def twelfth_round_runs() -> list[Run]:
+    """``default-study-r12``: the tenth round's choice with a lower top of the mix's agreement band (0.85, 0.8: a held
+    batch on which the two models share more of the top-1 items is answered by the source) or the batches the adapted
+    model answers alone handed back to the source above an agreement of 0.8, on the tenth round's selection split."""
+    return _anchor_candidate_runs("default-study-r12", R12_CANDIDATES, "1,2,3,5", switch=True)
+
+
+def twelfth_round_report_runs(choice: dict) -> list[Run]:
+    """``default-study-r12``'s report runs, from its committed choice, when it is not the incumbent: on the seeds the
+    eleventh round registered and never ran (its incumbent stayed): the chosen row and TCR at 3e-2 on seeds 27 and 28's
+    headline; those and the incumbent on seeds 29 and 30's streams; the main job's run (main-job-r12)."""
+    return _anchor_report_runs(12, choice, r9_anchor(*R12_CANDIDATES["r12-incumbent"]), R11_HEADLINE_SEEDS,
                                R11_STREAM_SEEDS)
