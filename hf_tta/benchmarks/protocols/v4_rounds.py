@@ -344,3 +344,19 @@ def twelfth_round_report_runs(choice: dict) -> list[Run]:
     headline; those and the incumbent on seeds 29 and 30's streams; the main job's run (main-job-r12)."""
     return _anchor_report_runs(12, choice, r9_anchor(*R12_CANDIDATES["r12-incumbent"]), R11_HEADLINE_SEEDS,
                                R11_STREAM_SEEDS)
+
+
+#: r10-headline-more's seeds: new ones (no row exists on them)
+R10_MORE_SEEDS = (31, 32, 33)
+
+
+def r10_headline_more_runs(choice: dict) -> list[Run]:
+    """``r10-headline-more`` (descriptive): the current default (default-study-r10's committed choice, unchanged) and TCR
+    at 3e-2 on three new seeds' 30-column headline, a folder each (each column pools 3,825 queries), so that the mild
+    columns' verdicts have the sample the tenth round's two seeds lacked."""
+    c = choice.get("i2t") if choice else None
+    if not c or not c.get("config"):
+        return []
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")}
+    return [Run(f"rep-i2t/r10more-headline-{k}-s{seed}", "r10-headline-more", (*split_arguments("report", "i2t", (seed,)), *a))
+            for seed in R10_MORE_SEEDS for k, a in members.items()]

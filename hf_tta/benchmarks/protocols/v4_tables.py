@@ -60,7 +60,7 @@ SOURCE = "source"
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
          "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "r10check",
-         "r11", "r11headline", "r11streams", "r12", "r12headline", "r12streams",
+         "r11", "r11headline", "r11streams", "r12", "r12headline", "r12streams", "r10more",
          "onerule", "onerule10", "targets", "targets9", "targets8", "targets7", "targets6", "targets4", "headline", "streams", "main",
          "v3verdicts")
 
@@ -405,6 +405,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"), "onerule": (selection, "one-rule-text"),
                "r10check": (selection, "r10-diverse-check"), "onerule10": (selection, "one-rule-text-r10"),
+               "r10more": (headline, "r10more-headline"),
                **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9, 10, 11, 12) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
