@@ -30,6 +30,9 @@ noise than gain: on a mild corruption the source is already right on ~97 % of th
 ``source_confidence_scope="all"`` the queries the source is sure of (:math:`p^S_i \\ge \\tau`) keep the source's
 scores there too, not only in the mix. With a top-k backend the agreement compares global item indices, and the
 sure queries' rows cannot be swapped (each model scores its own candidates): the adapted answer stands, logged once.
+Neither is in the default: on the selection split ``adapted_agreement`` 0.9 never acts and 0.8 gives back share
+without saving a right answer, and ``"all"`` keeps the source's confidently wrong answers on severe corruptions
+(default-study-r11 and -r12, the results card).
 The idea: an adaptation that helps makes the model surer of the gallery than the source is on the same queries
 (TCR on a blurred stream); one that only drifts does not (a style the source hardly knows, on which its
 pseudo-labels are mostly wrong), and then the source's answers are kept. It is a design of this library, not of a
