@@ -338,8 +338,9 @@ def targets(rows: list[dict], direction: str, part: str = "targets") -> str:
         sh = shares({c: _r1(row, keys, c) for c in cols}, {c: _r1(src, keys, c) for c in cols}, clean)
         if shown == name:
             base = sh.pooled
-        worst = compare(_diffs(row, src, [k for k in keys if k[0] == sh.worst]))
-        fine = sum(compare(_diffs(row, src, [k for k in keys if k[0] == c])).verdict == "not below" for c in cols)
+        verdicts = {c: compare(_diffs(row, src, [k for k in keys if k[0] == c])) for c in cols}  # each column once
+        worst = verdicts[sh.worst]
+        fine = sum(v.verdict == "not below" for v in verdicts.values())
         gshare, words = _grid_and_words(sby.get(shown, {}), ssrc)
         ratio = round_figure(base / sh.pooled, percent=True) if sh.pooled > 0 else "–"
         lines.append(f"| {shown} | {','.join(map(str, seeds))} | {round_figure(sh.pooled, percent=True)} | {ratio} | {gshare} | "
