@@ -121,7 +121,7 @@ def test_every_registered_run_is_on_its_split():
                  "default-study-r10": set(v4.R10_HEADLINE_SEEDS) | set(v4.R10_STREAM_SEEDS),
                  # rounds 11 and 12 share the seeds the eleventh registered and never ran (its incumbent stayed)
                  "default-study-r11": set(v4.R11_HEADLINE_SEEDS) | set(v4.R11_STREAM_SEEDS),
-                 "r10-headline-more": set(v4.R10_MORE_SEEDS)}
+                 "r10-headline-more": set(v4.R10_MORE_SEEDS), "r10-streams-more": set(v4.R10_MORE_STREAM_SEEDS)}
         fresh["default-study-r12"] = fresh["default-study-r11"]
         allowed = fresh.get(run.study, set(v4.STREAM_SEEDS)) if part == "report" else {0}
         assert seeds <= allowed and (part == "report" or seeds == {0})

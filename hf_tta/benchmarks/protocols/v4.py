@@ -64,6 +64,7 @@ from .v4_rounds import (
     R10_CANDIDATES,
     R10_HEADLINE_SEEDS,
     R10_MORE_SEEDS,
+    R10_MORE_STREAM_SEEDS,
     R10_STREAM_SEEDS,
     R11_CANDIDATES,
     R11_HEADLINE_SEEDS,
@@ -85,6 +86,7 @@ from .v4_rounds import (
     r9_anchor,
     r10_diverse_check_runs,
     r10_headline_more_runs,
+    r10_streams_more_runs,
     seventh_round_report_runs,
     seventh_round_runs,
     sixth_round_report_runs,
@@ -107,7 +109,8 @@ __all__ = ["CHOICES", "REGISTRATIONS", "REPO", "check_chosen", "check_registered
            "R10_CANDIDATES", "R10_HEADLINE_SEEDS", "R10_STREAM_SEEDS", "tenth_round_report_runs", "tenth_round_runs",
            "r10_diverse_check_runs", "one_rule_r10_runs", "R11_CANDIDATES", "R11_HEADLINE_SEEDS", "R11_STREAM_SEEDS",
            "eleventh_round_report_runs", "eleventh_round_runs", "R12_CANDIDATES", "twelfth_round_report_runs",
-           "twelfth_round_runs", "R10_MORE_SEEDS", "r10_headline_more_runs"]
+           "twelfth_round_runs", "R10_MORE_SEEDS", "r10_headline_more_runs",
+           "R10_MORE_STREAM_SEEDS", "r10_streams_more_runs"]
 
 
 def default_study_runs() -> list[Run]:
@@ -207,6 +210,7 @@ def selection_runs() -> list[Run]:
 
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
 DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "main-job-r10", "main-job-r11", "main-job-r12", "r10-headline-more",
+                         "r10-streams-more",
                          "headline-paper-lr",
                          "headline-paper-lr-text", "one-rule-text", "r10-diverse-check", "one-rule-text-r10"})
 
@@ -255,7 +259,7 @@ def all_runs() -> list[Run]:
             + (eighth_round_report_runs(r8) if r8 else []) + (ninth_round_report_runs(r9) if r9 else []) + paper_lr_runs()
             + ceiling_all_runs() + (tenth_round_report_runs(r10) if r10 else [])
             + (eleventh_round_report_runs(r11) if r11 else []) + (twelfth_round_report_runs(r12) if r12 else [])
-            + r10_headline_more_runs(r10))
+            + r10_headline_more_runs(r10) + r10_streams_more_runs(r10))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,8 @@ ROUND8_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.5, source_confide
 ROUND7_DEFAULT = "tcr+gate+anchor+safe@3e-2, ensemble_weight 0.3 (default of round 7)"
 #: The report runs (name prefixes, after ``rep-i2t/``) whose ``tcr+gate+anchor+safe@3e-2`` row ran a later round's
 #: anchor settings, and the name the tables give that row there.
-ANCHOR_RUNS = ((("r10-headline-chosen", "r10-streams-chosen", "main-r10-", "r10more-headline-chosen"), CURRENT_DEFAULT),
+ANCHOR_RUNS = ((("r10-headline-chosen", "r10-streams-chosen", "main-r10-", "r10more-headline-chosen",
+                 "r10more-streams-chosen"), CURRENT_DEFAULT),
                (("r9-headline-chosen", "r9-streams-chosen", "main-r9-", "r10-streams-previous"), ROUND9_DEFAULT),
                (("r8-headline-chosen", "r8-streams-chosen", "main-r8-", "r9-streams-previous"), ROUND8_DEFAULT),
                (("r7-headline-chosen", "r7-streams-chosen", "main-r7-", "r8-streams-previous"), ROUND7_DEFAULT))

@@ -346,8 +346,8 @@ def twelfth_round_report_runs(choice: dict) -> list[Run]:
                                R11_STREAM_SEEDS)
 
 
-#: r10-headline-more's seeds: new ones (no row exists on them)
-R10_MORE_SEEDS = (31, 32, 33)
+#: r10-headline-more's seeds, and r10-streams-more's: new ones (no row exists on them)
+R10_MORE_SEEDS, R10_MORE_STREAM_SEEDS = (31, 32, 33), (34, 35)
 
 
 def r10_headline_more_runs(choice: dict) -> list[Run]:
@@ -360,3 +360,16 @@ def r10_headline_more_runs(choice: dict) -> list[Run]:
     members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")}
     return [Run(f"rep-i2t/r10more-headline-{k}-s{seed}", "r10-headline-more", (*split_arguments("report", "i2t", (seed,)), *a))
             for seed in R10_MORE_SEEDS for k, a in members.items()]
+
+
+def r10_streams_more_runs(choice: dict) -> list[Run]:
+    """``r10-streams-more`` (descriptive): the current default (default-study-r10's committed choice, unchanged) and TCR
+    at 3e-2 on the default grid with the five streams of two new seeds, a folder each, as the tenth round's streams."""
+    c = choice.get("i2t") if choice else None
+    if not c or not c.get("config"):
+        return []
+    streams = ("clean", "noto", "diverse", "switch", "degenerate")
+    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")}
+    return [Run(f"rep-i2t/r10more-streams-{k}-s{seed}", "r10-streams-more",
+                (*split_arguments("report", "i2t", (seed,), streams=streams, default_grid=True), *a))
+            for seed in R10_MORE_STREAM_SEEDS for k, a in members.items()]

@@ -60,7 +60,7 @@ SOURCE = "source"
 
 PARTS = ("selection", "r4", "r4streams", "r5", "r6", "r6headline", "r6streams", "r7", "r7headline", "r7streams", "r8",
          "r8headline", "r8streams", "r9", "r9headline", "r9streams", "r10", "r10headline", "r10streams", "r10check",
-         "r11", "r11headline", "r11streams", "r12", "r12headline", "r12streams", "r10more",
+         "r11", "r11headline", "r11streams", "r12", "r12headline", "r12streams", "r10more", "r10morestreams",
          "onerule", "onerule10", "targets", "targets10more", "targets9", "targets8", "targets7", "targets6", "targets4", "headline", "streams", "main",
          "v3verdicts")
 
@@ -287,8 +287,8 @@ def main_table(rows: list[dict], direction: str = "i2t", seed: int = 3) -> str:
 #: comparators are read on the same seeds). ``targets``: the current defaults (image: default-study-r10's report on
 #: seeds 23 to 26); ``targets9`` to ``targets4``: the earlier rounds' defaults on their report seeds.
 TARGET_ROWS = {("targets", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2", ROUND9_DEFAULT), ("r10-headline",), ("r10-streams",)),
-               # the same default on r10-headline-more's three new headline seeds (its streams: the tenth round's)
-               ("targets10more", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2",), ("r10more-headline",), ("r10-streams",)),
+               # the same default on r10-headline-more's three new headline seeds and r10-streams-more's two stream seeds
+               ("targets10more", "i2t"): (CURRENT_DEFAULT, ("tcr@3e-2",), ("r10more-headline",), ("r10more-streams",)),
                ("targets9", "i2t"): (ROUND9_DEFAULT, ("tcr@3e-2", ROUND8_DEFAULT), ("r9-headline",), ("r9-streams",)),
                ("targets8", "i2t"): (ROUND8_DEFAULT, ("tcr@3e-2", ROUND7_DEFAULT), ("r8-headline",), ("r8-streams",)),
                ("targets7", "i2t"): (ROUND7_DEFAULT, ("tcr@3e-2", IMAGE_ROW_NAMES["tcr+gate+anchor+safe@3e-2"]),
@@ -408,7 +408,7 @@ def _source_key(src: dict, k: tuple) -> dict | None:
 ROUND_PARTS = {"r4": (selection, "default-study-r4"), "r4streams": (streams, "r4-streams"),
                "r5": (selection, "default-study-r5"), "onerule": (selection, "one-rule-text"),
                "r10check": (selection, "r10-diverse-check"), "onerule10": (selection, "one-rule-text-r10"),
-               "r10more": (headline, "r10more-headline"),
+               "r10more": (headline, "r10more-headline"), "r10morestreams": (streams, "r10more-streams"),
                **{f"r{k}{kind}": (table, arg) for k in (6, 7, 8, 9, 10, 11, 12) for kind, table, arg in
                   (("", selection, f"default-study-r{k}"), ("headline", headline, f"r{k}-headline"),
                    ("streams", streams, f"r{k}-streams"))}}
