@@ -87,8 +87,10 @@ def test_a_named_text_corruption_that_cannot_be_generated_here_runs_from_the_str
     from hf_tta.data.corruptions.text import TEXT_SEVERITIES
 
     task = EmojiTask(limit=16, seed=0, cache_dir=cache)
-    wanted = task.cache_file(Condition("t2i", "back_translation", max(TEXT_SEVERITIES["back_translation"])), 0)
-    wanted.write_bytes(task.cache_file(Condition("t2i", "char_swap", 7), 0).read_bytes())
+    cond = Condition("t2i", "back_translation", max(TEXT_SEVERITIES["back_translation"]))
+    # the stream another machine cached: its queries (char_swap's stand in for them) under its own recipe
+    queries = json.loads(task.cache_file(Condition("t2i", "char_swap", 7), 0).read_text())["queries"]
+    task.cache_file(cond, 0).write_text(json.dumps({"recipe": task.stream_recipe(cond, 0), "queries": queries}))
     assert cli.main(missing) == 0
     assert "their streams are read from --cache-dir" in capsys.readouterr().out
     rows = json.loads((tmp_path / "b" / "results.json").read_text())["rows"]
