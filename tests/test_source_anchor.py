@@ -105,24 +105,32 @@ def test_who_answers_follows_the_evidence_by_hand_and_adaptation_goes_on(margin,
     assert all(torch.equal(p, plain.params[n]) for n, p in anchored.params.items())
 
 
-def test_the_queries_the_source_is_sure_of_keep_its_scores_in_the_mix_by_hand():
-    """p^S_i >= tau: s^S_i; otherwise (1 - w) s^S_i + w s^A_i (the anchor holds at margin 0.99)."""
-    x = STREAM[0]
-    p = top1_probability(_source_scores(x), 0.01)
-    tau = float(p.median())  # half the batch on each side of the threshold
-    kept, gallery = _wrapper(source_anchor={"margin": 0.99, "ensemble_weight": 0.3, "source_confidence": tau})
+@pytest.mark.parametrize("margin, scope", [(0.99, "mix"), (-0.99, "mix"), (-0.99, "all")],
+                         ids=["held-mix", "adapted-mix", "adapted-all"])
+def test_the_queries_the_source_is_sure_of_keep_its_scores_by_hand(margin, scope):
+    """p^S_i >= tau: s^S_i; otherwise (1 - w) s^S_i + w s^A_i while the anchor holds (margin 0.99). Where the adapted
+    model answers (margin -0.99) its answer is untouched with scope "mix" (the default), and the sure rows are s^S_i
+    with scope "all"."""
+    tau = float(top1_probability(_source_scores(STREAM[0]), 0.01).median())  # half the batch on each side
+    kept, gallery = _wrapper(source_anchor={"margin": margin, "ensemble_weight": 0.3, "source_confidence": tau,
+                                            "source_confidence_scope": scope})
     plain, gallery_p = _wrapper()
-    seen = set()
+    held, seen = margin > 0, set()
     for x in STREAM[:3]:
         out, ref = kept.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
         source = _source_scores(x)
         sure = top1_probability(source, 0.01) >= tau
         seen |= set(sure.tolist())
-        want = torch.where(sure[:, None], source, 0.7 * source + 0.3 * ref.scores)
+        assert out.logs["source_anchor.adapted_answers"] == float(not held)
+        answer = 0.7 * source + 0.3 * ref.scores if held else ref.scores
+        want = torch.where(sure[:, None], source, answer) if held or scope == "all" else answer
         assert torch.allclose(out.scores, want, atol=1e-6)
-        assert out.logs["source_anchor.kept_source"] == pytest.approx(float(sure.double().mean()))
+        if held or scope == "all":
+            assert out.logs["source_anchor.kept_source"] == pytest.approx(float(sure.double().mean()))
+        else:
+            assert "source_anchor.kept_source" not in out.logs
     assert seen == {True, False}  # both branches ran
-    assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: the mix is not the source
+    assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: keeping rows changes them
 
 
 def test_the_top1_agreement_by_hand():
@@ -181,28 +189,6 @@ def test_a_batch_the_two_models_agree_on_is_answered_by_the_source_by_hand(limit
         assert torch.allclose(out.scores, ref.scores if adapted else source, atol=1e-6)
         assert out.num_updates == ref.num_updates  # the answer changes, not the adaptation
     assert seen == {True, False}
-
-
-@pytest.mark.parametrize("scope", ["mix", "all"])
-def test_the_queries_the_source_is_sure_of_keep_its_scores_where_the_adapted_model_answers_with_scope_all(scope):
-    """margin -0.99: the adapted model answers every batch; with scope "all" the rows with p^S_i >= tau are s^S_i,
-    with "mix" (the default) the adapted answer is untouched."""
-    tau = float(top1_probability(_source_scores(STREAM[0]), 0.01).median())
-    kept, gallery = _wrapper(source_anchor={"margin": -0.99, "ensemble_weight": 0.3, "source_confidence": tau,
-                                            "source_confidence_scope": scope})
-    plain, gallery_p = _wrapper()
-    seen = set()
-    for x in STREAM[:3]:
-        out, ref = kept.adapt_step(x, gallery), plain.adapt_step(x, gallery_p)
-        source = _source_scores(x)
-        sure = top1_probability(source, 0.01) >= tau
-        seen |= set(sure.tolist())
-        assert out.logs["source_anchor.adapted_answers"] == 1.0
-        want = torch.where(sure[:, None], source, ref.scores) if scope == "all" else ref.scores
-        assert torch.allclose(out.scores, want, atol=1e-6)
-        assert ("source_anchor.kept_source" in out.logs) == (scope == "all")
-    assert seen == {True, False}
-    assert not torch.allclose(ref.scores, source, atol=1e-4)  # the adapted model moved: keeping rows changes them
 
 
 def test_a_batch_answered_without_the_steps_is_not_judged():
