@@ -70,10 +70,13 @@ def top1_probability(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     return (scores.detach().double() / temperature).softmax(dim=-1).amax(dim=-1)
 
 
-def top1_agreement(first: torch.Tensor, second: torch.Tensor) -> float:
+def top1_agreement(first: torch.Tensor, second: torch.Tensor, first_ids: torch.Tensor | None = None,
+                   second_ids: torch.Tensor | None = None) -> float:
     """:math:`a = \\frac{1}{B}\\sum_i [\\arg\\max_j s^{S}_{ij} = \\arg\\max_j s^{A}_{ij}]`: the share of the batch's
-    queries whose top-1 item two ``(B, N)`` score matrices share."""
-    return float((first.argmax(dim=-1) == second.argmax(dim=-1)).double().mean())
+    queries whose top-1 item two ``(B, N)`` score matrices share; with a top-k backend's candidate ids, compared as
+    gallery items (:func:`hf_tta.window.top1`)."""
+    mine, theirs = top1(first.detach(), first_ids)[1], top1(second.detach(), second_ids)[1]
+    return float((mine == theirs.to(mine.device)).double().mean())
 
 
 def mean_top1_probability(scores: torch.Tensor, temperature: float) -> float:
@@ -116,8 +119,7 @@ class SourceAnchor(BatchPolicy):
         logs = {**answer.logs, "source_anchor.evidence": e}
         adapted = e > c.margin
         if adapted and c.adapted_agreement is not None:  # the models hardly differ: the change is noise, not a gain
-            a = float((top1(source.scores, source.candidate_ids)[1]
-                       == top1(answer.scores.detach(), answer.inputs.candidate_ids)[1].to(source.scores.device)).double().mean())
+            a = top1_agreement(source.scores, answer.scores, source.candidate_ids, answer.inputs.candidate_ids)
             logs["source_anchor.agreement"] = a
             adapted = a <= c.adapted_agreement
             if not adapted:

@@ -209,10 +209,8 @@ def selection_runs() -> list[Run]:
 
 
 #: registered runs that describe (what the main job prints) and that no choice reads: they need no choice of their own
-DESCRIPTIVE = frozenset({"main-job-r6", "main-job-r7", "main-job-r8", "main-job-r9", "main-job-r10", "main-job-r11", "main-job-r12", "r10-headline-more",
-                         "r10-streams-more",
-                         "headline-paper-lr",
-                         "headline-paper-lr-text", "one-rule-text", "r10-diverse-check", "one-rule-text-r10"})
+DESCRIPTIVE = frozenset({*(f"main-job-r{k}" for k in range(6, 13)), "headline-paper-lr", "headline-paper-lr-text",
+                         "one-rule-text", "r10-diverse-check", "one-rule-text-r10", "r10-headline-more", "r10-streams-more"})
 
 
 #: The image preset that the registered image runs' row ``recommended`` ran (default-study's choice, at the rows'

@@ -300,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in rows if in_study(args.study, r["run"])]
     summaries = in_listed_order(summarise(rows, args.direction), args.direction)
     print(table(summaries))
+    options = RULE_OPTIONS.get(args.study, {})
     chosen, notes = choose_default([s for s in summaries if not s.label.startswith("comparators/")], required, tie,
-                                   **RULE_OPTIONS.get(args.study, {}))
-    if "fewest_lost" in RULE_OPTIONS.get(args.study, {}):
+                                   **options)
+    if "fewest_lost" in options:
         for s in summaries:
             print(f"- {s.label}: {s.lost} answers lost to the source over its columns and streams")
     for n in notes:
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             "default": chosen.label if chosen else None,
             "config": config_of(chosen.label, args.direction) if chosen else None,
             "share": chosen.share if chosen else None, **best, "previous_preset": args.previous_preset,
-            **({"lost": {s.label: s.lost for s in summaries}} if "fewest_lost" in RULE_OPTIONS.get(args.study, {}) else {}),
+            **({"lost": {s.label: s.lost for s in summaries}} if "fewest_lost" in options else {}),
             "notes": notes,
         }
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -175,14 +175,23 @@ def _member_runs(tag: str, study: str, members: dict, headline_seeds, stream_see
     """A round's report runs, a folder per member (``rep-i2t/<tag>-headline-<member>-s<seed>`` on the 30-column
     headline, ``<tag>-streams-...`` on the default grid with the five streams) and the main job's run of the chosen
     member (``rep-i2t/<main_run>``: the report concepts, seed 3, the default grid and the clean stream)."""
-    streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    runs = [Run(f"rep-i2t/{tag}-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
-            for seed in headline_seeds for k, a in members.items()]
-    runs += [Run(f"rep-i2t/{tag}-streams-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,), streams=streams,
-                                                                               default_grid=True), *a))
-             for seed in stream_seeds for k, a in members.items()]
+    runs = _headline_runs(tag, study, members, headline_seeds) + _streams_runs(tag, study, members, stream_seeds)
     main = split_arguments("report", "i2t", (MAIN_JOB_SEED,), streams=("clean",), default_grid=True)
     return runs + [Run(f"rep-i2t/{main_run}", main_study, (*main, *members["chosen"]))]
+
+
+def _headline_runs(tag: str, study: str, members: dict, seeds) -> list[Run]:
+    """A folder per member and seed on the 30-column headline: ``rep-i2t/<tag>-headline-<member>-s<seed>``."""
+    return [Run(f"rep-i2t/{tag}-headline-{k}-s{seed}", study, (*split_arguments("report", "i2t", (seed,)), *a))
+            for seed in seeds for k, a in members.items()]
+
+
+def _streams_runs(tag: str, study: str, members: dict, seeds) -> list[Run]:
+    """A folder per member and seed on the default grid with the five streams: ``rep-i2t/<tag>-streams-<member>-s<seed>``."""
+    streams = ("clean", "noto", "diverse", "switch", "degenerate")
+    return [Run(f"rep-i2t/{tag}-streams-{k}-s{seed}", study,
+                (*split_arguments("report", "i2t", (seed,), streams=streams, default_grid=True), *a))
+            for seed in seeds for k, a in members.items()]
 
 
 #: default-study-r7's report seeds: new ones (the sixth round's report rows were read before its registration)
@@ -350,26 +359,20 @@ def twelfth_round_report_runs(choice: dict) -> list[Run]:
 R10_MORE_SEEDS, R10_MORE_STREAM_SEEDS = (31, 32, 33), (34, 35)
 
 
-def r10_headline_more_runs(choice: dict) -> list[Run]:
-    """``r10-headline-more`` (descriptive): the current default (default-study-r10's committed choice, unchanged) and TCR
-    at 3e-2 on three new seeds' 30-column headline, a folder each (each column pools 3,825 queries), so that the mild
-    columns' verdicts have the sample the tenth round's two seeds lacked."""
+def _current_and_tcr(choice: dict) -> dict:
+    """The current default (default-study-r10's committed choice, unchanged) and TCR at 3e-2, as report members."""
     c = choice.get("i2t") if choice else None
-    if not c or not c.get("config"):
-        return []
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")}
-    return [Run(f"rep-i2t/r10more-headline-{k}-s{seed}", "r10-headline-more", (*split_arguments("report", "i2t", (seed,)), *a))
-            for seed in R10_MORE_SEEDS for k, a in members.items()]
+    return {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")} if c and c.get("config") else {}
+
+
+def r10_headline_more_runs(choice: dict) -> list[Run]:
+    """``r10-headline-more`` (descriptive): the current default and TCR at 3e-2 on three new seeds' 30-column headline,
+    a folder each (each column pools 3,825 queries), so that the mild columns' verdicts have the sample the tenth
+    round's two seeds lacked."""
+    return _headline_runs("r10more", "r10-headline-more", _current_and_tcr(choice), R10_MORE_SEEDS)
 
 
 def r10_streams_more_runs(choice: dict) -> list[Run]:
-    """``r10-streams-more`` (descriptive): the current default (default-study-r10's committed choice, unchanged) and TCR
-    at 3e-2 on the default grid with the five streams of two new seeds, a folder each, as the tenth round's streams."""
-    c = choice.get("i2t") if choice else None
-    if not c or not c.get("config"):
-        return []
-    streams = ("clean", "noto", "diverse", "switch", "degenerate")
-    members = {"chosen": _chosen(c), "tcr": _objectives("tcr@3e-2")}
-    return [Run(f"rep-i2t/r10more-streams-{k}-s{seed}", "r10-streams-more",
-                (*split_arguments("report", "i2t", (seed,), streams=streams, default_grid=True), *a))
-            for seed in R10_MORE_STREAM_SEEDS for k, a in members.items()]
+    """``r10-streams-more`` (descriptive): the current default and TCR at 3e-2 on the default grid with the five streams
+    of two new seeds, a folder each, as the tenth round's streams."""
+    return _streams_runs("r10more", "r10-streams-more", _current_and_tcr(choice), R10_MORE_STREAM_SEEDS)
